@@ -1,0 +1,31 @@
+# `make demo` and `make test` set up .venv on a fresh machine; `make test-gpu` runs on a machine that
+# already has CUDA torch and triton (the device machine), using its python3 with the checkout on PYTHONPATH.
+PYTHON ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+# torch 2.13.0 first: where a local CPU wheel exists (CI) pip takes it instead of a multi-GB CUDA build.
+TORCH_PIN ?= torch==2.13.0
+TRITON_PIN ?= triton==3.6.0
+
+.PHONY: demo test test-gpu lint bench-decode bench-prefill
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q $(TORCH_PIN)
+	$(VPY) -m pip install -q $(TRITON_PIN) -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VPY) -m pagedmla.selfcheck
+	$(VENV)/bin/pagedmla generate --model tiny --prompt "1 2 3 4 5 6 7 8" --max-new-tokens 16
+
+test: $(STAMP)
+	$(VPY) -m ruff check pagedmla tests benchmarks
+	$(VPY) -m pytest -q -n 2 --durations=10
+
+test-gpu:
+	PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -q -m gpu -p no:cacheprovider tests
+
+lint: $(STAMP)
+	$(VPY) -m ruff check pagedmla tests benchmarks

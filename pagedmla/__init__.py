@@ -1,0 +1,28 @@
+"""pagedmla: paged latent KV cache, kernels and attention backend for Multi-head Latent Attention."""
+
+from pagedmla.cache import MLAKVCache, OutOfPagesError, PageAllocator, RequestTable
+from pagedmla.config import MLAConfig
+from pagedmla.ops import (
+    available_providers,
+    flash_attn_varlen_func,
+    flash_mla_varlen_with_kvcache,
+    flash_mla_with_kvcache,
+    get_mla_metadata,
+    merge_state,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MLAConfig",
+    "MLAKVCache",
+    "OutOfPagesError",
+    "PageAllocator",
+    "RequestTable",
+    "available_providers",
+    "flash_attn_varlen_func",
+    "flash_mla_varlen_with_kvcache",
+    "flash_mla_with_kvcache",
+    "get_mla_metadata",
+    "merge_state",
+]

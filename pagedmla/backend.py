@@ -1,0 +1,512 @@
+"""MLABackend: plans and runs MLA attention for every kind of batch an inference engine sends.
+
+Per step the engine calls ``init_forward_metadata(batch)`` once (host-side planning from values the
+engine already holds on the host, plus device tensors built without synchronisation), then the model
+calls ``forward(...)`` (or ``forward_decode`` / ``forward_extend``) once per layer. The backend owns
+``seq_lens`` and the block-table rows from planning on: kernels never take them from the model.
+
+Attention forms (``attention_form`` after planning):
+  "mha"      EXTEND without any cached prefix: ragged MHA over the new tokens (q/k 192, v 128).
+  "chunked"  EXTEND with a prefix, MHA form: causal over the new tokens, then each prefix chunk
+             (gathered latent rows decompressed by the model's ``kv_decompress``), merged by LSE.
+  "absorbed" everything else: DECODE, TARGET_VERIFY, DRAFT_EXTEND, MIXED, and EXTEND with a prefix
+             when the absorbed form is cheaper: q [T, H, 576] over the paged latent cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedmla.cache import MLAKVCache
+from pagedmla.config import MLAConfig
+from pagedmla.ops.providers import resolve
+from pagedmla.ops.schedule import get_mla_metadata, num_sm_parts_for
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"
+    DECODE = "decode"
+    MIXED = "mixed"
+    IDLE = "idle"
+    TARGET_VERIFY = "target_verify"
+    DRAFT_EXTEND = "draft_extend"
+
+    def is_decode_like(self) -> bool:
+        """Uniform q_len per request through the split-KV decode kernel."""
+        return self in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
+
+
+@dataclass
+class ForwardBatch:
+    """What the engine tells the backend about one step.
+
+    req_pool_indices: int [bs] rows of ``block_table`` (request slots) on the device;
+    seq_lens: int32 [bs] on the device, KV length of each request including this step's tokens;
+    seq_lens_cpu: the same on the host (required for EXTEND / MIXED / DRAFT_EXTEND planning);
+    extend_seq_lens_cpu / extend_prefix_lens_cpu: new and cached tokens of each extending request
+    (EXTEND: all bs; MIXED: the first ``num_extends``, the others decode one token each;
+    DRAFT_EXTEND: new tokens of each request);
+    block_table: int32 [max_requests, max_pages] (the engine's req_to_page).
+    """
+
+    forward_mode: ForwardMode
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens_cpu: Sequence[int] | None = None
+    extend_seq_lens_cpu: Sequence[int] | None = None
+    extend_prefix_lens_cpu: Sequence[int] | None = None
+    num_extends: int = 0
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.req_pool_indices.shape[0])
+
+
+@dataclass
+class PrefixChunk:
+    """One loop of chunked-prefix prefill: per request the prefix piece [start, start + len)."""
+
+    slots: torch.Tensor  # int64 [total] cache slots of the gathered rows, request-major
+    cu_seqlens: torch.Tensor  # int32 [num_extends + 1] over the gathered rows
+    max_len: int
+    lens_cpu: list[int]
+
+
+@dataclass
+class ForwardMetadata:
+    mode: ForwardMode
+    bs: int
+    form: str
+    seq_lens: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
+    q_len: int = 1
+    tile_scheduler_metadata: torch.Tensor | None = None
+    num_splits: torch.Tensor | None = None
+    qo_indptr: torch.Tensor | None = None
+    max_q_len: int = 0
+    num_tokens: int = 0
+    prefix_chunks: list[PrefixChunk] = field(default_factory=list)
+
+
+@dataclass
+class _GraphState:
+    max_bs: int
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    tile_scheduler_metadata: torch.Tensor
+    num_splits: torch.Tensor
+    captured: dict = field(default_factory=dict)
+
+
+def _layer_id(layer) -> int:
+    lid = layer if isinstance(layer, int) else getattr(layer, "layer_id", None)
+    if isinstance(lid, bool) or not isinstance(lid, int):
+        raise TypeError(f"layer: expected a layer index or an object with .layer_id, got {type(layer).__name__}")
+    return lid
+
+
+def _host_lens(values, name: str, count: int) -> list[int]:
+    if values is None:
+        raise ValueError(f"{name}: required on the host for this forward mode")
+    values = values.tolist() if isinstance(values, torch.Tensor) else [int(v) for v in values]
+    if len(values) != count:
+        raise ValueError(f"{name}: expected {count} entries, got {len(values)}")
+    if any(v < 0 for v in values):
+        raise ValueError(f"{name}: lengths must be >= 0, got {values}")
+    return values
+
+
+class MLABackend:
+    """Attention backend for MLA models over a paged latent cache (see the module docstring).
+
+    provider: "torch", "triton", ... or None for the best available on ``device``.
+    """
+
+    def __init__(self, config: MLAConfig, device: torch.device | str = "cpu", provider: str | None = None):
+        if not isinstance(config, MLAConfig):
+            raise TypeError(f"config: expected an MLAConfig, got {type(config).__name__}")
+        self.config = config
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.heads = config.num_local_heads
+        self.kv_dim = config.kv_dim
+        self.v_dim = config.kv_lora_rank
+        self.scale = float(config.softmax_scale)
+        self._decode_impl = resolve("paged_decode", self.device, provider)[1]
+        self._varlen_paged_impl = resolve("paged_varlen", self.device, provider)[1]
+        self._varlen_impl = resolve("varlen", self.device, provider)[1]
+        self._merge_impl = resolve("merge", self.device, provider)[1]
+        self.provider = resolve("paged_decode", self.device, provider)[0]
+        if self.provider != "torch" and config.kv_cache_dtype == torch.float32:
+            raise ValueError(f"kv_cache_dtype: the {self.provider!r} provider runs bfloat16/float16 caches; "
+                             "float32 caches need provider='torch'")
+        self.metadata: ForwardMetadata | None = None
+        self._graph: _GraphState | None = None
+        self._num_extends_override: int | None = None
+
+    # ------------------------------------------------------------------ planning
+    @property
+    def attention_form(self) -> str:
+        if self.metadata is None:
+            raise RuntimeError("attention_form: call init_forward_metadata(batch) first")
+        return self.metadata.form
+
+    @property
+    def prefix_chunks(self) -> list[PrefixChunk]:
+        return self.metadata.prefix_chunks if self.metadata is not None else []
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """Plan one step: block-table rows, split schedule, indptrs, prefix chunks."""
+        mode = batch.forward_mode
+        bs = batch.batch_size
+        if bs > self.config.max_batch_size:
+            raise ValueError(f"batch: {bs} requests exceed max_batch_size={self.config.max_batch_size}")
+        if mode == ForwardMode.IDLE or bs == 0:
+            self.metadata = ForwardMetadata(mode=mode, bs=0, form="absorbed")
+            return
+        self._check_batch_tensors(batch)
+        block_table = batch.block_table.index_select(0, batch.req_pool_indices.to(torch.int64))
+        seq_lens = batch.seq_lens
+        if mode.is_decode_like():
+            q_len = self._decode_q_len(mode)
+            if batch.seq_lens_cpu is not None:
+                self._check_capacity(_host_lens(batch.seq_lens_cpu, "seq_lens_cpu", bs), block_table.shape[1], q_len)
+            md, ns = get_mla_metadata(seq_lens, q_len * self.heads, 1)
+            self.metadata = ForwardMetadata(mode=mode, bs=bs, form="absorbed", seq_lens=seq_lens,
+                                            block_table=block_table, q_len=q_len, tile_scheduler_metadata=md,
+                                            num_splits=ns, num_tokens=bs * q_len, max_q_len=q_len)
+            return
+        seq_cpu = _host_lens(batch.seq_lens_cpu, "seq_lens_cpu", bs)
+        self._check_capacity(seq_cpu, block_table.shape[1], 1)
+        if mode == ForwardMode.EXTEND:
+            ext = _host_lens(batch.extend_seq_lens_cpu, "extend_seq_lens_cpu", bs)
+            pre = _host_lens(batch.extend_prefix_lens_cpu, "extend_prefix_lens_cpu", bs)
+            self._check_extend(seq_cpu, ext, pre)
+            form = self._extend_form(ext, pre)
+            meta = ForwardMetadata(mode=mode, bs=bs, form=form, seq_lens=seq_lens, block_table=block_table)
+            self._plan_varlen(meta, ext)
+            if form == "chunked":
+                meta.prefix_chunks = self._plan_prefix_chunks(block_table, pre)
+            self.metadata = meta
+            return
+        if mode == ForwardMode.MIXED:
+            n_ext = self._num_extends_override if self._num_extends_override is not None else batch.num_extends
+            if not 0 <= n_ext <= bs:
+                raise ValueError(f"num_extends: expected 0..{bs}, got {n_ext}")
+            ext = _host_lens(batch.extend_seq_lens_cpu, "extend_seq_lens_cpu", n_ext) + [1] * (bs - n_ext)
+            pre = _host_lens(batch.extend_prefix_lens_cpu, "extend_prefix_lens_cpu", n_ext) + \
+                [s - 1 for s in seq_cpu[n_ext:]]
+            self._check_extend(seq_cpu, ext, pre)
+        elif mode == ForwardMode.DRAFT_EXTEND:
+            if not self.config.is_draft:
+                raise ValueError("forward_mode: DRAFT_EXTEND needs a draft backend (MLAConfig.is_draft=True)")
+            ext = _host_lens(batch.extend_seq_lens_cpu, "extend_seq_lens_cpu", bs)
+            self._check_extend(seq_cpu, ext, [s - e for s, e in zip(seq_cpu, ext)])
+        else:
+            raise ValueError(f"forward_mode: unsupported mode {mode!r}")
+        meta = ForwardMetadata(mode=mode, bs=bs, form="absorbed", seq_lens=seq_lens, block_table=block_table)
+        self._plan_varlen(meta, ext)
+        self.metadata = meta
+
+    def _decode_q_len(self, mode: ForwardMode) -> int:
+        if mode == ForwardMode.TARGET_VERIFY:
+            if self.config.is_draft or self.config.num_draft_tokens < 2:
+                raise ValueError("forward_mode: TARGET_VERIFY needs a target backend with num_draft_tokens >= 2 "
+                                 f"(config has num_draft_tokens={self.config.num_draft_tokens}, "
+                                 f"is_draft={self.config.is_draft})")
+            return self.config.num_draft_tokens
+        return 1
+
+    def _check_batch_tensors(self, batch: ForwardBatch) -> None:
+        bs = batch.batch_size
+        for name, t, dtypes in (("req_pool_indices", batch.req_pool_indices, (torch.int32, torch.int64)),
+                                ("seq_lens", batch.seq_lens, (torch.int32,)),
+                                ("block_table", batch.block_table, (torch.int32,))):
+            if not isinstance(t, torch.Tensor) or t.dtype not in dtypes:
+                raise ValueError(f"batch.{name}: expected a tensor of dtype {dtypes}, got "
+                                 f"{getattr(t, 'dtype', type(t).__name__)}")
+            if t.device != self.device:
+                raise ValueError(f"batch.{name}: expected a tensor on {self.device}, got {t.device}")
+        if batch.seq_lens.shape != (bs,):
+            raise ValueError(f"batch.seq_lens: expected shape ({bs},), got {tuple(batch.seq_lens.shape)}")
+        if batch.block_table.dim() != 2:
+            raise ValueError("batch.block_table: expected 2-D [max_requests, max_pages], got "
+                             f"{tuple(batch.block_table.shape)}")
+
+    def _check_capacity(self, seq_cpu: list[int], max_pages: int, q_len: int) -> None:
+        capacity = max_pages * self.config.page_size
+        for i, s in enumerate(seq_cpu):
+            if s > capacity:
+                raise ValueError(f"seq_lens_cpu: request {i} has {s} tokens, more than the block table's "
+                                 f"{max_pages} pages x {self.config.page_size} = {capacity}")
+            if s > self.config.max_context_len:
+                raise ValueError(f"seq_lens_cpu: request {i} has {s} tokens > "
+                                 f"max_context_len={self.config.max_context_len}")
+
+    @staticmethod
+    def _check_extend(seq_cpu: list[int], ext: list[int], pre: list[int]) -> None:
+        for i, (s, e, p) in enumerate(zip(seq_cpu, ext, pre)):
+            if e + p != s:
+                raise ValueError(f"extend_seq_lens_cpu/extend_prefix_lens_cpu: request {i} has {p} cached + {e} new "
+                                 f"tokens but seq_lens_cpu says {s}")
+
+    def _extend_form(self, ext: list[int], pre: list[int]) -> str:
+        if not any(pre):
+            return "mha"
+        mode = self.config.extend_prefix_mode
+        if mode != "auto":
+            return mode
+        extending = [e for e in ext if e > 0] or [0]
+        return "chunked" if sum(extending) / len(extending) >= self.config.chunked_prefix_min_extend else "absorbed"
+
+    def _plan_varlen(self, meta: ForwardMetadata, ext: list[int]) -> None:
+        indptr = [0]
+        for e in ext:
+            indptr.append(indptr[-1] + e)
+        meta.qo_indptr = torch.tensor(indptr, dtype=torch.int32, device=self.device)
+        meta.max_q_len = max(ext) if ext else 0
+        meta.num_tokens = indptr[-1]
+
+    def _plan_prefix_chunks(self, block_table: torch.Tensor, pre: list[int]) -> list[PrefixChunk]:
+        """Chunk lists of the cached prefixes: ``capacity // num_extends`` tokens per request per loop."""
+        n = len(pre)
+        chunk_len = max(1, self.config.chunked_prefix_capacity // max(1, n))
+        loops = -(-max(pre) // chunk_len)
+        ps = self.config.page_size
+        rows = torch.arange(n, device=self.device)
+        chunks = []
+        for i in range(loops):
+            starts = [min(p, i * chunk_len) for p in pre]
+            lens = [min(p, (i + 1) * chunk_len) - s for p, s in zip(pre, starts)]
+            total = sum(lens)
+            cu = [0]
+            for length in lens:
+                cu.append(cu[-1] + length)
+            cu_dev = torch.tensor(cu, dtype=torch.int32, device=self.device)
+            lens_dev = torch.tensor(lens, dtype=torch.int64, device=self.device)
+            starts_dev = torch.tensor(starts, dtype=torch.int64, device=self.device)
+            req = torch.repeat_interleave(rows, lens_dev, output_size=total)
+            pos = torch.arange(total, device=self.device) - cu_dev[:-1].to(torch.int64)[req] + starts_dev[req]
+            pages = block_table[req, pos // ps].to(torch.int64)
+            chunks.append(PrefixChunk(slots=pages * ps + pos % ps, cu_seqlens=cu_dev, max_len=max(lens),
+                                      lens_cpu=lens))
+        return chunks
+
+    @contextlib.contextmanager
+    def override_num_extends(self, n: int) -> Iterator[None]:
+        """Within the block, MIXED planning treats the first ``n`` requests as extends (used by a drafter
+        that re-plans the same batch between its steps with a different split)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"n: expected an int >= 0, got {n!r}")
+        previous = self._num_extends_override
+        self._num_extends_override = n
+        try:
+            yield
+        finally:
+            self._num_extends_override = previous
+
+    # ------------------------------------------------------------------ running
+    def _meta(self) -> ForwardMetadata:
+        if self.metadata is None:
+            raise RuntimeError("call init_forward_metadata(batch) before forward")
+        return self.metadata
+
+    def _check_q(self, q: torch.Tensor, tokens: int, width: int, name: str = "q") -> None:
+        if not isinstance(q, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(q).__name__}")
+        expected = (tokens, self.heads, width)
+        if tuple(q.shape) != expected:
+            raise ValueError(f"{name}: expected shape {expected} (tokens, local heads, head dim), got {tuple(q.shape)}")
+        if q.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+            raise ValueError(f"{name}: expected a floating dtype, got {q.dtype}")
+
+    def save_kv(self, latent: torch.Tensor, layer, out_cache_loc: torch.Tensor, cache: MLAKVCache) -> None:
+        """Write this step's latent rows ([T, 576] or [T, 1, 576]) at ``out_cache_loc``."""
+        cache.write(_layer_id(layer), out_cache_loc, latent, validate=False)
+
+    def forward(self, q, k, v, layer, out_cache_loc, cache: MLAKVCache, save_kv_cache: bool = True, **kwargs):
+        """Route to forward_decode or forward_extend by the planned mode."""
+        meta = self._meta()
+        if meta.mode.is_decode_like():
+            return self.forward_decode(q, k, v, layer, out_cache_loc, cache, meta.bs, save_kv_cache)
+        return self.forward_extend(q, k, v, layer, out_cache_loc, cache, save_kv_cache, **kwargs)
+
+    def forward_decode(self, q, k, v, layer, out_cache_loc, cache: MLAKVCache, bs: int, save_kv_cache: bool = True):
+        """Absorbed attention, q_len tokens per request (1; the draft tokens when verifying).
+
+        q: [bs * q_len, H, 576]; k: the new latent rows [bs * q_len, 1, 576] (or [.., 576]); v: unused
+        (pass None: values are the latent rows' first 512 columns). Returns [bs * q_len, H * 512].
+        """
+        meta = self._meta()
+        if not meta.mode.is_decode_like():
+            raise RuntimeError(f"forward_decode: the planned step is {meta.mode.value}, not a decode step")
+        if bs != meta.bs:
+            raise ValueError(f"bs: the planned batch has {meta.bs} requests, got {bs}")
+        self._check_q(q, meta.num_tokens, self.kv_dim)
+        lid = _layer_id(layer)
+        if save_kv_cache:
+            self.save_kv(k, lid, out_cache_loc, cache)
+        out, _ = self._decode_impl(q.view(bs, meta.q_len, self.heads, self.kv_dim), cache.paged_view(lid),
+                                   meta.block_table, meta.seq_lens, self.v_dim, meta.tile_scheduler_metadata,
+                                   meta.num_splits, self.scale, True)
+        return out.reshape(meta.num_tokens, self.heads * self.v_dim)
+
+    def forward_extend(self, q, k, v, layer, out_cache_loc, cache: MLAKVCache, save_kv_cache: bool = True, *,
+                       latent: torch.Tensor | None = None,
+                       kv_decompress: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None):
+        """Prefill (and MIXED / DRAFT_EXTEND) attention in the planned form.
+
+        "absorbed": q [T, H, 576], k = new latent rows [T, 1, 576]; returns [T, H * 512].
+        "mha" / "chunked": q [T, H, 192], k [T, H, 192], v [T, H, 128] (MHA form of the new tokens),
+        ``latent`` [T, 576] the rows to store; "chunked" also needs ``kv_decompress(rows [n, 576]) ->
+        (k [n, H, 192], v [n, H, 128])`` for the prefix chunks. Returns [T, H * 128].
+        """
+        meta = self._meta()
+        if meta.mode.is_decode_like() or meta.mode == ForwardMode.IDLE:
+            if meta.mode == ForwardMode.IDLE:
+                return q.new_empty(0, self.heads * (self.v_dim if meta.form == "absorbed" else v.shape[-1]))
+            raise RuntimeError(f"forward_extend: the planned step is {meta.mode.value}, not an extend step")
+        lid = _layer_id(layer)
+        if meta.form == "absorbed":
+            self._check_q(q, meta.num_tokens, self.kv_dim)
+            if save_kv_cache:
+                self.save_kv(k, lid, out_cache_loc, cache)
+            out, _ = self._varlen_paged_impl(q, cache.paged_view(lid), meta.block_table, meta.seq_lens,
+                                             meta.qo_indptr, self.v_dim, self.scale, True, meta.max_q_len)
+            return out.reshape(meta.num_tokens, self.heads * self.v_dim)
+        self._check_q(q, meta.num_tokens, self.config.qk_head_dim)
+        self._check_q(k, meta.num_tokens, self.config.qk_head_dim, "k")
+        self._check_q(v, meta.num_tokens, self.config.v_head_dim, "v")
+        if save_kv_cache:
+            if latent is None:
+                raise ValueError("latent: the MHA forms need the latent rows to store")
+            self.save_kv(latent, lid, out_cache_loc, cache)
+        out, lse = self.forward_extend_chunked(q, k, v, self.scale, cum_seq_lens_q=meta.qo_indptr,
+                                               cum_seq_lens_kv=meta.qo_indptr, max_q_len=meta.max_q_len,
+                                               max_kv_len=meta.max_q_len, causal=True)
+        if meta.form == "chunked":
+            if kv_decompress is None:
+                raise ValueError("kv_decompress: the chunked-prefix form needs it to expand prefix rows")
+            for chunk in meta.prefix_chunks:
+                rows = cache.layer(lid).view(-1, self.kv_dim).index_select(0, chunk.slots)
+                kc, vc = kv_decompress(rows)
+                o2, l2 = self.forward_extend_chunked(q, kc, vc, self.scale, cum_seq_lens_q=meta.qo_indptr,
+                                                     cum_seq_lens_kv=chunk.cu_seqlens, max_q_len=meta.max_q_len,
+                                                     max_kv_len=chunk.max_len, causal=False)
+                out, lse = self._merge_impl(out, lse, o2, l2, out, lse)
+        return out.reshape(meta.num_tokens, -1)
+
+    def forward_extend_chunked(self, q, k, v, scaling: float, *, cum_seq_lens_q: torch.Tensor,
+                               cum_seq_lens_kv: torch.Tensor, max_q_len: int, max_kv_len: int, causal: bool,
+                               out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MHA piece of a long-prefix prefill: ragged attention of q over (k, v).
+
+        q [Tq, H, 192], k [Tk, H, 192], v [Tk, H, 128]; cum_seq_lens_q/kv int32 [n + 1]. Returns
+        (out [Tq, H, 128], lse [Tq, H] float32, natural log) for folding with merge_state.
+        """
+        return self._varlen_impl(q, k, v, cum_seq_lens_q, cum_seq_lens_kv, max_q_len, max_kv_len, scaling,
+                                 causal, out)
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """seq_len of padded rows in a captured batch (their block-table rows point at page 0)."""
+        return 1
+
+    def init_cuda_graph_state(self, max_bs: int, max_pages_per_request: int | None = None) -> None:
+        """Allocate, once, every buffer decode / verify graphs read; replays only copy into them."""
+        if isinstance(max_bs, bool) or not isinstance(max_bs, int) or not 0 < max_bs <= self.config.max_batch_size:
+            raise ValueError(f"max_bs: expected an int in 1..{self.config.max_batch_size}, got {max_bs!r}")
+        pages = max_pages_per_request or self.config.max_pages_per_request
+        parts = max(num_sm_parts_for(self.device, q * self.heads, 1) for q in {1, self.config.decode_q_len})
+        self._graph = _GraphState(
+            max_bs=max_bs,
+            seq_lens=torch.ones(max_bs, dtype=torch.int32, device=self.device),
+            block_table=torch.zeros(max_bs, pages, dtype=torch.int32, device=self.device),
+            tile_scheduler_metadata=torch.zeros(parts, 8, dtype=torch.int32, device=self.device),
+            num_splits=torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device),
+        )
+
+    def _graph_state(self) -> _GraphState:
+        if self._graph is None:
+            raise RuntimeError("call init_cuda_graph_state(max_bs) first")
+        return self._graph
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                 seq_lens: torch.Tensor, forward_mode: ForwardMode) -> None:
+        """Plan a decode / verify step of ``bs`` rows over the graph buffers (called before capture)."""
+        g = self._graph_state()
+        if not forward_mode.is_decode_like():
+            raise ValueError(f"forward_mode: CUDA graphs capture DECODE and TARGET_VERIFY steps, got {forward_mode}")
+        if not 0 < bs <= g.max_bs:
+            raise ValueError(f"bs: expected 1..{g.max_bs} (the graph state's max_bs), got {bs}")
+        q_len = self._decode_q_len(forward_mode)
+        g.seq_lens[:bs].copy_(seq_lens[:bs])
+        parts = num_sm_parts_for(self.device, q_len * self.heads, 1)
+        md = g.tile_scheduler_metadata[:parts]
+        self._schedule_into(bs, q_len, md, g)
+        g.captured[(bs, forward_mode)] = parts
+        self.metadata = ForwardMetadata(mode=forward_mode, bs=bs, form="absorbed", seq_lens=g.seq_lens[:bs],
+                                        block_table=g.block_table[:bs], q_len=q_len, tile_scheduler_metadata=md,
+                                        num_splits=g.num_splits[: bs + 1], num_tokens=bs * q_len, max_q_len=q_len)
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                seq_lens: torch.Tensor, forward_mode: ForwardMode,
+                                                block_table: torch.Tensor, raw_bs: int | None = None) -> None:
+        """Refill the graph buffers for a replay of the ``bs``-row graph: copies only, no allocation and no
+        host synchronisation. The first ``raw_bs`` rows are real (``seq_lens`` / ``req_pool_indices`` may
+        hold just those); the rest are padding (seq_len 1, block-table row of page 0)."""
+        g = self._graph_state()
+        key = (bs, forward_mode)
+        if key not in g.captured:
+            raise ValueError(f"bs/forward_mode: no graph was captured for {key}")
+        raw = bs if raw_bs is None else raw_bs
+        if not 0 <= raw <= bs:
+            raise ValueError(f"raw_bs: expected 0..{bs}, got {raw_bs}")
+        width = min(block_table.shape[1], g.block_table.shape[1])
+        rows = block_table.index_select(0, req_pool_indices[:raw].to(torch.int64))
+        g.block_table[:raw, :width].copy_(rows[:, :width])
+        g.block_table[:raw, width:].zero_()
+        g.block_table[raw:bs].zero_()
+        g.seq_lens[:raw].copy_(seq_lens[:raw])
+        g.seq_lens[raw:bs].fill_(self.get_cuda_graph_seq_len_fill_value())
+        q_len = self._decode_q_len(forward_mode)
+        self._schedule_into(bs, q_len, g.tile_scheduler_metadata[: g.captured[key]], g)
+        self.metadata = ForwardMetadata(mode=forward_mode, bs=bs, form="absorbed", seq_lens=g.seq_lens[:bs],
+                                        block_table=g.block_table[:bs], q_len=q_len,
+                                        tile_scheduler_metadata=g.tile_scheduler_metadata[: g.captured[key]],
+                                        num_splits=g.num_splits[: bs + 1], num_tokens=bs * q_len, max_q_len=q_len)
+
+    def _schedule_into(self, bs: int, q_len: int, md_buf: torch.Tensor, g: _GraphState) -> None:
+        md, ns = get_mla_metadata(g.seq_lens[:bs], q_len * self.heads, 1, num_sm_parts=md_buf.shape[0])
+        md_buf.copy_(md)
+        g.num_splits[: bs + 1].copy_(ns)
+
+
+_BACKENDS: dict[str, type[MLABackend]] = {"pagedmla": MLABackend}
+
+
+def register_backend(name: str, cls: type[MLABackend]) -> None:
+    """Make ``cls`` creatable by ``create_backend(name, ...)``."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name: expected a non-empty string, got {name!r}")
+    if not (isinstance(cls, type) and issubclass(cls, MLABackend)):
+        raise TypeError(f"cls: expected an MLABackend subclass, got {cls!r}")
+    _BACKENDS[name] = cls
+
+
+def create_backend(name: str, config: MLAConfig, **kwargs) -> MLABackend:
+    """Instantiate the backend registered as ``name`` (see ``available_backends()``)."""
+    if name not in _BACKENDS:
+        raise ValueError(f"name: unknown backend {name!r}; available: {available_backends()}")
+    return _BACKENDS[name](config, **kwargs)
+
+
+def available_backends() -> list[str]:
+    return sorted(_BACKENDS)

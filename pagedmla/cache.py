@@ -1,0 +1,237 @@
+"""Paged latent KV cache: page allocator, request block tables, per-layer latent buffers.
+
+Layout (DESIGN §2): each layer's buffer is ``[num_pages * page_size, 1, kv_dim]``; token slot
+``page_id * page_size + offset``. Page 0 is reserved: it is never handed out, and padded tokens (CUDA
+graph padding, idle rows) write there, so it may hold garbage but never a live request's data.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedmla.ops import checks
+
+
+class OutOfPagesError(RuntimeError):
+    """The allocator cannot satisfy a request; nothing was allocated."""
+
+
+class PageAllocator:
+    """Hands out page ids 1..num_pages-1 with reference counts (shared prefix pages have count > 1).
+
+    Freed pages are reused most-recently-freed first, so a finishing request's pages go to the next.
+    """
+
+    def __init__(self, num_pages: int):
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 2:
+            raise ValueError(f"num_pages: expected an int >= 2 (page 0 is reserved), got {num_pages!r}")
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, 0, -1))
+        self._refs = [0] * num_pages
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - 1 - len(self._free)
+
+    def refcount(self, page: int) -> int:
+        return self._refs[page]
+
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` free pages (reference count 1 each), or raise OutOfPagesError taking none."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"n: expected an int >= 0, got {n!r}")
+        if n > len(self._free):
+            raise OutOfPagesError(f"need {n} pages, only {len(self._free)} of {self.num_pages - 1} are free")
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self._refs[p] = 1
+        return pages
+
+    def share(self, pages: list[int]) -> None:
+        """Add a reference to pages already in use (a second request reusing a cached prefix)."""
+        for p in pages:
+            self._check_live(p, "share")
+        for p in pages:
+            self._refs[p] += 1
+
+    def free(self, pages: list[int]) -> list[int]:
+        """Drop one reference from each page; returns the pages that became free."""
+        if len(set(pages)) != len(pages):
+            raise ValueError(f"pages: the same page appears twice in {pages}")
+        for p in pages:
+            self._check_live(p, "free")
+        released = []
+        for p in pages:
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                self._free.append(p)
+                released.append(p)
+        return released
+
+    def _check_live(self, p: int, what: str) -> None:
+        if not isinstance(p, int) or not 0 < p < self.num_pages:
+            raise ValueError(f"pages: cannot {what} page {p!r}: valid ids are 1..{self.num_pages - 1}")
+        if self._refs[p] == 0:
+            raise ValueError(f"pages: cannot {what} page {p}: it is not allocated (double free?)")
+
+
+class RequestTable:
+    """Request slots and their pages: the host lists and the int32 ``block_table`` the kernels read.
+
+    Row r of ``block_table`` lists request slot r's pages in order; unused entries hold 0 (the reserved
+    page), so a stray read of them touches no live data.
+    """
+
+    def __init__(self, allocator: PageAllocator, page_size: int, max_requests: int, max_pages_per_request: int,
+                 device: torch.device | str = "cpu"):
+        for name, value in (("page_size", page_size), ("max_requests", max_requests),
+                            ("max_pages_per_request", max_pages_per_request)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        self.allocator = allocator
+        self.page_size = page_size
+        self.max_pages_per_request = max_pages_per_request
+        self.block_table = torch.zeros(max_requests, max_pages_per_request, dtype=torch.int32, device=device)
+        self.pages: dict[int, list[int]] = {}
+        self._free_slots = list(range(max_requests - 1, -1, -1))
+
+    def add_request(self, shared_pages: list[int] | None = None) -> int:
+        """Open a request slot, optionally starting from shared prefix pages (referenced, not copied)."""
+        if not self._free_slots:
+            raise OutOfPagesError(f"all {self.block_table.shape[0]} request slots are in use")
+        shared = list(shared_pages or [])
+        if len(shared) > self.max_pages_per_request:
+            raise ValueError(f"shared_pages: {len(shared)} pages exceed "
+                             f"max_pages_per_request={self.max_pages_per_request}")
+        self.allocator.share(shared)
+        slot = self._free_slots.pop()
+        self.pages[slot] = shared
+        self._sync_row(slot)
+        return slot
+
+    def ensure_capacity(self, slot: int, num_tokens: int) -> list[int]:
+        """Grow request ``slot`` to hold ``num_tokens`` tokens; returns the newly allocated pages."""
+        pages = self._pages(slot)
+        need = -(-num_tokens // self.page_size)
+        if need > self.max_pages_per_request:
+            raise ValueError(f"num_tokens: {num_tokens} tokens need {need} pages, more than "
+                             f"max_pages_per_request={self.max_pages_per_request}")
+        new = self.allocator.allocate(max(0, need - len(pages)))
+        if new:
+            pages.extend(new)
+            self._sync_row(slot)
+        return new
+
+    def free_request(self, slot: int) -> list[int]:
+        """Close request ``slot``, dropping its page references; returns the pages that became free."""
+        pages = self._pages(slot)
+        released = self.allocator.free(pages)
+        del self.pages[slot]
+        self.block_table[slot].zero_()
+        self._free_slots.append(slot)
+        return released
+
+    def token_slots(self, slot: int, start: int, end: int) -> torch.Tensor:
+        """Cache slots (int64) of token positions start..end-1 of request ``slot``: the out_cache_loc."""
+        pages = self._pages(slot)
+        if not 0 <= start <= end <= len(pages) * self.page_size:
+            raise ValueError(f"start/end: positions {start}..{end} are outside request {slot}'s "
+                             f"{len(pages) * self.page_size} allocated token slots")
+        pos = torch.arange(start, end, dtype=torch.int64)
+        page_ids = torch.tensor(pages, dtype=torch.int64)[pos // self.page_size] if end > start else pos
+        return (page_ids * self.page_size + pos % self.page_size).to(self.block_table.device)
+
+    def _pages(self, slot: int) -> list[int]:
+        if slot not in self.pages:
+            raise ValueError(f"slot: request slot {slot!r} is not open")
+        return self.pages[slot]
+
+    def _sync_row(self, slot: int) -> None:
+        row = torch.zeros(self.max_pages_per_request, dtype=torch.int32)
+        pages = self.pages[slot]
+        row[: len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        self.block_table[slot].copy_(row)
+
+
+class MLAKVCache:
+    """Per-layer latent buffers ``[num_pages * page_size, 1, kv_dim]`` plus writes and gathers by slot."""
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_dim: int = 576,
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"):
+        for name, value in (("num_layers", num_layers), ("num_pages", num_pages), ("kv_dim", kv_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or not 1 <= page_size <= 256 \
+                or page_size & (page_size - 1):
+            raise ValueError(f"page_size: expected a power of two between 1 and 256, got {page_size!r}")
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+            raise ValueError(f"dtype: expected bfloat16, float16 or float32, got {dtype}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.kv_dim = kv_dim
+        self.dtype = dtype
+        self.num_slots = num_pages * page_size
+        self.buffers = [torch.empty(self.num_slots, 1, kv_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def device(self) -> torch.device:
+        return self.buffers[0].device
+
+    def layer(self, layer_id: int) -> torch.Tensor:
+        if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not 0 <= layer_id < len(self.buffers):
+            raise ValueError(f"layer_id: expected an int in 0..{len(self.buffers) - 1}, got {layer_id!r}")
+        return self.buffers[layer_id]
+
+    def paged_view(self, layer_id: int) -> torch.Tensor:
+        """The layer's buffer as the kernels see it: [num_pages, page_size, 1, kv_dim]."""
+        return self.layer(layer_id).view(self.num_pages, self.page_size, 1, self.kv_dim)
+
+    def write(self, layer_id: int, out_cache_loc: torch.Tensor, latent: torch.Tensor, validate: bool = True) -> None:
+        """Store full latent rows: latent [T, kv_dim] or [T, 1, kv_dim] at slots out_cache_loc int64 [T].
+
+        ``validate=False`` skips the slot-range check (one host synchronisation) for callers that
+        built the slots themselves, such as the backend inside a step."""
+        buf = self.layer(layer_id)
+        checks.tensor(latent, "latent", dtypes=checks.FLOAT_DTYPES)
+        rows = latent.reshape(latent.shape[0], -1) if latent.dim() == 3 else latent
+        if rows.dim() != 2 or rows.shape[1] != self.kv_dim or (latent.dim() == 3 and latent.shape[1] != 1):
+            raise ValueError(f"latent: expected shape [T, {self.kv_dim}] or [T, 1, {self.kv_dim}], "
+                             f"got {tuple(latent.shape)}")
+        self._check_slots(out_cache_loc, rows.shape[0], check_values=validate)
+        buf.view(self.num_slots, self.kv_dim).index_copy_(0, out_cache_loc, rows.to(self.dtype))
+
+    def write_split(self, layer_id: int, out_cache_loc: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """Store rows given as their two parts: c_kv [T, kv_lora_rank] and k_pe [T, rope_dim] (or [T, 1, *])."""
+        buf = self.layer(layer_id)
+        c = checks.tensor(c_kv, "c_kv", dtypes=checks.FLOAT_DTYPES)
+        r = checks.tensor(k_pe, "k_pe", dtypes=checks.FLOAT_DTYPES)
+        c = c.reshape(c.shape[0], -1) if c.dim() == 3 else c
+        r = r.reshape(r.shape[0], -1) if r.dim() == 3 else r
+        if c.dim() != 2 or r.dim() != 2 or c.shape[0] != r.shape[0] or c.shape[1] + r.shape[1] != self.kv_dim:
+            raise ValueError(f"c_kv/k_pe: widths must add up to {self.kv_dim} over the same T rows, got "
+                             f"{tuple(c_kv.shape)} and {tuple(k_pe.shape)}")
+        self._check_slots(out_cache_loc, c.shape[0])
+        flat = buf.view(self.num_slots, self.kv_dim)
+        flat[:, : c.shape[1]].index_copy_(0, out_cache_loc, c.to(self.dtype))
+        flat[:, c.shape[1]:].index_copy_(0, out_cache_loc, r.to(self.dtype))
+
+    def gather(self, layer_id: int, slots: torch.Tensor) -> torch.Tensor:
+        """Rows at ``slots`` (int64 [n]) as [n, kv_dim]."""
+        buf = self.layer(layer_id)
+        self._check_slots(slots, None, name="slots")
+        return buf.view(self.num_slots, self.kv_dim).index_select(0, slots)
+
+    def _check_slots(self, slots: torch.Tensor, count: int | None, name: str = "out_cache_loc",
+                     check_values: bool = True) -> None:
+        checks.tensor(slots, name, ndim=1, dtypes=(torch.int64,))
+        if count is not None and slots.shape[0] != count:
+            raise ValueError(f"{name}: expected {count} slots (one per row), got {slots.shape[0]}")
+        checks.same_device(self.buffers[0], **{name: slots})
+        if check_values and slots.numel() and checks.value_checks_enabled(slots.device):
+            lo, hi = torch.stack([slots.min(), slots.max()]).tolist()
+            if lo < 0 or hi >= self.num_slots:
+                raise ValueError(f"{name}: slots must lie in 0..{self.num_slots - 1}, got range {lo}..{hi}")

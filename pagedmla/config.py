@@ -1,0 +1,168 @@
+"""MLAConfig: everything the backend needs to know about one model's attention, checked once."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+}
+_FP8_NAMES = ("fp8", "fp8_e4m3", "float8_e4m3fn", "fp8_e5m2", "float8_e5m2")
+# float32 caches exist for the reference path and CPU tests; kernels take bf16/fp16.
+_CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+EXTEND_PREFIX_MODES = ("auto", "absorbed", "chunked")
+
+
+def resolve_dtype(value: Any, name: str) -> torch.dtype:
+    """Map a dtype or its usual spelling to a torch dtype; ValueError naming `name` otherwise."""
+    if isinstance(value, torch.dtype):
+        if value in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)):
+            raise ValueError(f"{name}: fp8 is not supported yet (got {value}); use bfloat16 or float16")
+        return value
+    if isinstance(value, str):
+        key = value.lower().replace("torch.", "")
+        if key in _FP8_NAMES:
+            raise ValueError(f"{name}: fp8 is not supported yet (got {value!r}); use bfloat16 or float16")
+        if key in _DTYPES:
+            return _DTYPES[key]
+    raise ValueError(f"{name}: unknown dtype {value!r}; expected one of bfloat16, float16, float32")
+
+
+def yarn_mscale(factor: float, mscale_all_dim: float) -> float:
+    """DeepSeek YaRN attention scale: 0.1 * mscale_all_dim * ln(factor) + 1 for factor > 1."""
+    if factor <= 1.0:
+        return 1.0
+    return 0.1 * mscale_all_dim * math.log(factor) + 1.0
+
+
+@dataclass
+class MLAConfig:
+    """Attention geometry and serving limits of one MLA model on one tensor-parallel rank.
+
+    ``num_heads`` is the global query-head count; ``num_local_heads`` (derived) is what one rank of
+    ``attn_tp_size`` holds and what every tensor the backend sees uses. ``softmax_scale`` defaults to
+    ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5 * mscale**2``, where ``mscale`` comes from the
+    DeepSeek YaRN rope scaling when ``rope_scaling`` asks for it.
+    """
+
+    num_heads: int = 16
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+    qk_nope_head_dim: int = 128
+    v_head_dim: int = 128
+    num_layers: int = 1
+    attn_tp_size: int = 1
+    rope_scaling: Mapping[str, Any] | None = None
+    softmax_scale: float | None = None
+    dtype: Any = torch.bfloat16
+    kv_cache_dtype: Any = None
+    page_size: int = 64
+    max_context_len: int = 4096
+    max_batch_size: int = 256
+    num_draft_tokens: int = 0
+    is_draft: bool = False
+    chunked_prefix_capacity: int = 32768
+    extend_prefix_mode: str = "auto"
+    # Average new tokens per extending request at which the chunked MHA prefix path beats the
+    # absorbed one: absorbed costs 1088 MACs per (query, key, head), MHA 320 plus a one-off 512x256
+    # decompression per (key, head), so they cross near 131072 / 768 = 170 queries per request.
+    chunked_prefix_min_extend: int = 170
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                     "num_layers", "attn_tp_size", "page_size", "max_context_len", "max_batch_size",
+                     "chunked_prefix_capacity", "chunked_prefix_min_extend"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if self.num_heads % self.attn_tp_size:
+            raise ValueError(f"num_heads: {self.num_heads} heads are not divisible by attn_tp_size={self.attn_tp_size}")
+        if self.page_size > 256 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size: expected a power of two between 1 and 256, got {self.page_size}")
+        draft = self.num_draft_tokens
+        if isinstance(draft, bool) or not isinstance(draft, int) or draft < 0:
+            raise ValueError(f"num_draft_tokens: expected an int >= 0, got {self.num_draft_tokens!r}")
+        if self.is_draft and self.num_draft_tokens < 1:
+            raise ValueError("is_draft: a draft backend needs num_draft_tokens >= 1")
+        if self.extend_prefix_mode not in EXTEND_PREFIX_MODES:
+            raise ValueError(f"extend_prefix_mode: expected one of {EXTEND_PREFIX_MODES}, "
+                             f"got {self.extend_prefix_mode!r}")
+        self.dtype = resolve_dtype(self.dtype, "dtype")
+        self.kv_cache_dtype = resolve_dtype(self.dtype if self.kv_cache_dtype is None else self.kv_cache_dtype,
+                                            "kv_cache_dtype")
+        if self.kv_cache_dtype not in _CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: expected bfloat16, float16 or float32, got {self.kv_cache_dtype}")
+        if self.softmax_scale is None:
+            self.softmax_scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5 * self.mscale ** 2
+        elif not (isinstance(self.softmax_scale, (int, float)) and self.softmax_scale > 0):
+            raise ValueError(f"softmax_scale: expected a positive float, got {self.softmax_scale!r}")
+
+    @property
+    def mscale(self) -> float:
+        rs = self.rope_scaling or {}
+        kind = rs.get("type", rs.get("rope_type"))
+        if kind not in ("yarn", "deepseek_yarn"):
+            return 1.0
+        return yarn_mscale(float(rs.get("factor", 1.0)), float(rs.get("mscale_all_dim", 0.0)))
+
+    @property
+    def num_local_heads(self) -> int:
+        return self.num_heads // self.attn_tp_size
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of one latent cache row: kv_lora_rank + qk_rope_head_dim (576 for DeepSeek)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def max_pages_per_request(self) -> int:
+        return -(-self.max_context_len // self.page_size)
+
+    @property
+    def decode_q_len(self) -> int:
+        """Query tokens per request in a decode-like step: 1, or the draft tokens when verifying."""
+        return self.num_draft_tokens if self.num_draft_tokens > 1 and not self.is_draft else 1
+
+    @classmethod
+    def from_hf_config(cls, cfg: Any, **overrides: Any) -> MLAConfig:
+        """Build from a Hugging Face DeepSeek-V2/V3 config (a dict or a transformers config object).
+
+        ``overrides`` set the serving fields (page_size, attn_tp_size, dtype, max_batch_size, ...).
+        """
+        get = (lambda k, d=None: cfg.get(k, d)) if isinstance(cfg, Mapping) else (lambda k, d=None: getattr(cfg, k, d))
+        missing = [k for k in ("num_attention_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+                               "v_head_dim") if get(k) is None]
+        if missing:
+            raise ValueError(f"from_hf_config: config lacks MLA field(s) {missing}; is this a DeepSeek-V2/V3 config?")
+        kwargs = dict(
+            num_heads=int(get("num_attention_heads")),
+            kv_lora_rank=int(get("kv_lora_rank")),
+            qk_rope_head_dim=int(get("qk_rope_head_dim")),
+            qk_nope_head_dim=int(get("qk_nope_head_dim")),
+            v_head_dim=int(get("v_head_dim")),
+            num_layers=int(get("num_hidden_layers", 1)),
+            rope_scaling=dict(get("rope_scaling")) if get("rope_scaling") else None,
+            max_context_len=int(get("max_position_embeddings", 4096)),
+        )
+        torch_dtype = get("torch_dtype", None) or get("dtype", None)
+        if torch_dtype is not None and "dtype" not in overrides:
+            kwargs["dtype"] = torch_dtype if isinstance(torch_dtype, torch.dtype) else str(torch_dtype)
+        kwargs.update(overrides)
+        return cls(**kwargs)

@@ -1,0 +1,232 @@
+"""Triton variable-q-length paged absorbed MLA attention (prefill over a cached prefix, unequal verify).
+
+Every request has q_len new tokens, the last q_len positions of its kv_len-long latent history, and one
+KV head shared by all H query heads. The (token, head) pairs of a request form q_len * H rows, heads
+fastest, tiled BLOCK_M at a time: a 2000-token extend fills many full tiles (compute-bound MMAs, as in
+prefill) and a 1-token one still fills a tile with its heads (as in decode). Each program streams the
+request's pages once, BLOCK_N latent rows per step, and uses every row twice: all 576 columns as the key
+(512 + 64, two MMAs) and the first 512 as the value. Causal masks are bottom-right aligned per token.
+
+The grid needs no host synchronisation: request b's tiles start at ``qo_indptr[b] * H // BLOCK_M + b``
+(a bound that leaves each request at least as many tiles as it needs), so ``T * H // BLOCK_M + b``
+programs cover any qo_indptr; each program finds its request by binary search and exits if idle.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedmla.kernels.triton.varlen import LOG2E, check_dtype, last_dim_contiguous, pow2_dim, split_head_dim
+from pagedmla.ops.providers import register_impl, triton_interpreting
+
+
+@triton.jit
+def _paged_tile(
+    acc, l_i, m_i, q1, q2, KV, bt_row, stride_slot,
+    lo, hi, row_limit, kv_len, qk_scale,
+    PAGE_SIZE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Online-softmax update over latent rows [lo, hi) of one request. MASKED tiles apply the length
+    and per-row causal limits (row_limit: last visible key per row) and never read slots past kv_len."""
+    offs_n = tl.arange(0, BLOCK_N)
+    d1 = tl.arange(0, BLOCK_D1)
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        n = start_n + offs_n
+        if MASKED:
+            n_ok = n < kv_len
+            page = tl.load(bt_row + n // PAGE_SIZE, mask=n_ok, other=0)
+        else:
+            page = tl.load(bt_row + n // PAGE_SIZE)
+        rows = KV + (page.to(tl.int64) * PAGE_SIZE + n % PAGE_SIZE)[:, None] * stride_slot
+        # Unused slots may hold garbage (NaN): masked loads give 0 there, so no NaN reaches an MMA.
+        if MASKED:
+            kv1 = tl.load(rows + d1[None, :], mask=n_ok[:, None], other=0.0)
+        else:
+            kv1 = tl.load(rows + d1[None, :])
+        s = tl.dot(q1, tl.trans(kv1), input_precision=DOT_PREC)
+        if BLOCK_D2 > 0:
+            d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
+            if MASKED:
+                kv2 = tl.load(rows + d2[None, :], mask=n_ok[:, None] & (d2[None, :] < DK), other=0.0)
+            elif BLOCK_D1 + BLOCK_D2 > DK:
+                kv2 = tl.load(rows + d2[None, :], mask=d2[None, :] < DK, other=0.0)
+            else:
+                kv2 = tl.load(rows + d2[None, :])
+            s = tl.dot(q2, tl.trans(kv2), s, input_precision=DOT_PREC)
+        if MASKED:
+            valid = n_ok[None, :] & (n[None, :] <= row_limit[:, None])
+            s = tl.where(valid, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # Rows that have seen no key keep m = -inf: shift by 0 so exp2 gives 0 rather than NaN.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_safe[:, None])
+            alpha = tl.math.exp2(m_i - m_safe)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            p = tl.math.exp2(s * qk_scale - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        # The value is the key tile's first DV columns (DV == BLOCK_D1 for MLA: 512 of 576).
+        if DV == BLOCK_D1:
+            v = kv1
+        else:
+            dv = tl.arange(0, BLOCK_D1)
+            v = tl.where(dv[None, :] < DV, kv1, 0.0)
+        acc = tl.dot(p.to(kv1.dtype), v, acc, input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    Q, KV, O, LSE, block_table, cache_seqlens, qo_indptr,
+    stride_qt, stride_qh, stride_slot, stride_bt, stride_ot, stride_oh,
+    num_heads, batch, qk_scale,
+    PAGE_SIZE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, SEARCH_STEPS: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    # Later tiles hold later tokens, which see more keys: launch them first.
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)
+    # Largest b with tile_start(b) = qo_indptr[b] * H // BLOCK_M + b <= pid (tile_start is increasing).
+    lo = 0
+    hi = batch - 1
+    for _ in range(SEARCH_STEPS):
+        mid = (lo + hi + 1) // 2
+        start_mid = (tl.load(qo_indptr + mid).to(tl.int64) * num_heads) // BLOCK_M + mid
+        go_up = start_mid <= pid
+        lo = tl.where(go_up, mid, lo)
+        hi = tl.where(go_up, hi, mid - 1)
+    b = lo
+    q_start = tl.load(qo_indptr + b)
+    q_len = tl.load(qo_indptr + b + 1) - q_start
+    tile = pid - ((q_start.to(tl.int64) * num_heads) // BLOCK_M + b)
+    r0 = tile * BLOCK_M
+    n_rows = q_len * num_heads
+    if r0 >= n_rows:
+        return
+    kv_len = tl.load(cache_seqlens + b)
+
+    r = r0 + tl.arange(0, BLOCK_M)
+    row_ok = r < n_rows
+    tok = r // num_heads
+    head = r % num_heads
+    q_rows = Q + (q_start.to(tl.int64) + tok)[:, None] * stride_qt + head[:, None] * stride_qh
+    d1 = tl.arange(0, BLOCK_D1)
+    q1 = tl.load(q_rows + d1[None, :], mask=row_ok[:, None] & (d1[None, :] < DK), other=0.0)
+    if BLOCK_D2 > 0:
+        d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
+        q2 = tl.load(q_rows + d2[None, :], mask=row_ok[:, None] & (d2[None, :] < DK), other=0.0)
+    else:
+        q2 = q1
+    bt_row = block_table + b.to(tl.int64) * stride_bt
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D1], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    if CAUSAL:
+        # Token t (0-based among the request's q_len) sees keys 0 .. kv_len - q_len + t.
+        row_limit = kv_len - q_len + tok
+        first_tok = r0 // num_heads
+        last_tok = (tl.minimum(r0 + BLOCK_M, n_rows) - 1) // num_heads
+        full_end = (tl.minimum(tl.maximum(kv_len - q_len + first_tok + 1, 0), kv_len) // BLOCK_N) * BLOCK_N
+        end = tl.maximum(tl.minimum(kv_len, kv_len - q_len + last_tok + 1), full_end)
+    else:
+        row_limit = tl.full([BLOCK_M], 2**30, dtype=tl.int32)
+        full_end = (kv_len // BLOCK_N) * BLOCK_N
+        end = kv_len
+    acc, l_i, m_i = _paged_tile(acc, l_i, m_i, q1, q2, KV, bt_row, stride_slot, 0, full_end, row_limit, kv_len,
+                                qk_scale, PAGE_SIZE, DK, DV, BLOCK_D1, BLOCK_D2, BLOCK_N, False, DOT_PREC)
+    acc, l_i, m_i = _paged_tile(acc, l_i, m_i, q1, q2, KV, bt_row, stride_slot, full_end, end, row_limit, kv_len,
+                                qk_scale, PAGE_SIZE, DK, DV, BLOCK_D1, BLOCK_D2, BLOCK_N, True, DOT_PREC)
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    o_rows = O + (q_start.to(tl.int64) + tok)[:, None] * stride_ot + head[:, None] * stride_oh
+    tl.store(o_rows + d1[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None] & (d1[None, :] < DV))
+    tl.store(LSE + (q_start.to(tl.int64) + tok) * num_heads + head, lse, mask=row_ok)
+
+
+def default_config(num_heads: int, dtype: torch.dtype) -> dict:
+    """Tile shape: small tiles under the interpreter (exercise multi-tile paths on small tests); on the
+    H200 64 rows x 64 latent rows with 8 warps (two warpgroups split the 512-wide accumulator)."""
+    if triton_interpreting():
+        return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    if dtype == torch.float32:
+        return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+
+
+def paged_varlen_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    head_dim_v: int,
+    softmax_scale: float,
+    causal: bool,
+    max_q_len: int | None = None,
+    *,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA attention with per-request q lengths over a paged latent cache (``paged_varlen`` op).
+
+    q: [T, H, D] (D = 576), request b's tokens at rows qo_indptr[b] .. qo_indptr[b+1]-1, the last tokens
+    of its KV; k_cache: [num_pages, page_size, 1, D] (page_size a power of two), same dtype as q
+    (float16/bfloat16/float32); block_table: int32 [b, max_pages]; cache_seqlens: int32 [b], KV length
+    including the new tokens; qo_indptr: int32 [b + 1]; head_dim_v: the value width, the first columns of
+    each latent row (512; must be a power of two <= D). causal: bottom-right per token. max_q_len is not
+    needed: the grid is sized from T, so nothing is read back from the device. ``config`` overrides the
+    tile shape (benchmarks). Returns out [T, H, head_dim_v] q.dtype and lse [T, H] float32 (natural log;
+    rows that see no key give 0 and -inf).
+    """
+    check_dtype(q, "q")
+    if k_cache.dtype != q.dtype:
+        raise ValueError(f"k_cache: dtype {k_cache.dtype} differs from q's {q.dtype}")
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape[2] != 1 or k_cache.shape[3] != q.shape[2]:
+        raise ValueError(f"k_cache: expected [num_pages, page_size, 1, {q.shape[-1]}], got {tuple(k_cache.shape)}")
+    t, h, d = q.shape
+    page_size = k_cache.shape[1]
+    if page_size < 1 or page_size & (page_size - 1):
+        raise ValueError(f"k_cache: page size must be a power of two, got {page_size}")
+    d1, d2 = split_head_dim(d)
+    if head_dim_v != d1:
+        raise ValueError(f"head_dim_v: the triton kernel needs the power-of-two part of D ({d1}), got {head_dim_v}")
+    for name, x in (("block_table", block_table), ("cache_seqlens", cache_seqlens), ("qo_indptr", qo_indptr)):
+        if x.dtype != torch.int32 or x.device != q.device:
+            raise ValueError(f"{name}: expected an int32 tensor on {q.device}")
+    batch = qo_indptr.shape[0] - 1
+    if block_table.dim() != 2 or block_table.shape[0] != batch or cache_seqlens.shape != (batch,):
+        raise ValueError(f"block_table: expected [{batch}, max_pages] with cache_seqlens [{batch}]")
+    out = torch.empty(t, h, head_dim_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(t, h, dtype=torch.float32, device=q.device)
+    if t == 0 or h == 0 or batch <= 0:
+        return out, lse
+    q = last_dim_contiguous(q)
+    kv = last_dim_contiguous(k_cache.reshape(-1, d))
+    block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
+    cfg = default_config(h, q.dtype)
+    if config:
+        cfg.update(config)
+    grid = ((t * h) // cfg["BLOCK_M"] + batch,)
+    _paged_prefill_kernel[grid](
+        q, kv, out, lse, block_table, cache_seqlens, qo_indptr,
+        q.stride(0), q.stride(1), kv.stride(0), block_table.stride(0), out.stride(0), out.stride(1),
+        h, batch, softmax_scale * LOG2E,
+        PAGE_SIZE=page_size, DK=d, DV=head_dim_v, BLOCK_D1=d1, BLOCK_D2=d2,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=bool(causal),
+        SEARCH_STEPS=max(1, batch.bit_length()), DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out, lse
+
+
+register_impl("paged_varlen", "triton", paged_varlen_attention)

@@ -1,0 +1,262 @@
+"""Triton ragged (varlen) attention: FlashAttention-2 style forward over packed sequences.
+
+One program computes a BLOCK_M tile of one sequence's queries for one head, streaming that sequence's
+keys/values in BLOCK_N tiles with an online softmax kept in the log2 domain (``exp2`` with log2(e)
+folded into the scale); the returned LSE is converted to natural log. The q/k head dim is split into a
+power-of-two part and a remainder (192 = 128 + 64, 576 = 512 + 64) so that no MMA work is spent on
+padding. Causal masks are bottom-right aligned: query i of a sequence with lq queries and lk keys sees
+keys 0 .. i + lk - lq. Key tiles fully below the diagonal run a mask-free loop; only the diagonal and
+the ragged tail pay for masks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedmla.ops.providers import register_impl, triton_interpreting
+
+LOG2E = 1.4426950408889634
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def split_head_dim(d: int) -> tuple[int, int]:
+    """Split a head dim into (BLOCK_D1, BLOCK_D2): a power-of-two main part (>= 16) and a padded
+    power-of-two remainder (0 when none), so that D = 192 becomes 128 + 64 with no padded columns."""
+    if d < 1:
+        raise ValueError(f"head dim: expected >= 1, got {d}")
+    d1 = max(16, 1 << (d.bit_length() - 1))
+    rem = d - d1
+    d2 = 0 if rem <= 0 else max(16, triton.next_power_of_2(rem))
+    return d1, d2
+
+
+def pow2_dim(d: int) -> int:
+    """Smallest power of two >= max(d, 16) (tl.dot needs at least 16 along K)."""
+    return max(16, triton.next_power_of_2(d))
+
+
+def check_dtype(t: torch.Tensor, name: str) -> None:
+    if t.dtype not in _TRITON_DTYPES:
+        raise ValueError(f"{name}: the triton provider supports float16, bfloat16 and float32, got {t.dtype}")
+
+
+def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """The kernels index rows with strides but read each row as a contiguous vector."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@triton.jit
+def _attn_tile(
+    acc, l_i, m_i, q1, q2,
+    k_base, v_base, stride_kt, stride_vt,
+    lo, hi, offs_m, diag_off, lk, qk_scale,
+    DK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Online-softmax update over key tiles [lo, hi). MASKED tiles apply the length and causal masks;
+    unmasked tiles must lie fully inside the sequence and below the diagonal."""
+    offs_n = tl.arange(0, BLOCK_N)
+    d1 = tl.arange(0, BLOCK_D1)
+    dv = tl.arange(0, BLOCK_DV)
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        n = start_n + offs_n
+        k_rows = k_base + n[:, None] * stride_kt
+        v_rows = v_base + n[:, None] * stride_vt
+        if MASKED:
+            n_ok = n < lk
+            k1 = tl.load(k_rows + d1[None, :], mask=n_ok[:, None] & (d1[None, :] < DK), other=0.0)
+        elif BLOCK_D1 > DK:
+            k1 = tl.load(k_rows + d1[None, :], mask=d1[None, :] < DK, other=0.0)
+        else:
+            k1 = tl.load(k_rows + d1[None, :])
+        s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC)
+        if BLOCK_D2 > 0:
+            d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
+            if MASKED:
+                k2 = tl.load(k_rows + d2[None, :], mask=n_ok[:, None] & (d2[None, :] < DK), other=0.0)
+            elif BLOCK_D1 + BLOCK_D2 > DK:
+                k2 = tl.load(k_rows + d2[None, :], mask=d2[None, :] < DK, other=0.0)
+            else:
+                k2 = tl.load(k_rows + d2[None, :])
+            s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PREC)
+        if MASKED:
+            valid = n_ok[None, :]
+            if CAUSAL:
+                valid = valid & (n[None, :] <= offs_m[:, None] + diag_off)
+            s = tl.where(valid, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row that has seen no key yet keeps m = -inf; shift by 0 there so exp2 gives 0, not NaN.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_safe[:, None])
+            alpha = tl.math.exp2(m_i - m_safe)
+            v = tl.load(v_rows + dv[None, :], mask=n_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        else:
+            # Every row of an unmasked tile sees all BLOCK_N keys, so m_new is finite.
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            p = tl.math.exp2(s * qk_scale - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            if BLOCK_DV > DV:
+                v = tl.load(v_rows + dv[None, :], mask=dv[None, :] < DV, other=0.0)
+            else:
+                v = tl.load(v_rows + dv[None, :])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _varlen_fwd_kernel(
+    Q, K, V, O, LSE, cu_q, cu_k,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    num_heads, qk_scale,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    # Causal tiles with a larger index have more keys: launch them first (longest job first).
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start = tl.load(cu_q + b)
+    lq = tl.load(cu_q + b + 1) - q_start
+    m0 = pid_m * BLOCK_M
+    if m0 >= lq:
+        return
+    k_start = tl.load(cu_k + b)
+    lk = tl.load(cu_k + b + 1) - k_start
+    kvh = h // GROUP
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < lq
+    d1 = tl.arange(0, BLOCK_D1)
+    q_rows = Q + q_start.to(tl.int64) * stride_qt + h * stride_qh + offs_m[:, None] * stride_qt
+    q1 = tl.load(q_rows + d1[None, :], mask=row_ok[:, None] & (d1[None, :] < DK), other=0.0)
+    if BLOCK_D2 > 0:
+        d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
+        q2 = tl.load(q_rows + d2[None, :], mask=row_ok[:, None] & (d2[None, :] < DK), other=0.0)
+    else:
+        q2 = q1
+    k_base = K + k_start.to(tl.int64) * stride_kt + kvh * stride_kh
+    v_base = V + k_start.to(tl.int64) * stride_vt + kvh * stride_vh
+
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    diag_off = lk - lq
+    if CAUSAL:
+        # Tiles wholly visible to the tile's first row need no mask; the rest stop at its last row's limit.
+        full_end = (tl.minimum(tl.maximum(m0 + diag_off + 1, 0), lk) // BLOCK_N) * BLOCK_N
+        hi = tl.maximum(tl.minimum(lk, tl.minimum(m0 + BLOCK_M, lq) + diag_off), full_end)
+    else:
+        full_end = (lk // BLOCK_N) * BLOCK_N
+        hi = lk
+    acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q1, q2, k_base, v_base, stride_kt, stride_vt,
+                               0, full_end, offs_m, diag_off, lk, qk_scale,
+                               DK, DV, BLOCK_D1, BLOCK_D2, BLOCK_DV, BLOCK_N, False, CAUSAL, DOT_PREC)
+    acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q1, q2, k_base, v_base, stride_kt, stride_vt,
+                               full_end, hi, offs_m, diag_off, lk, qk_scale,
+                               DK, DV, BLOCK_D1, BLOCK_D2, BLOCK_DV, BLOCK_N, True, CAUSAL, DOT_PREC)
+
+    # Rows that saw no key: l = 0, acc = 0 -> output 0 and LSE -inf.
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    dv = tl.arange(0, BLOCK_DV)
+    o_rows = O + q_start.to(tl.int64) * stride_ot + h * stride_oh + offs_m[:, None] * stride_ot
+    tl.store(o_rows + dv[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
+    tl.store(LSE + (q_start.to(tl.int64) + offs_m) * num_heads + h, lse, mask=row_ok)
+
+
+def default_config(dk: int, dv: int, dtype: torch.dtype, causal: bool) -> dict:
+    """Tile shape and launch parameters. Under the interpreter small tiles exercise the multi-tile and
+    masked paths on small test shapes; on the GPU the H200-tuned shapes (benchmarks/NOTES.md)."""
+    if triton_interpreting():
+        return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    if dtype == torch.float32:
+        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+    width = dk + dv
+    if width <= 256:
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
+    if width <= 384:
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
+    return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    out: torch.Tensor | None = None,
+    *,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged attention over packed sequences (the ``varlen`` op of the ``triton`` provider).
+
+    q: [Tq, H, Dqk]; k: [Tk, Hk, Dqk]; v: [Tk, Hk, Dv]; H a multiple of Hk; float16/bfloat16/float32.
+    cu_seqlens_q/k: int32 [b + 1] on q's device; max_seqlen_q bounds every q length (sizes the grid;
+    max_seqlen_k is not needed by the kernel). causal: bottom-right aligned when lengths differ.
+    ``out`` [Tq, H, Dv] (q's dtype) receives the output when given. ``config`` overrides the tile shape
+    (keys BLOCK_M, BLOCK_N, num_warps, num_stages; benchmarks use it). Returns (out [Tq, H, Dv] q.dtype,
+    lse [Tq, H] float32, natural log; rows that see no key give 0 and -inf). No host synchronisation.
+    """
+    check_dtype(q, "q")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"q: expected 3-D q/k/v, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    tq, h, dk = q.shape
+    tk, hk, dv = v.shape
+    if k.shape != (tk, hk, dk):
+        raise ValueError(f"k: expected shape {(tk, hk, dk)}, got {tuple(k.shape)}")
+    if hk < 1 or h % hk:
+        raise ValueError(f"k: q's {h} heads must be a multiple of k's {hk} heads")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.device != q.device:
+            raise ValueError(f"{name}: expected an int32 1-D tensor on {q.device}")
+    if cu_seqlens_k.shape[0] != cu_seqlens_q.shape[0]:
+        raise ValueError("cu_seqlens_k: expected as many entries as cu_seqlens_q")
+    if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
+        raise ValueError(f"max_seqlen_q: expected an int >= 0, got {max_seqlen_q!r}")
+    if out is None:
+        out = torch.empty(tq, h, dv, dtype=q.dtype, device=q.device)
+    elif out.shape != (tq, h, dv) or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out: expected {q.dtype} [{tq}, {h}, {dv}] with unit last stride, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    lse = torch.empty(tq, h, dtype=torch.float32, device=q.device)
+    batch = cu_seqlens_q.shape[0] - 1
+    if tq == 0 or batch <= 0 or max_seqlen_q == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
+    cfg = dict(default_config(dk, dv, q.dtype, causal))
+    if config:
+        cfg.update(config)
+    d1, d2 = split_head_dim(dk)
+    grid = (triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), h, batch)
+    _varlen_fwd_kernel[grid](
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        h, softmax_scale * LOG2E,
+        GROUP=h // hk, DK=dk, DV=dv, BLOCK_D1=d1, BLOCK_D2=d2, BLOCK_DV=pow2_dim(dv),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=bool(causal),
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out, lse
+
+
+register_impl("varlen", "triton", varlen_attention)

@@ -1,0 +1,208 @@
+"""Public attention calls, FlashMLA / FlashAttention compatible, dispatched to a provider.
+
+Conventions for every call: LSE is float32 natural log of the softmax denominator over scaled scores;
+a query row that attends to no key returns output 0 and LSE -inf; with ``causal=True`` and several
+query tokens per request the mask is bottom-right aligned (query i of q_len sees keys
+0 .. seq_len - q_len + i).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedmla.ops import checks
+from pagedmla.ops.providers import resolve
+
+_KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def _same_dtype(q: torch.Tensor, name: str, other: torch.Tensor) -> None:
+    if other.dtype != q.dtype:
+        raise ValueError(f"{name}: dtype {other.dtype} differs from q's {q.dtype}")
+
+
+def flash_mla_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    head_dim_v: int,
+    tile_scheduler_metadata: torch.Tensor,
+    num_splits: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    *,
+    provider: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA decode over a paged latent cache (FlashMLA's call).
+
+    q: [b, q_len, h_q, D] (D = 576 for DeepSeek); k_cache: [num_pages, page_size, 1, D], same dtype;
+    block_table: int32 [b, max_pages]; cache_seqlens: int32 [b], KV length including the q_len new tokens;
+    head_dim_v: value width, the first head_dim_v columns of each row (512);
+    tile_scheduler_metadata, num_splits: from ``get_mla_metadata(cache_seqlens, q_len * h_q, 1)``.
+    softmax_scale defaults to D ** -0.5. Returns out [b, q_len, h_q, head_dim_v] (q's dtype) and
+    lse [b, h_q, q_len] float32.
+    """
+    checks.tensor(q, "q", ndim=4, dtypes=_KV_DTYPES)
+    b, q_len, h_q, d = q.shape
+    checks.paged_kv(k_cache, d, head_dim_v)
+    _same_dtype(q, "k_cache", k_cache)
+    checks.block_table_and_lens(block_table, cache_seqlens, b)
+    checks.tensor(tile_scheduler_metadata, "tile_scheduler_metadata", ndim=2, dtypes=(torch.int32,))
+    checks.tensor(num_splits, "num_splits", ndim=1, dtypes=(torch.int32,))
+    if num_splits.shape[0] != b + 1:
+        raise ValueError(f"num_splits: expected {b + 1} entries (batch + 1), got {num_splits.shape[0]}")
+    if q_len < 1 or h_q < 1:
+        raise ValueError(f"q: q_len and h_q must be >= 1, got shape {tuple(q.shape)}")
+    checks.same_device(q, k_cache=k_cache, block_table=block_table, cache_seqlens=cache_seqlens,
+                       tile_scheduler_metadata=tile_scheduler_metadata, num_splits=num_splits)
+    scale = checks.softmax_scale(softmax_scale, d ** -0.5)
+    checks.paged_values(block_table, cache_seqlens, k_cache.shape[0], k_cache.shape[1])
+    _, impl = resolve("paged_decode", q.device, provider)
+    return impl(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
+                scale, bool(causal))
+
+
+def flash_mla_varlen_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    head_dim_v: int,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    *,
+    max_q_len: int | None = None,
+    provider: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA attention with a different number of query tokens per request (prefill over a
+    cached prefix, unequal verify batches, mixed prefill + decode).
+
+    q: [T, h_q, D] packed; request b's tokens are rows qo_indptr[b] .. qo_indptr[b+1]-1 and are the
+    last tokens of its KV (bottom-right causal); qo_indptr: int32 [b + 1], starting at 0, ending at T;
+    k_cache, block_table, cache_seqlens, head_dim_v as in ``flash_mla_with_kvcache``.
+    max_q_len: the largest q length, when the caller knows it on the host (saves a synchronisation).
+    Returns out [T, h_q, head_dim_v] (q's dtype) and lse [T, h_q] float32.
+    """
+    checks.tensor(q, "q", ndim=3, dtypes=_KV_DTYPES)
+    t, h_q, d = q.shape
+    checks.paged_kv(k_cache, d, head_dim_v)
+    _same_dtype(q, "k_cache", k_cache)
+    checks.tensor(qo_indptr, "qo_indptr", ndim=1, dtypes=(torch.int32,))
+    b = qo_indptr.shape[0] - 1
+    if b < 0:
+        raise ValueError("qo_indptr: expected batch + 1 >= 1 entries, got 0")
+    checks.block_table_and_lens(block_table, cache_seqlens, b)
+    checks.same_device(q, k_cache=k_cache, block_table=block_table, cache_seqlens=cache_seqlens, qo_indptr=qo_indptr)
+    checks.indptr(qo_indptr, "qo_indptr", b + 1, t)
+    if max_q_len is not None and (isinstance(max_q_len, bool) or not isinstance(max_q_len, int) or max_q_len < 0):
+        raise ValueError(f"max_q_len: expected an int >= 0, got {max_q_len!r}")
+    scale = checks.softmax_scale(softmax_scale, d ** -0.5)
+    checks.paged_values(block_table, cache_seqlens, k_cache.shape[0], k_cache.shape[1])
+    _, impl = resolve("paged_varlen", q.device, provider)
+    return impl(q, k_cache, block_table, cache_seqlens, qo_indptr, head_dim_v, scale, bool(causal), max_q_len)
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    out: torch.Tensor | None = None,
+    provider: str | None = None,
+):
+    """Ragged attention over packed variable-length sequences (FlashAttention's varlen call).
+
+    q: [total_q, H, Dqk]; k: [total_k, Hk, Dqk]; v: [total_k, Hk, Dv] with H a multiple of Hk (GQA);
+    cu_seqlens_q/k: int32 [b + 1]; max_seqlen_q/k: host ints bounding the lengths; softmax_scale defaults
+    to Dqk ** -0.5; causal is bottom-right aligned when q and k lengths differ. ``out`` [total_q, H, Dv]
+    receives the result when given. Returns out, or (out, lse [H, total_q] float32, None) when
+    ``return_attn_probs`` is set.
+    """
+    checks.tensor(q, "q", ndim=3, dtypes=_KV_DTYPES)
+    checks.tensor(k, "k", ndim=3)
+    checks.tensor(v, "v", ndim=3)
+    _same_dtype(q, "k", k)
+    _same_dtype(q, "v", v)
+    tq, h, dqk = q.shape
+    tk, hk, dk = k.shape
+    if dk != dqk:
+        raise ValueError(f"k: head dim {dk} differs from q's {dqk}")
+    if v.shape[0] != tk or v.shape[1] != hk:
+        raise ValueError(f"v: expected shape [{tk}, {hk}, Dv] to match k, got {tuple(v.shape)}")
+    if hk < 1 or h % hk:
+        raise ValueError(f"k: q's {h} heads must be a multiple of k's {hk} heads")
+    b = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) else -1
+    checks.indptr(cu_seqlens_q, "cu_seqlens_q", max(b, 0) + 1, tq)
+    checks.indptr(cu_seqlens_k, "cu_seqlens_k", max(b, 0) + 1, tk)
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
+    if out is not None:
+        checks.tensor(out, "out", ndim=3)
+        if tuple(out.shape) != (tq, h, v.shape[2]) or out.dtype != q.dtype:
+            raise ValueError(f"out: expected {q.dtype} of shape {(tq, h, v.shape[2])}, "
+                             f"got {out.dtype} {tuple(out.shape)}")
+    checks.same_device(q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, out=out)
+    if checks.value_checks_enabled(q.device) and b > 0:
+        lq = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()
+        lk = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()
+        lq, lk = torch.stack([lq, lk]).tolist()
+        if lq > max_seqlen_q:
+            raise ValueError(f"max_seqlen_q: {max_seqlen_q} is below the longest q sequence {lq}")
+        if lk > max_seqlen_k:
+            raise ValueError(f"max_seqlen_k: {max_seqlen_k} is below the longest k sequence {lk}")
+    scale = checks.softmax_scale(softmax_scale, dqk ** -0.5)
+    _, impl = resolve("varlen", q.device, provider)
+    o, lse = impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, bool(causal), out)
+    if return_attn_probs:
+        return o, lse.transpose(0, 1).contiguous(), None
+    return o
+
+
+def merge_state(
+    v_a: torch.Tensor,
+    s_a: torch.Tensor,
+    v_b: torch.Tensor,
+    s_b: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    out_lse: torch.Tensor | None = None,
+    provider: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two attention results over disjoint key sets: softmax-weighted by their LSEs.
+
+    v_a, v_b: [T, H, D]; s_a, s_b: float32 [T, H] natural-log LSE. An empty state (LSE -inf) adds
+    nothing; two empty ones give 0 and -inf. ``out`` / ``out_lse`` receive the results when given (they
+    may be v_a / s_a for an in-place update). Returns (v [T, H, D], s [T, H] float32).
+    """
+    checks.tensor(v_a, "v_a", ndim=3, dtypes=_KV_DTYPES)
+    checks.tensor(v_b, "v_b", ndim=3)
+    _same_dtype(v_a, "v_b", v_b)
+    if v_b.shape != v_a.shape:
+        raise ValueError(f"v_b: shape {tuple(v_b.shape)} differs from v_a's {tuple(v_a.shape)}")
+    lse_dtypes = (torch.float32, torch.float64)
+    for name, s in (("s_a", s_a), ("s_b", s_b)):
+        checks.tensor(s, name, ndim=2, dtypes=lse_dtypes)
+        if tuple(s.shape) != tuple(v_a.shape[:2]):
+            raise ValueError(f"{name}: expected shape {tuple(v_a.shape[:2])}, got {tuple(s.shape)}")
+    if out is not None:
+        checks.tensor(out, "out", ndim=3)
+        if out.shape != v_a.shape or out.dtype != v_a.dtype:
+            raise ValueError(f"out: expected {v_a.dtype} of shape {tuple(v_a.shape)}, "
+                             f"got {out.dtype} {tuple(out.shape)}")
+    if out_lse is not None:
+        checks.tensor(out_lse, "out_lse", ndim=2, dtypes=lse_dtypes)
+        if tuple(out_lse.shape) != tuple(v_a.shape[:2]):
+            raise ValueError(f"out_lse: expected shape {tuple(v_a.shape[:2])}, got {tuple(out_lse.shape)}")
+    checks.same_device(v_a, s_a=s_a, v_b=v_b, s_b=s_b, out=out, out_lse=out_lse)
+    _, impl = resolve("merge", v_a.device, provider)
+    return impl(v_a, s_a, v_b, s_b, out, out_lse)

@@ -1,0 +1,116 @@
+"""Argument checks shared by the public ops: each failure is a ValueError/TypeError naming the argument.
+
+Shape and dtype checks are free. Checks of tensor *values* (lengths within the block table, page ids
+within the cache, monotone indptrs) need one device-to-host copy per call; they run unless a CUDA graph
+is being captured or ``PAGEDMLA_VALIDATE=shapes`` is set (for engines that validate on the host once
+per step, as ``MLABackend`` does).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import torch
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def value_checks_enabled(device: torch.device) -> bool:
+    if os.environ.get("PAGEDMLA_VALIDATE", "all") == "shapes":
+        return False
+    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def tensor(t, name: str, *, ndim: int | None = None, dtypes: Iterable[torch.dtype] | None = None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D tensor, got shape {tuple(t.shape)}")
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        if t.dtype not in dtypes:
+            names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+            raise ValueError(f"{name}: expected dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
+    return t
+
+
+def same_device(ref: torch.Tensor, **named: torch.Tensor | None) -> None:
+    for name, t in named.items():
+        if t is not None and t.device != ref.device:
+            raise ValueError(f"{name}: expected a tensor on {ref.device}, got one on {t.device}")
+
+
+def dim_equals(actual: int, expected: int, what: str) -> None:
+    if actual != expected:
+        raise ValueError(f"{what}: expected {expected}, got {actual}")
+
+
+def softmax_scale(value, default: float) -> float:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"softmax_scale: expected a positive float, got {value!r}")
+    return float(value)
+
+
+def paged_kv(k_cache: torch.Tensor, q_dim: int, head_dim_v) -> None:
+    """k_cache [num_pages, page_size, 1, D] with D == q's head dim and 0 < head_dim_v <= D."""
+    tensor(k_cache, "k_cache", ndim=4, dtypes=FLOAT_DTYPES)
+    num_pages, page_size, h_kv, d = k_cache.shape
+    if h_kv != 1:
+        raise ValueError(f"k_cache: MLA keeps one KV head, got {h_kv} (shape {tuple(k_cache.shape)})")
+    if page_size < 1 or page_size & (page_size - 1) or page_size > 256:
+        raise ValueError(f"k_cache: page size (dim 1) must be a power of two in 1..256, got {page_size}")
+    if d != q_dim:
+        raise ValueError(f"k_cache: head dim {d} differs from q's head dim {q_dim}")
+    if isinstance(head_dim_v, bool) or not isinstance(head_dim_v, int) or not 0 < head_dim_v <= d:
+        raise ValueError(f"head_dim_v: expected an int in 1..{d}, got {head_dim_v!r}")
+
+
+def block_table_and_lens(block_table: torch.Tensor, cache_seqlens: torch.Tensor, batch: int) -> None:
+    tensor(block_table, "block_table", ndim=2, dtypes=(torch.int32,))
+    tensor(cache_seqlens, "cache_seqlens", ndim=1, dtypes=(torch.int32,))
+    if block_table.shape[0] != batch:
+        raise ValueError(f"block_table: expected {batch} rows (one per request), got {block_table.shape[0]}")
+    if cache_seqlens.shape[0] != batch:
+        raise ValueError(f"cache_seqlens: expected {batch} entries (one per request), got {cache_seqlens.shape[0]}")
+
+
+def paged_values(block_table: torch.Tensor, cache_seqlens: torch.Tensor, num_pages: int, page_size: int) -> None:
+    """Lengths non-negative and within the block table; every page a request reads is a real page."""
+    if not value_checks_enabled(block_table.device) or block_table.shape[0] == 0:
+        return
+    capacity = block_table.shape[1] * page_size
+    lens = cache_seqlens.to(torch.int64)
+    pages_used = (lens.clamp(min=0) + page_size - 1) // page_size
+    used = torch.arange(block_table.shape[1], device=block_table.device).unsqueeze(0) < pages_used.unsqueeze(1)
+    bad_page = used & ((block_table < 0) | (block_table >= num_pages))
+    flags = torch.stack([lens.min(), lens.max(), bad_page.any().to(torch.int64)]).tolist()
+    if flags[0] < 0:
+        raise ValueError(f"cache_seqlens: lengths must be >= 0, got minimum {flags[0]}")
+    if flags[1] > capacity:
+        raise ValueError(f"cache_seqlens: length {flags[1]} exceeds the block table's capacity "
+                         f"{block_table.shape[1]} pages x {page_size} = {capacity}")
+    if flags[2]:
+        row, col = bad_page.nonzero()[0].tolist()
+        raise ValueError(f"block_table: page id {int(block_table[row, col])} at [{row}, {col}] is outside "
+                         f"the cache's 0..{num_pages - 1}")
+
+
+def indptr(t: torch.Tensor, name: str, size: int, total: int | None) -> None:
+    """An int32 [size] cumulative index starting at 0, non-decreasing, ending at ``total`` if given."""
+    tensor(t, name, ndim=1, dtypes=(torch.int32,))
+    if t.shape[0] != size:
+        raise ValueError(f"{name}: expected {size} entries, got {t.shape[0]}")
+    if not value_checks_enabled(t.device) or size == 0:
+        return
+    first, last, decreasing = torch.stack(
+        [t[0].to(torch.int64), t[-1].to(torch.int64), (t[1:] < t[:-1]).any().to(torch.int64)]).tolist()
+    if first != 0:
+        raise ValueError(f"{name}: must start at 0, got {first}")
+    if decreasing:
+        raise ValueError(f"{name}: must be non-decreasing")
+    if total is not None and last != total:
+        raise ValueError(f"{name}: last entry {last} must equal the number of tokens {total}")

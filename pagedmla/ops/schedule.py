@@ -1,0 +1,92 @@
+"""Split-KV schedule for paged decode: balance (request, KV block) work across the SMs, on the device.
+
+The work of a batch is laid on one line of "units": request b costs ``FIXED_OVERHEAD_BLOCKS`` units (its
+q load, output write and combine share) followed by one unit per ``BLOCK_N``-token KV block. The line is
+cut into ``num_sm_parts`` equal pieces; part p processes the blocks whose units fall into its piece. A
+request whose blocks all fall into one part is written directly; one spread over several parts ("split")
+writes fp32 partial results that the combine kernel merges. Everything is computed with tensor ops on
+the device (no host synchronisation), so the call can be captured in a CUDA graph.
+
+Metadata row of part p (int32 [num_sm_parts, METADATA_WIDTH]):
+  0 begin_req, 1 begin_block, 2 end_req (inclusive), 3 end_block (exclusive, within end_req),
+  4 split index of begin_req's piece, 5-7 zero.
+An idle part has begin_req > end_req. ``num_splits`` (int32 [bs + 1]) is the cumulative count of pieces
+per request; request b's partials live at rows num_splits[b] .. num_splits[b+1]-1 of the partial buffer.
+A request with no KV has 0 pieces.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK_N = 64
+BLOCK_M = 64
+FIXED_OVERHEAD_BLOCKS = 5
+METADATA_WIDTH = 8
+
+
+def num_sm_parts_for(device: torch.device, num_q_tokens_per_head_k: int, num_heads_k: int) -> int:
+    """How many parts the batch is cut into: one per SM, divided by the head tiles each part launches."""
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        sms = 8
+    m_tiles = -(-num_q_tokens_per_head_k // BLOCK_M)
+    return max(1, sms // max(1, num_heads_k) // max(1, m_tiles))
+
+
+def get_mla_metadata(
+    cache_seqlens: torch.Tensor,
+    num_q_tokens_per_head_k: int,
+    num_heads_k: int,
+    *,
+    num_sm_parts: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashMLA's scheduling call: returns (tile_scheduler_metadata, num_splits), both int32 on the device.
+
+    cache_seqlens: int32 [bs] KV lengths (this step's tokens included);
+    num_q_tokens_per_head_k: q_len * num_heads_q // num_heads_k; num_heads_k: KV heads (1 for MLA).
+    ``num_sm_parts`` overrides the part count (tests use it to force splits on small problems).
+    No host synchronisation: safe to call while capturing a CUDA graph.
+    """
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens: expected a torch.Tensor, got {type(cache_seqlens).__name__}")
+    if cache_seqlens.dim() != 1 or cache_seqlens.dtype != torch.int32:
+        raise ValueError(f"cache_seqlens: expected an int32 1-D tensor, got {cache_seqlens.dtype} "
+                         f"shape {tuple(cache_seqlens.shape)}")
+    for name, value in (("num_q_tokens_per_head_k", num_q_tokens_per_head_k), ("num_heads_k", num_heads_k)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    dev = cache_seqlens.device
+    parts = num_sm_parts if num_sm_parts is not None else num_sm_parts_for(dev, num_q_tokens_per_head_k, num_heads_k)
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        raise ValueError(f"num_sm_parts: expected a positive int, got {parts!r}")
+    bs = cache_seqlens.shape[0]
+    metadata = torch.zeros(parts, METADATA_WIDTH, dtype=torch.int32, device=dev)
+    num_splits = torch.zeros(bs + 1, dtype=torch.int32, device=dev)
+    if bs == 0:
+        metadata[:, 0] = 0
+        metadata[:, 2] = -1
+        return metadata, num_splits
+    n = (cache_seqlens.to(torch.int64).clamp(min=0) + BLOCK_N - 1) // BLOCK_N
+    unit_end = torch.cumsum(n + FIXED_OVERHEAD_BLOCKS, 0)  # end of request b's units (exclusive)
+    first = unit_end - n  # unit of request b's first KV block
+    per_part = torch.clamp((unit_end[-1] + parts - 1) // parts, min=1)
+    lo = torch.arange(parts, device=dev, dtype=torch.int64) * per_part
+    hi = lo + per_part
+    begin_req = torch.searchsorted(unit_end, lo, right=True)
+    end_req = torch.searchsorted(first, hi, right=False) - 1
+    b_idx = begin_req.clamp(max=bs - 1)
+    e_idx = end_req.clamp(min=0)
+    begin_block = torch.clamp(lo - first[b_idx], min=0)
+    end_block = torch.minimum(n[e_idx], torch.clamp(hi - first[e_idx], min=0))
+    first_part = first // per_part
+    begin_split = torch.clamp(torch.arange(parts, device=dev) - first_part[b_idx], min=0)
+    pieces = torch.where(n > 0, (first + n - 1) // per_part - first_part + 1, torch.zeros_like(n))
+    metadata[:, 0] = begin_req.to(torch.int32)
+    metadata[:, 1] = begin_block.to(torch.int32)
+    metadata[:, 2] = end_req.to(torch.int32)
+    metadata[:, 3] = end_block.to(torch.int32)
+    metadata[:, 4] = begin_split.to(torch.int32)
+    num_splits[1:] = torch.cumsum(pieces, 0).to(torch.int32)
+    return metadata, num_splits

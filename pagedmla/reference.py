@@ -1,0 +1,152 @@
+"""The oracle: plain PyTorch attention for every op, in float32 (float64 when given float64).
+
+These functions are the `torch` provider and the yardstick every kernel is tested against. The paged
+one is written with static shapes only (no host synchronisation), so it also runs inside a captured
+CUDA graph. Conventions (DESIGN §2): LSE is the natural log of the softmax denominator (scaled scores);
+a query row that sees no key returns output 0 and LSE -inf; causal masks are bottom-right aligned.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Bounds the [rows, heads, keys] score tensor of one step of the paged reference.
+_SCORE_BUDGET = 1 << 26
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _softmax_rows(scores: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked softmax over the last dim; rows with no valid key give p = 0 and lse = -inf."""
+    scores = scores.masked_fill(~valid, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    finite = torch.isfinite(lse)
+    p = torch.exp(scores - torch.where(finite, lse, torch.zeros_like(lse)).unsqueeze(-1))
+    p = torch.where(valid & finite.unsqueeze(-1), p, torch.zeros_like(p))
+    return p, lse
+
+
+def paged_mla_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    head_dim_v: int,
+    page_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA attention of packed query tokens over a paged single-head latent cache.
+
+    q: [T, H, D] with the tokens of request b at rows qo_indptr[b]:qo_indptr[b+1];
+    kv_cache: [num_slots, 1, D] or [num_pages, page_size, 1, D]; the value is its first head_dim_v columns;
+    block_table: int [bs, max_pages]; seq_lens: int [bs], KV length including this step's tokens;
+    qo_indptr: int [bs + 1]. Returns out [T, H, head_dim_v] and lse [T, H] in the compute dtype.
+    """
+    cdt = _compute_dtype(q)
+    T, H, D = q.shape
+    bs, max_pages = block_table.shape
+    dev = q.device
+    cache = kv_cache.reshape(-1, kv_cache.shape[-1])
+    out = torch.zeros(T, H, head_dim_v, dtype=cdt, device=dev)
+    lse = torch.full((T, H), float("-inf"), dtype=torch.float32 if cdt == torch.float32 else cdt, device=dev)
+    if T == 0 or bs == 0:
+        return out, lse
+    qo_indptr = qo_indptr.to(device=dev, dtype=torch.int64)
+    seq_lens = seq_lens.to(device=dev, dtype=torch.int64)
+    tok = torch.arange(T, device=dev)
+    req = (torch.searchsorted(qo_indptr[1:], tok, right=True)).clamp_(max=bs - 1)
+    q_len = (qo_indptr[1:] - qo_indptr[:-1])[req]
+    q_idx = tok - qo_indptr[req]
+    kv_len = seq_lens[req]
+    max_kv = max_pages * page_size
+    offsets = torch.arange(page_size, device=dev)
+    rows_per_chunk = max(1, _SCORE_BUDGET // max(1, H * max_kv))
+    for start in range(0, T, rows_per_chunk):
+        sl = slice(start, min(T, start + rows_per_chunk))
+        r = req[sl]
+        slots = (block_table[r].to(torch.int64).unsqueeze(-1) * page_size + offsets).reshape(len(r), max_kv)
+        key_pos = torch.arange(max_kv, device=dev)
+        valid = key_pos.unsqueeze(0) < kv_len[sl].unsqueeze(1)
+        if causal:
+            last = kv_len[sl] - q_len[sl] + q_idx[sl]
+            valid &= key_pos.unsqueeze(0) <= last.unsqueeze(1)
+        # Invalid positions may index unused or poisoned slots: read slot 0 there and zero the rows.
+        kv = cache[torch.where(valid, slots, torch.zeros_like(slots))].to(cdt)
+        kv = torch.where(valid.unsqueeze(-1), kv, torch.zeros_like(kv))
+        scores = torch.einsum("thd,tkd->thk", q[sl].to(cdt), kv) * softmax_scale
+        p, l = _softmax_rows(scores, valid.unsqueeze(1))
+        out[sl] = torch.einsum("thk,tkd->thd", p, kv[..., :head_dim_v])
+        lse[sl] = l.to(lse.dtype)
+    return out, lse
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged attention over packed sequences (MHA or GQA; q/k head dim may differ from v's).
+
+    q: [Tq, H, Dqk], k: [Tk, Hk, Dqk], v: [Tk, Hk, Dv] with H a multiple of Hk; sequence b owns rows
+    cu_seqlens_q[b]:cu_seqlens_q[b+1] of q and cu_seqlens_k[b]:cu_seqlens_k[b+1] of k and v.
+    Returns out [Tq, H, Dv] and lse [Tq, H] in the compute dtype. Reads the lengths on the host.
+    """
+    cdt = _compute_dtype(q)
+    Tq, H, _ = q.shape
+    Hk, Dv = k.shape[1], v.shape[2]
+    group = H // Hk
+    out = torch.zeros(Tq, H, Dv, dtype=cdt, device=q.device)
+    lse = torch.full((Tq, H), float("-inf"), dtype=torch.float32 if cdt == torch.float32 else cdt, device=q.device)
+    cq = cu_seqlens_q.tolist()
+    ck = cu_seqlens_k.tolist()
+    for b in range(len(cq) - 1):
+        q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        lq, lk = q1 - q0, k1 - k0
+        if lq == 0:
+            continue
+        qb = q[q0:q1].to(cdt)
+        kb = k[k0:k1].to(cdt).repeat_interleave(group, dim=1)
+        vb = v[k0:k1].to(cdt).repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", qb, kb) * softmax_scale
+        valid = torch.ones(lq, lk, dtype=torch.bool, device=q.device)
+        if causal:
+            valid = torch.arange(lk, device=q.device).unsqueeze(0) <= (
+                torch.arange(lq, device=q.device).unsqueeze(1) + (lk - lq))
+        p, l = _softmax_rows(scores, valid.unsqueeze(0))
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", p, vb)
+        lse[q0:q1] = l.transpose(0, 1).to(lse.dtype)
+    return out, lse
+
+
+def merge_state(
+    v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two partial attention results over disjoint key sets.
+
+    v_*: [T, H, D], s_*: [T, H] natural-log LSE. An empty state (LSE -inf) contributes nothing;
+    two empty states give output 0 and LSE -inf. Returns (v, s) in float32 (float64 for float64 inputs).
+    """
+    cdt = _compute_dtype(v_a)
+    s_a = s_a.to(cdt)
+    s_b = s_b.to(cdt)
+    m = torch.maximum(s_a, s_b)
+    empty = torch.isneginf(m)
+    m_safe = torch.where(empty, torch.zeros_like(m), m)
+    w_a = torch.exp(s_a - m_safe)
+    w_b = torch.exp(s_b - m_safe)
+    total = w_a + w_b
+    inv = torch.where(empty, torch.zeros_like(total), 1.0 / torch.where(empty, torch.ones_like(total), total))
+    zero = torch.zeros((), dtype=cdt, device=v_a.device)
+    # Empty states may carry garbage values (even NaN): select instead of multiplying by a zero weight.
+    part_a = torch.where((w_a > 0).unsqueeze(-1), v_a.to(cdt) * (w_a * inv).unsqueeze(-1), zero)
+    part_b = torch.where((w_b > 0).unsqueeze(-1), v_b.to(cdt) * (w_b * inv).unsqueeze(-1), zero)
+    s = torch.where(empty, m, m_safe + torch.log(torch.where(empty, torch.ones_like(total), total)))
+    return part_a + part_b, s

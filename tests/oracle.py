@@ -1,0 +1,277 @@
+"""An independent dense float64 oracle for pagedmla's attention ops, and random paged-cache builders.
+
+Nothing here imports ``pagedmla``: the functions are deliberately naive (a Python loop per query token,
+explicit max / exp / sum softmax in float64) so that they share no code and no vectorisation trick with
+``pagedmla.reference`` or the kernels they judge.
+
+Conventions (DESIGN §2), mirrored exactly:
+  * LSE is the natural log of the softmax denominator over *scaled* scores;
+  * a query row that sees no key has output 0 and LSE ``-inf``;
+  * causal masking is bottom-right aligned: with ``n`` queries over ``L`` keys, query ``i`` is the
+    token at position ``L - n + i`` and sees keys ``0 .. L - n + i`` (none when that is negative).
+
+Public API
+  dense_absorbed(q, kv_rows, scale, causal, dv)           one request, absorbed MLA (single latent head)
+  dense_paged(q, qo_indptr, rows, scale, causal, dv)      a packed batch of requests (calls dense_absorbed)
+  dense_mha(q, k, v, scale, causal)                       one sequence, MHA / GQA
+  dense_varlen(q, k, v, cu_q, cu_k, scale, causal)        a packed batch of sequences (calls dense_mha)
+  dense_merge(v_a, s_a, v_b, s_b)                         combine two attention states
+  make_paged_cache(seq_lens, page_size, D, dtype, ...)    random paged latent cache poisoned with NaN
+  gather_rows(k_cache, block_table, seq_lens)             read a request's rows back through its pages
+  assert_attention_close(out, lse, ref_out, ref_lse, ...) the comparison every test uses
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Sequence
+
+import torch
+
+F64 = torch.float64
+NEG_INF = float("-inf")
+
+# Relative tolerances by input dtype: float64 inputs are computed in float64, float32 in float32.
+TOLERANCES = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Dense attention
+# ----------------------------------------------------------------------------------------------------
+
+def _attend(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores [H, m] (already scaled, all visible), values [H, m, dv] or [m, dv] -> out [H, dv], lse [H]."""
+    m = scores.max(dim=-1, keepdim=True).values
+    p = torch.exp(scores - m)
+    denom = p.sum(dim=-1)
+    if values.dim() == 2:
+        out = (p @ values) / denom.unsqueeze(-1)
+    else:
+        out = torch.einsum("hm,hmd->hd", p, values) / denom.unsqueeze(-1)
+    return out, m.squeeze(-1) + torch.log(denom)
+
+
+def _visible(L: int, n: int, i: int, causal: bool) -> int:
+    """Number of keys (a prefix 0..k-1) that query i of n (the last n of L tokens) sees."""
+    if not causal:
+        return L
+    return max(0, min(L, L - n + i + 1))
+
+
+def dense_absorbed(q: torch.Tensor, kv_rows: torch.Tensor, scale: float, causal: bool, dv: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA attention of one request over its latent rows, in float64.
+
+    q: [n, H, D] query tokens, the last n tokens of the sequence; kv_rows: [L, D] latent rows (key = the
+    whole row, value = its first ``dv`` columns); n may exceed L (early queries then see nothing when
+    causal). Returns out [n, H, dv] and lse [n, H] (float64).
+    """
+    n, H, D = q.shape
+    L = kv_rows.shape[0]
+    assert kv_rows.dim() == 2 and kv_rows.shape[1] == D, (tuple(kv_rows.shape), D)
+    q64, kv64 = q.to(F64), kv_rows.to(F64)
+    out = torch.zeros(n, H, dv, dtype=F64)
+    lse = torch.full((n, H), NEG_INF, dtype=F64)
+    for i in range(n):
+        m = _visible(L, n, i, causal)
+        if m == 0:
+            continue
+        keys = kv64[:m]
+        scores = (q64[i] @ keys.T) * scale  # [H, m]
+        out[i], lse[i] = _attend(scores, keys[:, :dv])
+    return out, lse
+
+
+def dense_paged(q: torch.Tensor, qo_indptr: Sequence[int], rows: Sequence[torch.Tensor], scale: float,
+                causal: bool, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """dense_absorbed over a packed batch: request b owns q rows qo_indptr[b]:qo_indptr[b+1] and KV rows[b].
+
+    Returns out [T, H, dv] and lse [T, H] (float64).
+    """
+    qo = [int(x) for x in qo_indptr]
+    T, H, _ = q.shape
+    assert qo[0] == 0 and qo[-1] == T and len(qo) == len(rows) + 1
+    out = torch.zeros(T, H, dv, dtype=F64)
+    lse = torch.full((T, H), NEG_INF, dtype=F64)
+    for b, kv in enumerate(rows):
+        if qo[b + 1] > qo[b]:
+            out[qo[b]:qo[b + 1]], lse[qo[b]:qo[b + 1]] = dense_absorbed(q[qo[b]:qo[b + 1]], kv, scale, causal, dv)
+    return out, lse
+
+
+def dense_mha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one sequence: q [n, H, Dqk], k [L, Hk, Dqk], v [L, Hk, Dv]; q head h uses KV head
+    h // (H // Hk). Bottom-right causal as everywhere. Returns out [n, H, Dv], lse [n, H] (float64)."""
+    n, H, _ = q.shape
+    L, Hk, _ = k.shape
+    assert H % Hk == 0
+    kv_head = torch.arange(H) // (H // Hk)
+    k64 = k.to(F64)[:, kv_head].transpose(0, 1)  # [H, L, Dqk]
+    v64 = v.to(F64)[:, kv_head].transpose(0, 1)  # [H, L, Dv]
+    out = torch.zeros(n, H, v.shape[2], dtype=F64)
+    lse = torch.full((n, H), NEG_INF, dtype=F64)
+    for i in range(n):
+        m = _visible(L, n, i, causal)
+        if m == 0:
+            continue
+        scores = torch.einsum("hd,hmd->hm", q[i].to(F64), k64[:, :m]) * scale
+        out[i], lse[i] = _attend(scores, v64[:, :m])
+    return out, lse
+
+
+def dense_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Sequence[int], cu_k: Sequence[int],
+                 scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """dense_mha over packed sequences (FlashAttention varlen layout). Returns out [Tq, H, Dv], lse [Tq, H]."""
+    cq, ck = [int(x) for x in cu_q], [int(x) for x in cu_k]
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=F64)
+    lse = torch.full((q.shape[0], q.shape[1]), NEG_INF, dtype=F64)
+    for b in range(len(cq) - 1):
+        if cq[b + 1] > cq[b]:
+            o, s = dense_mha(q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]], scale, causal)
+            out[cq[b]:cq[b + 1]], lse[cq[b]:cq[b + 1]] = o, s
+    return out, lse
+
+
+def dense_merge(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two states over disjoint key sets: v [T, H, D], s [T, H] natural-log LSE.
+
+    A state with LSE -inf is empty: its values are ignored (whatever they hold). Two empty states give
+    0 and -inf. Computed row by row in float64. Returns (v [T, H, D], s [T, H]).
+    """
+    T, H, D = v_a.shape
+    out = torch.zeros(T, H, D, dtype=F64)
+    lse = torch.full((T, H), NEG_INF, dtype=F64)
+    for t in range(T):
+        for h in range(H):
+            a, b = float(s_a[t, h]), float(s_b[t, h])
+            if a == NEG_INF and b == NEG_INF:
+                continue
+            if b == NEG_INF:
+                out[t, h], lse[t, h] = v_a[t, h].to(F64), a
+                continue
+            if a == NEG_INF:
+                out[t, h], lse[t, h] = v_b[t, h].to(F64), b
+                continue
+            m = max(a, b)
+            wa, wb = math.exp(a - m), math.exp(b - m)
+            out[t, h] = (wa * v_a[t, h].to(F64) + wb * v_b[t, h].to(F64)) / (wa + wb)
+            lse[t, h] = m + math.log(wa + wb)
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------------------
+# Random paged caches
+# ----------------------------------------------------------------------------------------------------
+
+class PagedCache(NamedTuple):
+    """k_cache [num_pages, page_size, 1, D]; block_table int32 [bs, max_pages]; rows[b] float64 [L_b, D]
+    (the exact values stored, upcast); pages[b] the page ids request b reads, in order; poison_pages the
+    ids whose every slot is NaN (page 0 and the extra pages)."""
+
+    k_cache: torch.Tensor
+    block_table: torch.Tensor
+    rows: list
+    pages: list
+    poison_pages: list
+
+
+def make_paged_cache(seq_lens: Sequence[int], page_size: int, D: int, dtype: torch.dtype = torch.float32, *,
+                     extra_pages: int = 3, max_pages: int | None = None, generator: torch.Generator | None = None,
+                     scale: float = 1.0) -> PagedCache:
+    """A random paged latent cache holding ``len(seq_lens)`` requests.
+
+    * Page 0 is reserved and, like ``extra_pages`` further pages no request owns, is entirely NaN.
+    * Each request gets ceil(L / page_size) pages drawn from a random permutation of the page ids, so
+      its pages are scattered and out of order; the slots after its last token are NaN too. Hence any
+      read of a slot that is not one of the request's first L tokens poisons the result.
+    * block_table is int32 [bs, max_pages] (max_pages defaults to the largest need plus one); entries past
+      a request's pages hold random poisoned page ids (0 or one of the extra pages).
+    * Values are ``scale * randn`` cast to ``dtype``; ``rows`` holds them back in float64, exactly.
+
+    Returns a PagedCache (unpacks as k_cache, block_table, rows, pages, poison_pages).
+    """
+    lens = [int(x) for x in seq_lens]
+    assert all(x >= 0 for x in lens) and page_size >= 1
+    need = [-(-x // page_size) for x in lens]
+    width = max(need, default=0) + 1 if max_pages is None else max_pages
+    assert width >= max(need, default=0)
+    num_pages = 1 + sum(need) + extra_pages
+    perm = (torch.randperm(num_pages - 1, generator=generator) + 1).tolist()
+    owned, cursor = [], 0
+    for n in need:
+        owned.append(perm[cursor:cursor + n])
+        cursor += n
+    poison = [0] + perm[cursor:]
+
+    k_cache = torch.full((num_pages, page_size, 1, D), float("nan"), dtype=dtype)
+    rows, block_table = [], torch.zeros(len(lens), width, dtype=torch.int32)
+    for b, (L, pages) in enumerate(zip(lens, owned)):
+        data = (torch.randn(L, D, generator=generator, dtype=F64) * scale).to(dtype)
+        for j, page in enumerate(pages):
+            chunk = data[j * page_size:(j + 1) * page_size]
+            k_cache[page, : chunk.shape[0], 0] = chunk
+        rows.append(data.to(F64))
+        fill = torch.randint(0, len(poison), (width,), generator=generator)
+        block_table[b] = torch.tensor([poison[i] for i in fill.tolist()], dtype=torch.int32)
+        if pages:
+            block_table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+    return PagedCache(k_cache, block_table, rows, owned, poison)
+
+
+def gather_rows(k_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: Sequence[int]) -> list:
+    """Read each request's first L latent rows through its block-table row: float64 [L, D] per request.
+
+    k_cache is the paged view [num_pages, page_size, 1, D] (view a flat [num_slots, 1, D] buffer as that
+    first, e.g. ``MLAKVCache.paged_view``). A plain Python loop over tokens, independent of the kernels."""
+    assert k_cache.dim() == 4, "pass the paged view [num_pages, page_size, 1, D]"
+    page_size = k_cache.shape[1]
+    table = block_table.tolist()
+    out = []
+    for b, L in enumerate(int(x) for x in seq_lens):
+        rows = [k_cache[table[b][pos // page_size], pos % page_size, 0] for pos in range(L)]
+        out.append(torch.stack(rows).to(F64) if rows else torch.zeros(0, k_cache.shape[-1], dtype=F64))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Comparison
+# ----------------------------------------------------------------------------------------------------
+
+def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| / max |expected| (the denominator floored at 1e-3); inf if shapes differ."""
+    if tuple(actual.shape) != tuple(expected.shape):
+        return float("inf")
+    if expected.numel() == 0:
+        return 0.0
+    diff = (actual.to(F64) - expected.to(F64)).abs().max().item()
+    return diff / max(expected.to(F64).abs().max().item(), 1e-3)
+
+
+def assert_attention_close(out: torch.Tensor, lse: torch.Tensor | None, ref_out: torch.Tensor,
+                           ref_lse: torch.Tensor | None, rtol: float, what: str = "") -> None:
+    """Check an op's (out, lse) against the oracle.
+
+    out must match shape, be free of NaN/inf and be within ``rtol`` relative (see rel_error); lse must
+    be -inf exactly where the oracle's is, finite elsewhere, and within rtol * (1 + |lse|) there.
+    """
+    tag = f" [{what}]" if what else ""
+    assert tuple(out.shape) == tuple(ref_out.shape), f"out shape {tuple(out.shape)} != {tuple(ref_out.shape)}{tag}"
+    assert torch.isfinite(out).all(), f"out has non-finite values{tag}"
+    err = rel_error(out, ref_out)
+    assert err <= rtol, f"out relative error {err:.3e} > {rtol:.1e}{tag}"
+    if lse is None:
+        return
+    assert ref_lse is not None
+    assert tuple(lse.shape) == tuple(ref_lse.shape), f"lse shape {tuple(lse.shape)} != {tuple(ref_lse.shape)}{tag}"
+    ref_empty = torch.isneginf(ref_lse)
+    got_empty = torch.isneginf(lse)
+    assert torch.equal(got_empty, ref_empty), f"lse is -inf at {int(got_empty.sum())} rows, oracle at " \
+                                              f"{int(ref_empty.sum())}{tag}"
+    finite = ~ref_empty
+    assert torch.isfinite(lse[finite]).all(), f"lse has NaN/inf where the oracle is finite{tag}"
+    if finite.any():
+        a, e = lse[finite].to(F64), ref_lse[finite].to(F64)
+        lerr = ((a - e).abs() / (1 + e.abs())).max().item()
+        assert lerr <= rtol, f"lse relative error {lerr:.3e} > {rtol:.1e}{tag}"

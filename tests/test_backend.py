@@ -1,0 +1,353 @@
+"""MLABackend on the torch provider: every mode against a dense float64 computation over each request's
+full history, kept outside the cache (a shadow), with NaN-poisoned unused slots and permuted pages."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import pytest
+import torch
+from oracle import dense_absorbed, dense_mha
+
+from pagedmla import MLAConfig, MLAKVCache, PageAllocator, RequestTable
+from pagedmla.backend import ForwardBatch, ForwardMode, MLABackend, available_backends, create_backend, register_backend
+
+ROPE = 64
+LORA = 512
+NOPE = 128
+VDIM = 128
+
+
+class Harness:
+    """Backend + cache + allocator + request table, and a float64 shadow of every request's latent rows."""
+
+    def __init__(self, heads=4, page_size=16, num_pages=96, max_context=512, num_draft_tokens=0, is_draft=False,
+                 extend_prefix_mode="auto", capacity=32768, seed=0, max_bs=16):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.rng = random.Random(seed)
+        self.cfg = MLAConfig(num_heads=heads, page_size=page_size, dtype="float32", max_context_len=max_context,
+                             max_batch_size=max_bs, num_draft_tokens=num_draft_tokens, is_draft=is_draft,
+                             extend_prefix_mode=extend_prefix_mode, chunked_prefix_capacity=capacity)
+        self.backend = MLABackend(self.cfg, provider="torch")
+        self.cache = MLAKVCache(1, num_pages, page_size, LORA + ROPE, torch.float32)
+        self.cache.buffers[0].fill_(float("nan"))
+        self.alloc = PageAllocator(num_pages)
+        # Shuffle the free list so that requests get scattered, non-monotone pages.
+        self.rng.shuffle(self.alloc._free)
+        self.table = RequestTable(self.alloc, page_size, max_bs, self.cfg.max_pages_per_request)
+        self.hist: dict[int, torch.Tensor] = {}
+        self.w_kv = torch.randn(LORA, heads, NOPE + VDIM, generator=self.gen, dtype=torch.float64) / LORA ** 0.5
+
+    @property
+    def heads(self) -> int:
+        return self.cfg.num_local_heads
+
+    def add(self) -> int:
+        slot = self.table.add_request()
+        self.hist[slot] = torch.zeros(0, LORA + ROPE, dtype=torch.float64)
+        return slot
+
+    def remove(self, slot: int) -> None:
+        self.table.free_request(slot)
+        del self.hist[slot]
+
+    def rand(self, *shape) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen, dtype=torch.float64)
+
+    def decompress(self, rows: torch.Tensor):
+        kv = torch.einsum("nc,chd->nhd", rows[:, :LORA].to(torch.float64), self.w_kv)
+        k = torch.cat([kv[..., :NOPE], rows[:, None, LORA:].to(torch.float64).expand(-1, self.heads, -1)], -1)
+        return k.to(rows.dtype), kv[..., NOPE:].to(rows.dtype)
+
+    def live_hashes(self, exclude: torch.Tensor) -> dict[int, str]:
+        """Hash of each live request's cached rows, leaving out the slots this step writes."""
+        skip = set(exclude.tolist())
+        flat = self.cache.buffers[0].view(-1, LORA + ROPE)
+        out = {}
+        for slot, hist in self.hist.items():
+            slots = [s for s in self.table.token_slots(slot, 0, hist.shape[0]).tolist() if s not in skip]
+            out[slot] = hashlib.sha1(flat[slots].numpy().tobytes()).hexdigest()
+        return out
+
+    def step(self, mode: ForwardMode, slots: list[int], new: list[int], num_extends: int = 0, form_check=None):
+        """Run one step in which request slots[i] appends new[i] tokens; checks output and cache safety."""
+        pre = [self.hist[s].shape[0] for s in slots]
+        seq = [p + n for p, n in zip(pre, new)]
+        locs = []
+        for s, p, n in zip(slots, pre, new):
+            self.table.ensure_capacity(s, p + n)
+            locs.append(self.table.token_slots(s, p, p + n))
+        loc = torch.cat(locs) if locs else torch.zeros(0, dtype=torch.int64)
+        before = self.live_hashes(loc)
+        batch = ForwardBatch(mode, torch.tensor(slots, dtype=torch.int64), torch.tensor(seq, dtype=torch.int32),
+                             self.table.block_table, seq_lens_cpu=seq,
+                             extend_seq_lens_cpu=new[:num_extends] if mode == ForwardMode.MIXED else new,
+                             extend_prefix_lens_cpu=pre[:num_extends] if mode == ForwardMode.MIXED else pre,
+                             num_extends=num_extends)
+        self.backend.init_forward_metadata(batch)
+        form = self.backend.attention_form
+        if form_check is not None:
+            assert form == form_check
+        T = sum(new)
+        latent = self.rand(T, LORA + ROPE)
+        for s, rows in zip(slots, latent.split(new)):
+            self.hist[s] = torch.cat([self.hist[s], rows])
+        if form == "absorbed":
+            q = self.rand(T, self.heads, LORA + ROPE)
+            out = self.backend.forward(q.float(), latent.float()[:, None], None, 0, loc, self.cache)
+            out = out.view(T, self.heads, LORA).double()
+            refs = [dense_absorbed(qr, self.hist[s], self.cfg.softmax_scale, True, LORA)[0]
+                    for s, qr in zip(slots, q.split(new))]
+        else:
+            q = self.rand(T, self.heads, NOPE + ROPE)
+            k, v = self.decompress(latent)
+            out = self.backend.forward(q.float(), k.float(), v.float(), 0, loc, self.cache, latent=latent.float(),
+                                       kv_decompress=self.decompress)
+            out = out.view(T, self.heads, VDIM).double()
+            refs = []
+            for s, qr in zip(slots, q.split(new)):
+                kh, vh = self.decompress(self.hist[s])
+                refs.append(dense_mha(qr, kh, vh, self.cfg.softmax_scale, True)[0])
+        ref = torch.cat(refs) if refs else out
+        err = ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+        assert err < 1e-5, f"{mode} {form}: relative error {err}"
+        after = self.live_hashes(loc)
+        assert {s: before[s] for s in before if s in after} == {s: after[s] for s in before if s in after}
+        flat = self.cache.buffers[0].view(-1, LORA + ROPE)
+        assert torch.equal(flat[loc], latent.float())
+        return form
+
+
+@pytest.mark.parametrize("heads", [1, 3, 16, 128])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_each_mode_against_dense(heads, page_size):
+    h = Harness(heads=heads, page_size=page_size, num_pages=4096 // page_size + 8, num_draft_tokens=3,
+                seed=heads * 1000 + page_size)
+    lens = [1, page_size - 1 if page_size > 1 else 2, page_size, page_size + 1, h.rng.randint(2, 90)]
+    slots = [h.add() for _ in lens]
+    assert h.step(ForwardMode.EXTEND, slots, lens) == "mha"
+    h.step(ForwardMode.DECODE, slots, [1] * len(slots))
+    h.step(ForwardMode.TARGET_VERIFY, slots, [3] * len(slots))
+    h.backend.config.extend_prefix_mode = "absorbed"
+    assert h.step(ForwardMode.EXTEND, slots, [h.rng.randint(1, 4) for _ in slots]) == "absorbed"
+    h.backend.config.extend_prefix_mode = "chunked"
+    assert h.step(ForwardMode.EXTEND, slots, [h.rng.randint(1, 4) for _ in slots]) == "chunked"
+    h.step(ForwardMode.MIXED, slots, [5, 2, 1, 1, 1], num_extends=2)
+
+
+@pytest.mark.parametrize("q_len", [2, 3, 4])
+def test_target_verify_uses_configured_draft_tokens(q_len):
+    h = Harness(heads=16, num_draft_tokens=q_len, seed=q_len)
+    slots = [h.add() for _ in range(3)]
+    h.step(ForwardMode.EXTEND, slots, [5, 17, 33])
+    h.step(ForwardMode.TARGET_VERIFY, slots, [q_len] * 3)
+    assert h.backend.metadata.q_len == q_len
+    # A q sized for another draft count is rejected instead of silently misread.
+    with pytest.raises(ValueError, match="q"):
+        h.backend.forward_decode(torch.randn(3 * (q_len + 1), 16, 576), torch.randn(3 * (q_len + 1), 1, 576),
+                                 None, 0, torch.zeros(3 * (q_len + 1), dtype=torch.int64), h.cache, 3)
+
+
+def test_chunked_prefix_uses_token_slots_and_many_loops():
+    # A capacity of 24 tokens over 3 extends gives 8-token chunks: a 70-token prefix takes 9 loops.
+    h = Harness(heads=4, page_size=16, extend_prefix_mode="chunked", capacity=24, seed=7)
+    slots = [h.add() for _ in range(3)]
+    h.step(ForwardMode.EXTEND, slots, [70, 0, 9])
+    h.step(ForwardMode.EXTEND, slots, [6, 4, 3], form_check="chunked")
+    chunks = h.backend.prefix_chunks
+    assert len(chunks) == 9
+    gathered = torch.cat([c.slots for c in chunks])
+    for i, s in enumerate(slots):
+        prefix = h.hist[s].shape[0] - [6, 4, 3][i]
+        expect = h.table.token_slots(s, 0, prefix)
+        got = torch.cat([c.slots[c.cu_seqlens[i]:c.cu_seqlens[i + 1]] for c in chunks])
+        assert torch.equal(got, expect), "chunk lists must hold token slots, not page ids"
+    assert gathered.numel() == 70 + 0 + 9
+
+
+def test_zero_length_and_idle_batches():
+    h = Harness(seed=3)
+    h.backend.init_forward_metadata(ForwardBatch(ForwardMode.IDLE, torch.zeros(0, dtype=torch.int64),
+                                                 torch.zeros(0, dtype=torch.int32), h.table.block_table))
+    out = h.backend.forward_extend(torch.zeros(0, 4, 576), None, None, 0, torch.zeros(0, dtype=torch.int64), h.cache)
+    assert out.shape == (0, 4 * 512)
+    slots = [h.add() for _ in range(2)]
+    # A request with no new tokens inside an extend batch (its prefix is simply cached).
+    h.step(ForwardMode.EXTEND, slots, [4, 0])
+    h.step(ForwardMode.EXTEND, slots, [0, 6])
+
+
+def test_sequence_of_steps_with_requests_coming_and_going():
+    h = Harness(heads=16, page_size=16, num_pages=40, num_draft_tokens=2, seed=11)
+    rng = h.rng
+    live: list[int] = []
+    used_pages: set[int] = set()
+    reused = False
+    for step in range(24):
+        if len(live) < 4 or rng.random() < 0.3:
+            new_slots = [h.add() for _ in range(rng.randint(1, 2))]
+            h.step(ForwardMode.EXTEND, new_slots, [rng.randint(1, 40) for _ in new_slots])
+            for s in new_slots:
+                pages = set(h.table.pages[s])
+                reused |= bool(pages & used_pages)
+            live += new_slots
+        kind = step % 4
+        if kind == 2:
+            h.step(ForwardMode.TARGET_VERIFY, live, [2] * len(live))
+        elif kind == 3 and len(live) > 1:
+            h.step(ForwardMode.MIXED, live, [rng.randint(1, 5)] + [1] * (len(live) - 1), num_extends=1)
+        else:
+            h.step(ForwardMode.DECODE, live, [1] * len(live))
+        if len(live) > 3:
+            victim = live.pop(rng.randrange(len(live)))
+            used_pages |= set(h.table.pages[victim])
+            h.remove(victim)
+    assert reused, "freed pages were expected to be handed to later requests"
+    owned = [p for s in h.table.pages for p in h.table.pages[s]]
+    assert len(owned) == len(set(owned)) == h.alloc.num_used
+
+
+def test_cuda_graph_replay_equals_eager_and_reuses_buffers():
+    h = Harness(heads=16, page_size=16, num_pages=64, num_draft_tokens=2, seed=5, max_bs=8)
+    slots = [h.add() for _ in range(5)]
+    h.step(ForwardMode.EXTEND, slots, [3, 20, 33, 16, 1])
+    be = h.backend
+    be.init_cuda_graph_state(max_bs=8)
+    g = be._graph
+    buffers = [g.seq_lens.data_ptr(), g.block_table.data_ptr(), g.tile_scheduler_metadata.data_ptr(),
+               g.num_splits.data_ptr()]
+    fill = be.get_cuda_graph_seq_len_fill_value()
+    be.init_forward_metadata_capture_cuda_graph(8, torch.zeros(8, dtype=torch.int64),
+                                                torch.full((8,), fill, dtype=torch.int32), ForwardMode.DECODE)
+    be.init_forward_metadata_capture_cuda_graph(4, torch.zeros(4, dtype=torch.int64),
+                                                torch.full((4,), fill, dtype=torch.int32), ForwardMode.TARGET_VERIFY)
+    for mode, bs, q_len, real in ((ForwardMode.DECODE, 8, 1, slots), (ForwardMode.TARGET_VERIFY, 4, 2, slots[:3])):
+        for _ in range(2):
+            raw = len(real)
+            pre = [h.hist[s].shape[0] for s in real]
+            seq = [p + q_len for p in pre]
+            for s, n in zip(real, seq):
+                h.table.ensure_capacity(s, n)
+            loc = torch.cat([h.table.token_slots(s, p, p + q_len) for s, p in zip(real, pre)])
+            # Padded rows write their rows to slot 0 of the reserved page.
+            loc_padded = torch.cat([loc, torch.zeros((bs - raw) * q_len, dtype=torch.int64)])
+            q = h.rand(bs * q_len, 16, 576).float()
+            lat = h.rand(bs * q_len, 576).float()
+            before = h.live_hashes(loc)
+            # The engine's block table may be narrower than the graph buffers: copy what it has.
+            narrow = h.table.block_table[:, :20].clone()
+            be.init_forward_metadata_replay_cuda_graph(bs, torch.tensor(real), torch.tensor(seq, dtype=torch.int32),
+                                                       mode, narrow, raw_bs=raw)
+            graph_out = be.forward(q, lat[:, None], None, 0, loc_padded, h.cache)[: raw * q_len]
+            assert [g.seq_lens.data_ptr(), g.block_table.data_ptr(), g.tile_scheduler_metadata.data_ptr(),
+                    g.num_splits.data_ptr()] == buffers
+            after = h.live_hashes(loc)
+            assert before == after, "padded rows must not touch live requests' pages"
+            eager = ForwardBatch(mode, torch.tensor(real), torch.tensor(seq, dtype=torch.int32), h.table.block_table,
+                                 seq_lens_cpu=seq)
+            be.init_forward_metadata(eager)
+            eager_out = be.forward(q[: raw * q_len], lat[: raw * q_len, None], None, 0, loc, h.cache)
+            assert torch.allclose(graph_out, eager_out, rtol=1e-6, atol=1e-6)
+            for s, rows in zip(real, lat[: raw * q_len].double().split(q_len)):
+                h.hist[s] = torch.cat([h.hist[s], rows])
+            ref = torch.cat([dense_absorbed(qr.double(), h.hist[s], h.cfg.softmax_scale, True, LORA)[0]
+                             for s, qr in zip(real, q[: raw * q_len].split(q_len))])
+            rel = (eager_out.view_as(ref).double() - ref).norm() / ref.norm()
+            assert rel < 1e-5
+
+
+def test_decode_planning_never_synchronises(monkeypatch):
+    h = Harness(heads=16, num_draft_tokens=2, seed=9)
+    slots = [h.add() for _ in range(3)]
+    h.step(ForwardMode.EXTEND, slots, [5, 9, 40])
+    for s in slots:
+        h.table.ensure_capacity(s, h.hist[s].shape[0] + 2)
+    seq = torch.tensor([h.hist[s].shape[0] + 2 for s in slots], dtype=torch.int32)
+    h.backend.init_cuda_graph_state(4)
+    h.backend.init_forward_metadata_capture_cuda_graph(4, torch.zeros(4, dtype=torch.int64),
+                                                       torch.ones(4, dtype=torch.int32), ForwardMode.TARGET_VERIFY)
+
+    def no_sync(*args, **kwargs):
+        raise AssertionError("host synchronisation during planning")
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "numpy", "cpu"):
+        monkeypatch.setattr(torch.Tensor, name, no_sync)
+    batch = ForwardBatch(ForwardMode.TARGET_VERIFY, torch.tensor(slots), seq, h.table.block_table)
+    h.backend.init_forward_metadata(batch)
+    h.backend.init_forward_metadata_replay_cuda_graph(4, torch.tensor(slots), seq, ForwardMode.TARGET_VERIFY,
+                                                      h.table.block_table, raw_bs=3)
+
+
+def test_override_num_extends():
+    h = Harness(seed=13)
+    slots = [h.add() for _ in range(3)]
+    h.step(ForwardMode.EXTEND, slots, [4, 5, 6])
+    pre = [h.hist[s].shape[0] for s in slots]
+    seq = [p + n for p, n in zip(pre, [3, 2, 1])]
+    batch = ForwardBatch(ForwardMode.MIXED, torch.tensor(slots), torch.tensor(seq, dtype=torch.int32),
+                         h.table.block_table, seq_lens_cpu=seq, extend_seq_lens_cpu=[3, 2],
+                         extend_prefix_lens_cpu=pre[:2], num_extends=0)
+    with h.backend.override_num_extends(2):
+        h.backend.init_forward_metadata(batch)
+    assert h.backend.metadata.qo_indptr.tolist() == [0, 3, 5, 6]
+    with pytest.raises(ValueError, match="extend_seq_lens_cpu"):
+        h.backend.init_forward_metadata(batch)
+
+
+def test_registry_and_construction_errors():
+    cfg = MLAConfig(num_heads=8, dtype="float32")
+    assert "pagedmla" in available_backends()
+    assert isinstance(create_backend("pagedmla", cfg, provider="torch"), MLABackend)
+
+    class Custom(MLABackend):
+        pass
+
+    register_backend("custom-test", Custom)
+    assert isinstance(create_backend("custom-test", cfg), Custom)
+    with pytest.raises(ValueError, match="name"):
+        create_backend("nope", cfg)
+    with pytest.raises(TypeError, match="cls"):
+        register_backend("bad", object)
+    with pytest.raises(TypeError, match="config"):
+        MLABackend({"num_heads": 8})
+    with pytest.raises(ValueError, match="provider"):
+        MLABackend(cfg, provider="nonexistent")
+
+
+def test_plan_rejects_inconsistent_batches():
+    h = Harness(seed=17)
+    slots = [h.add() for _ in range(2)]
+    for s in slots:
+        h.table.ensure_capacity(s, 40)
+    bt = h.table.block_table
+    idx = torch.tensor(slots)
+    lens = torch.tensor([10, 40], dtype=torch.int32)
+    be = h.backend
+    with pytest.raises(ValueError, match="seq_lens_cpu"):
+        be.init_forward_metadata(ForwardBatch(ForwardMode.EXTEND, idx, lens, bt))
+    with pytest.raises(ValueError, match="extend_seq_lens_cpu"):
+        be.init_forward_metadata(ForwardBatch(ForwardMode.EXTEND, idx, lens, bt, [10, 40], [10, 30], [0, 0]))
+    with pytest.raises(ValueError, match="seq_lens_cpu"):
+        be.init_forward_metadata(ForwardBatch(ForwardMode.EXTEND, idx, lens, bt, [10, 10_000], [10, 10_000], [0, 0]))
+    with pytest.raises(ValueError, match="seq_lens"):
+        be.init_forward_metadata(ForwardBatch(ForwardMode.DECODE, idx, lens.long(), bt))
+    with pytest.raises(ValueError, match="TARGET_VERIFY"):
+        be.init_forward_metadata(ForwardBatch(ForwardMode.TARGET_VERIFY, idx, lens, bt))
+    with pytest.raises(ValueError, match="DRAFT_EXTEND"):
+        be.init_forward_metadata(ForwardBatch(ForwardMode.DRAFT_EXTEND, idx, lens, bt, [10, 40], [1, 1]))
+    be.init_forward_metadata(ForwardBatch(ForwardMode.DECODE, idx, lens, bt))
+    with pytest.raises(ValueError, match="q"):
+        be.forward_decode(torch.randn(2, 5, 576), torch.randn(2, 1, 576), None, 0,
+                          torch.zeros(2, dtype=torch.int64), h.cache, 2)
+    with pytest.raises(ValueError, match="bs"):
+        be.forward_decode(torch.randn(2, 4, 576), torch.randn(2, 1, 576), None, 0,
+                          torch.zeros(2, dtype=torch.int64), h.cache, 3)
+
+
+def test_draft_extend_on_a_draft_backend():
+    h = Harness(heads=8, num_draft_tokens=3, is_draft=True, seed=19)
+    slots = [h.add() for _ in range(3)]
+    h.step(ForwardMode.EXTEND, slots, [9, 17, 2])
+    h.step(ForwardMode.DRAFT_EXTEND, slots, [1, 3, 2])
+    h.step(ForwardMode.DECODE, slots, [1, 1, 1])
