@@ -7,6 +7,8 @@ graph padding, idle rows) write there, so it may hold garbage but never a live r
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from pagedmla.ops import checks
@@ -20,6 +22,8 @@ class PageAllocator:
     """Hands out page ids 1..num_pages-1 with reference counts (shared prefix pages have count > 1).
 
     Freed pages are reused most-recently-freed first, so a finishing request's pages go to the next.
+    ``reclaim(n)``, when set (a prefix cache does), is asked to free up to ``n`` pages before an
+    allocation would fail.
     """
 
     def __init__(self, num_pages: int):
@@ -28,6 +32,7 @@ class PageAllocator:
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, 0, -1))
         self._refs = [0] * num_pages
+        self.reclaim: Callable[[int], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -44,6 +49,8 @@ class PageAllocator:
         """Take ``n`` free pages (reference count 1 each), or raise OutOfPagesError taking none."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"n: expected an int >= 0, got {n!r}")
+        if n > len(self._free) and self.reclaim is not None:
+            self.reclaim(n - len(self._free))
         if n > len(self._free):
             raise OutOfPagesError(f"need {n} pages, only {len(self._free)} of {self.num_pages - 1} are free")
         pages = [self._free.pop() for _ in range(n)]
@@ -92,6 +99,8 @@ class RequestTable:
                             ("max_pages_per_request", max_pages_per_request)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if page_size & (page_size - 1) or page_size > 256:
+            raise ValueError(f"page_size: expected a power of two between 1 and 256, got {page_size}")
         self.allocator = allocator
         self.page_size = page_size
         self.max_pages_per_request = max_pages_per_request
@@ -100,7 +109,9 @@ class RequestTable:
         self._free_slots = list(range(max_requests - 1, -1, -1))
 
     def add_request(self, shared_pages: list[int] | None = None) -> int:
-        """Open a request slot, optionally starting from shared prefix pages (referenced, not copied)."""
+        """Open a request slot, optionally starting from shared prefix pages (referenced, not copied).
+
+        Share only full pages: the request writes its next token into the page after them."""
         if not self._free_slots:
             raise OutOfPagesError(f"all {self.block_table.shape[0]} request slots are in use")
         shared = list(shared_pages or [])
@@ -116,6 +127,8 @@ class RequestTable:
     def ensure_capacity(self, slot: int, num_tokens: int) -> list[int]:
         """Grow request ``slot`` to hold ``num_tokens`` tokens; returns the newly allocated pages."""
         pages = self._pages(slot)
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens: expected a length >= 0, got {num_tokens!r}")
         need = -(-num_tokens // self.page_size)
         if need > self.max_pages_per_request:
             raise ValueError(f"num_tokens: {num_tokens} tokens need {need} pages, more than "

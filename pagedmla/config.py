@@ -30,6 +30,8 @@ def resolve_dtype(value: Any, name: str) -> torch.dtype:
     if isinstance(value, torch.dtype):
         if value in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)):
             raise ValueError(f"{name}: fp8 is not supported yet (got {value}); use bfloat16 or float16")
+        if not value.is_floating_point:
+            raise ValueError(f"{name}: expected a floating-point dtype, got {value}")
         return value
     if isinstance(value, str):
         key = value.lower().replace("torch.", "")
@@ -107,7 +109,8 @@ class MLAConfig:
             raise ValueError(f"kv_cache_dtype: expected bfloat16, float16 or float32, got {self.kv_cache_dtype}")
         if self.softmax_scale is None:
             self.softmax_scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5 * self.mscale ** 2
-        elif not (isinstance(self.softmax_scale, (int, float)) and self.softmax_scale > 0):
+        elif isinstance(self.softmax_scale, bool) or not (isinstance(self.softmax_scale, (int, float))
+                                                          and self.softmax_scale > 0):
             raise ValueError(f"softmax_scale: expected a positive float, got {self.softmax_scale!r}")
 
     @property

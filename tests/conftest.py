@@ -7,6 +7,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Each xdist worker gets one core; torch's own threads would only contend with the other worker.
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

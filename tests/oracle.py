@@ -10,6 +10,8 @@ Conventions (DESIGN §2), mirrored exactly:
   * causal masking is bottom-right aligned: with ``n`` queries over ``L`` keys, query ``i`` is the
     token at position ``L - n + i`` and sees keys ``0 .. L - n + i`` (none when that is negative).
 
+All functions accept tensors on any device and compute (and return) float64 on the CPU.
+
 Public API
   dense_absorbed(q, kv_rows, scale, causal, dv)           one request, absorbed MLA (single latent head)
   dense_paged(q, qo_indptr, rows, scale, causal, dv)      a packed batch of requests (calls dense_absorbed)
@@ -24,7 +26,8 @@ Public API
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -38,6 +41,11 @@ TOLERANCES = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-3, to
 # ----------------------------------------------------------------------------------------------------
 # Dense attention
 # ----------------------------------------------------------------------------------------------------
+
+def _cpu64(t: torch.Tensor) -> torch.Tensor:
+    """Any tensor (any device, any float dtype) as a float64 CPU tensor: the oracle always runs there."""
+    return t.detach().to(device="cpu", dtype=F64)
+
 
 def _attend(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """scores [H, m] (already scaled, all visible), values [H, m, dv] or [m, dv] -> out [H, dv], lse [H]."""
@@ -69,7 +77,7 @@ def dense_absorbed(q: torch.Tensor, kv_rows: torch.Tensor, scale: float, causal:
     n, H, D = q.shape
     L = kv_rows.shape[0]
     assert kv_rows.dim() == 2 and kv_rows.shape[1] == D, (tuple(kv_rows.shape), D)
-    q64, kv64 = q.to(F64), kv_rows.to(F64)
+    q64, kv64 = _cpu64(q), _cpu64(kv_rows)
     out = torch.zeros(n, H, dv, dtype=F64)
     lse = torch.full((n, H), NEG_INF, dtype=F64)
     for i in range(n):
@@ -107,15 +115,15 @@ def dense_mha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, c
     L, Hk, _ = k.shape
     assert H % Hk == 0
     kv_head = torch.arange(H) // (H // Hk)
-    k64 = k.to(F64)[:, kv_head].transpose(0, 1)  # [H, L, Dqk]
-    v64 = v.to(F64)[:, kv_head].transpose(0, 1)  # [H, L, Dv]
+    k64 = _cpu64(k)[:, kv_head].transpose(0, 1)  # [H, L, Dqk]
+    v64 = _cpu64(v)[:, kv_head].transpose(0, 1)  # [H, L, Dv]
     out = torch.zeros(n, H, v.shape[2], dtype=F64)
     lse = torch.full((n, H), NEG_INF, dtype=F64)
     for i in range(n):
         m = _visible(L, n, i, causal)
         if m == 0:
             continue
-        scores = torch.einsum("hd,hmd->hm", q[i].to(F64), k64[:, :m]) * scale
+        scores = torch.einsum("hd,hmd->hm", _cpu64(q[i]), k64[:, :m]) * scale
         out[i], lse[i] = _attend(scores, v64[:, :m])
     return out, lse
 
@@ -140,6 +148,7 @@ def dense_merge(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: to
     A state with LSE -inf is empty: its values are ignored (whatever they hold). Two empty states give
     0 and -inf. Computed row by row in float64. Returns (v [T, H, D], s [T, H]).
     """
+    v_a, s_a, v_b, s_b = _cpu64(v_a), _cpu64(s_a), _cpu64(v_b), _cpu64(s_b)
     T, H, D = v_a.shape
     out = torch.zeros(T, H, D, dtype=F64)
     lse = torch.full((T, H), NEG_INF, dtype=F64)
@@ -149,14 +158,14 @@ def dense_merge(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: to
             if a == NEG_INF and b == NEG_INF:
                 continue
             if b == NEG_INF:
-                out[t, h], lse[t, h] = v_a[t, h].to(F64), a
+                out[t, h], lse[t, h] = v_a[t, h], a
                 continue
             if a == NEG_INF:
-                out[t, h], lse[t, h] = v_b[t, h].to(F64), b
+                out[t, h], lse[t, h] = v_b[t, h], b
                 continue
             m = max(a, b)
             wa, wb = math.exp(a - m), math.exp(b - m)
-            out[t, h] = (wa * v_a[t, h].to(F64) + wb * v_b[t, h].to(F64)) / (wa + wb)
+            out[t, h] = (wa * v_a[t, h] + wb * v_b[t, h]) / (wa + wb)
             lse[t, h] = m + math.log(wa + wb)
     return out, lse
 
@@ -231,7 +240,7 @@ def gather_rows(k_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: Sequ
     out = []
     for b, L in enumerate(int(x) for x in seq_lens):
         rows = [k_cache[table[b][pos // page_size], pos % page_size, 0] for pos in range(L)]
-        out.append(torch.stack(rows).to(F64) if rows else torch.zeros(0, k_cache.shape[-1], dtype=F64))
+        out.append(_cpu64(torch.stack(rows)) if rows else torch.zeros(0, k_cache.shape[-1], dtype=F64))
     return out
 
 
@@ -245,8 +254,9 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
         return float("inf")
     if expected.numel() == 0:
         return 0.0
-    diff = (actual.to(F64) - expected.to(F64)).abs().max().item()
-    return diff / max(expected.to(F64).abs().max().item(), 1e-3)
+    actual, expected = _cpu64(actual), _cpu64(expected)
+    diff = (actual - expected).abs().max().item()
+    return diff / max(expected.abs().max().item(), 1e-3)
 
 
 def assert_attention_close(out: torch.Tensor, lse: torch.Tensor | None, ref_out: torch.Tensor,
@@ -258,20 +268,20 @@ def assert_attention_close(out: torch.Tensor, lse: torch.Tensor | None, ref_out:
     """
     tag = f" [{what}]" if what else ""
     assert tuple(out.shape) == tuple(ref_out.shape), f"out shape {tuple(out.shape)} != {tuple(ref_out.shape)}{tag}"
-    assert torch.isfinite(out).all(), f"out has non-finite values{tag}"
+    assert torch.isfinite(_cpu64(out)).all(), f"out has non-finite values{tag}"
     err = rel_error(out, ref_out)
     assert err <= rtol, f"out relative error {err:.3e} > {rtol:.1e}{tag}"
     if lse is None:
         return
     assert ref_lse is not None
     assert tuple(lse.shape) == tuple(ref_lse.shape), f"lse shape {tuple(lse.shape)} != {tuple(ref_lse.shape)}{tag}"
-    ref_empty = torch.isneginf(ref_lse)
-    got_empty = torch.isneginf(lse)
+    ref_empty = torch.isneginf(_cpu64(ref_lse))
+    got_empty = torch.isneginf(_cpu64(lse))
     assert torch.equal(got_empty, ref_empty), f"lse is -inf at {int(got_empty.sum())} rows, oracle at " \
                                               f"{int(ref_empty.sum())}{tag}"
     finite = ~ref_empty
-    assert torch.isfinite(lse[finite]).all(), f"lse has NaN/inf where the oracle is finite{tag}"
+    assert torch.isfinite(_cpu64(lse)[finite]).all(), f"lse has NaN/inf where the oracle is finite{tag}"
     if finite.any():
-        a, e = lse[finite].to(F64), ref_lse[finite].to(F64)
+        a, e = _cpu64(lse)[finite], _cpu64(ref_lse)[finite]
         lerr = ((a - e).abs() / (1 + e.abs())).max().item()
         assert lerr <= rtol, f"lse relative error {lerr:.3e} > {rtol:.1e}{tag}"

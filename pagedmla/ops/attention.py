@@ -1,6 +1,7 @@
 """Public attention calls, FlashMLA / FlashAttention compatible, dispatched to a provider.
 
-Conventions for every call: LSE is float32 natural log of the softmax denominator over scaled scores;
+Conventions for every call: LSE is the natural log of the softmax denominator over scaled scores, in
+float32 (float64 when the torch provider gets float64 inputs);
 a query row that attends to no key returns output 0 and LSE -inf; with ``causal=True`` and several
 query tokens per request the mask is bottom-right aligned (query i of q_len sees keys
 0 .. seq_len - q_len + i).
@@ -49,6 +50,7 @@ def flash_mla_with_kvcache(
     _same_dtype(q, "k_cache", k_cache)
     checks.block_table_and_lens(block_table, cache_seqlens, b)
     checks.tensor(tile_scheduler_metadata, "tile_scheduler_metadata", ndim=2, dtypes=(torch.int32,))
+    checks.dim_equals(tile_scheduler_metadata.shape[1], 8, "tile_scheduler_metadata: row width (dim 1)")
     checks.tensor(num_splits, "num_splits", ndim=1, dtypes=(torch.int32,))
     if num_splits.shape[0] != b + 1:
         raise ValueError(f"num_splits: expected {b + 1} entries (batch + 1), got {num_splits.shape[0]}")
@@ -98,6 +100,10 @@ def flash_mla_varlen_with_kvcache(
     checks.indptr(qo_indptr, "qo_indptr", b + 1, t)
     if max_q_len is not None and (isinstance(max_q_len, bool) or not isinstance(max_q_len, int) or max_q_len < 0):
         raise ValueError(f"max_q_len: expected an int >= 0, got {max_q_len!r}")
+    if max_q_len is not None and b > 0 and checks.value_checks_enabled(q.device):
+        longest = int((qo_indptr[1:] - qo_indptr[:-1]).max())
+        if longest > max_q_len:
+            raise ValueError(f"max_q_len: {max_q_len} is below the longest q length {longest}")
     scale = checks.softmax_scale(softmax_scale, d ** -0.5)
     checks.paged_values(block_table, cache_seqlens, k_cache.shape[0], k_cache.shape[1])
     _, impl = resolve("paged_varlen", q.device, provider)

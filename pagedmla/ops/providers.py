@@ -3,7 +3,7 @@
 Ops: ``paged_decode`` (uniform q_len, FlashMLA layout), ``paged_varlen`` (per-request q lengths),
 ``varlen`` (ragged MHA/GQA), ``merge``. Providers: ``torch`` (the reference, everywhere), ``triton``
 (pagedmla's kernels: default on CUDA, on CPU only under ``TRITON_INTERPRET=1`` and when asked for),
-``flashmla`` / ``flashinfer`` (adapters, when those libraries are installed).
+``flashmla`` (an adapter to FlashMLA's decode, when ``sgl-flash-mla`` is installed).
 
 Selection for one call: the ``provider=`` argument, else ``PAGEDMLA_PROVIDER`` (ignored for ops that
 provider does not implement), else the best one registered for the tensors' device.
@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-PROVIDERS = ("torch", "triton", "flashmla", "flashinfer")
+PROVIDERS = ("torch", "triton", "flashmla")
 OPS = ("paged_decode", "paged_varlen", "varlen", "merge")
 _PREFERENCE_CUDA = ("triton", "torch")
 
@@ -28,7 +28,6 @@ _PROVIDER_MODULES = {
     "torch": ("pagedmla.ops.torch_provider",),
     "triton": ("pagedmla.kernels.triton",),
     "flashmla": ("pagedmla.ops.flashmla_provider",),
-    "flashinfer": ("pagedmla.ops.flashinfer_provider",),
 }
 
 

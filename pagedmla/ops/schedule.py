@@ -21,16 +21,22 @@ import torch
 
 BLOCK_N = 64
 BLOCK_M = 64
+# Query rows per request up to which the decode kernel runs 16-row tiles small enough (registers and
+# shared memory) for two programs per SM; the schedule then cuts the batch into two parts per SM.
+SMALL_TILE_ROWS = 16
 FIXED_OVERHEAD_BLOCKS = 5
 METADATA_WIDTH = 8
 
 
 def num_sm_parts_for(device: torch.device, num_q_tokens_per_head_k: int, num_heads_k: int) -> int:
-    """How many parts the batch is cut into: one per SM, divided by the head tiles each part launches."""
+    """How many parts the batch is cut into: the programs that fit on the GPU at once (one per SM, two
+    for 16-row tiles), divided by the head tiles each part launches."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     else:
         sms = 8
+    if num_q_tokens_per_head_k <= SMALL_TILE_ROWS:
+        sms *= 2
     m_tiles = -(-num_q_tokens_per_head_k // BLOCK_M)
     return max(1, sms // max(1, num_heads_k) // max(1, m_tiles))
 
