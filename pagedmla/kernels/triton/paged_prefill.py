@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedmla.kernels.triton.varlen import LOG2E, check_dtype, last_dim_contiguous, pow2_dim, split_head_dim
+from pagedmla.kernels.triton.varlen import LOG2E, check_dtype, last_dim_contiguous, split_head_dim
 from pagedmla.ops.providers import register_impl, triton_interpreting
 
 
@@ -26,8 +26,7 @@ from pagedmla.ops.providers import register_impl, triton_interpreting
 def _paged_tile(
     acc, l_i, m_i, q1, q2, KV, bt_row, stride_slot,
     lo, hi, row_limit, kv_len, qk_scale,
-    PAGE_SIZE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, DK: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Online-softmax update over latent rows [lo, hi) of one request. MASKED tiles apply the length
@@ -71,13 +70,9 @@ def _paged_tile(
             alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        # The value is the key tile's first DV columns (DV == BLOCK_D1 for MLA: 512 of 576).
-        if DV == BLOCK_D1:
-            v = kv1
-        else:
-            dv = tl.arange(0, BLOCK_D1)
-            v = tl.where(dv[None, :] < DV, kv1, 0.0)
-        acc = tl.dot(p.to(kv1.dtype), v, acc, input_precision=DOT_PREC)
+        # The value is the key tile's first BLOCK_D1 columns (512 of 576): no second load. Columns past
+        # head_dim_v, if any, only feed accumulator columns that are never stored.
+        acc = tl.dot(p.to(kv1.dtype), kv1, acc, input_precision=DOT_PREC)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -105,8 +100,7 @@ def _paged_prefill_kernel(
     b = lo
     q_start = tl.load(qo_indptr + b)
     q_len = tl.load(qo_indptr + b + 1) - q_start
-    tile = pid - ((q_start.to(tl.int64) * num_heads) // BLOCK_M + b)
-    r0 = tile * BLOCK_M
+    r0 = (pid - ((q_start.to(tl.int64) * num_heads) // BLOCK_M + b)).to(tl.int32) * BLOCK_M
     n_rows = q_len * num_heads
     if r0 >= n_rows:
         return
@@ -141,9 +135,9 @@ def _paged_prefill_kernel(
         full_end = (kv_len // BLOCK_N) * BLOCK_N
         end = kv_len
     acc, l_i, m_i = _paged_tile(acc, l_i, m_i, q1, q2, KV, bt_row, stride_slot, 0, full_end, row_limit, kv_len,
-                                qk_scale, PAGE_SIZE, DK, DV, BLOCK_D1, BLOCK_D2, BLOCK_N, False, DOT_PREC)
+                                qk_scale, PAGE_SIZE, DK, BLOCK_D1, BLOCK_D2, BLOCK_N, False, DOT_PREC)
     acc, l_i, m_i = _paged_tile(acc, l_i, m_i, q1, q2, KV, bt_row, stride_slot, full_end, end, row_limit, kv_len,
-                                qk_scale, PAGE_SIZE, DK, DV, BLOCK_D1, BLOCK_D2, BLOCK_N, True, DOT_PREC)
+                                qk_scale, PAGE_SIZE, DK, BLOCK_D1, BLOCK_D2, BLOCK_N, True, DOT_PREC)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -154,7 +148,7 @@ def _paged_prefill_kernel(
     tl.store(LSE + (q_start.to(tl.int64) + tok) * num_heads + head, lse, mask=row_ok)
 
 
-def default_config(num_heads: int, dtype: torch.dtype) -> dict:
+def default_config(dtype: torch.dtype) -> dict:
     """Tile shape: small tiles under the interpreter (exercise multi-tile paths on small tests); on the
     H200 64 rows x 64 latent rows with 8 warps (two warpgroups split the 512-wide accumulator)."""
     if triton_interpreting():
@@ -183,7 +177,7 @@ def paged_varlen_attention(
     of its KV; k_cache: [num_pages, page_size, 1, D] (page_size a power of two), same dtype as q
     (float16/bfloat16/float32); block_table: int32 [b, max_pages]; cache_seqlens: int32 [b], KV length
     including the new tokens; qo_indptr: int32 [b + 1]; head_dim_v: the value width, the first columns of
-    each latent row (512; must be a power of two <= D). causal: bottom-right per token. max_q_len is not
+    each latent row (512; at most the power-of-two part of D). causal: bottom-right per token. max_q_len is not
     needed: the grid is sized from T, so nothing is read back from the device. ``config`` overrides the
     tile shape (benchmarks). Returns out [T, H, head_dim_v] q.dtype and lse [T, H] float32 (natural log;
     rows that see no key give 0 and -inf).
@@ -194,12 +188,15 @@ def paged_varlen_attention(
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape[2] != 1 or k_cache.shape[3] != q.shape[2]:
         raise ValueError(f"k_cache: expected [num_pages, page_size, 1, {q.shape[-1]}], got {tuple(k_cache.shape)}")
     t, h, d = q.shape
+    if d < 16:
+        raise ValueError(f"q: the triton kernel needs a head dim >= 16, got {d}")
     page_size = k_cache.shape[1]
     if page_size < 1 or page_size & (page_size - 1):
         raise ValueError(f"k_cache: page size must be a power of two, got {page_size}")
     d1, d2 = split_head_dim(d)
-    if head_dim_v != d1:
-        raise ValueError(f"head_dim_v: the triton kernel needs the power-of-two part of D ({d1}), got {head_dim_v}")
+    if isinstance(head_dim_v, bool) or not isinstance(head_dim_v, int) or not 0 < head_dim_v <= d1:
+        raise ValueError(f"head_dim_v: the triton kernel needs 1 <= head_dim_v <= {d1} (the power-of-two part "
+                         f"of D = {d}), got {head_dim_v!r}")
     for name, x in (("block_table", block_table), ("cache_seqlens", cache_seqlens), ("qo_indptr", qo_indptr)):
         if x.dtype != torch.int32 or x.device != q.device:
             raise ValueError(f"{name}: expected an int32 tensor on {q.device}")
@@ -213,7 +210,7 @@ def paged_varlen_attention(
     q = last_dim_contiguous(q)
     kv = last_dim_contiguous(k_cache.reshape(-1, d))
     block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
-    cfg = default_config(h, q.dtype)
+    cfg = default_config(q.dtype)
     if config:
         cfg.update(config)
     grid = ((t * h) // cfg["BLOCK_M"] + batch,)
