@@ -172,19 +172,24 @@ class MLABackend:
             self.metadata = ForwardMetadata(mode=mode, bs=0, form="absorbed")
             return
         self._check_batch_tensors(batch)
-        block_table = batch.block_table.index_select(0, batch.req_pool_indices.to(torch.int64))
+        block_table = batch.block_table
+        if batch.seq_lens_cpu is not None:
+            # Host lengths bound the pages any request reads: narrower rows, less work for providers
+            # whose cost follows the table width (the reference pads every row to it).
+            seq_cpu = _host_lens(batch.seq_lens_cpu, "seq_lens_cpu", bs)
+            self._check_capacity(seq_cpu, block_table.shape[1])
+            width = max(1, -(-max(seq_cpu) // self.config.page_size))
+            block_table = block_table[:, :width]
+        block_table = block_table.index_select(0, batch.req_pool_indices.to(torch.int64))
         seq_lens = batch.seq_lens
         if mode.is_decode_like():
             q_len = self._decode_q_len(mode)
-            if batch.seq_lens_cpu is not None:
-                self._check_capacity(_host_lens(batch.seq_lens_cpu, "seq_lens_cpu", bs), block_table.shape[1], q_len)
             md, ns = get_mla_metadata(seq_lens, q_len * self.heads, 1)
             self.metadata = ForwardMetadata(mode=mode, bs=bs, form="absorbed", seq_lens=seq_lens,
                                             block_table=block_table, q_len=q_len, tile_scheduler_metadata=md,
                                             num_splits=ns, num_tokens=bs * q_len, max_q_len=q_len)
             return
         seq_cpu = _host_lens(batch.seq_lens_cpu, "seq_lens_cpu", bs)
-        self._check_capacity(seq_cpu, block_table.shape[1], 1)
         if mode == ForwardMode.EXTEND:
             ext = _host_lens(batch.extend_seq_lens_cpu, "extend_seq_lens_cpu", bs)
             pre = _host_lens(batch.extend_prefix_lens_cpu, "extend_prefix_lens_cpu", bs)
@@ -240,7 +245,7 @@ class MLABackend:
             raise ValueError("batch.block_table: expected 2-D [max_requests, max_pages], got "
                              f"{tuple(batch.block_table.shape)}")
 
-    def _check_capacity(self, seq_cpu: list[int], max_pages: int, q_len: int) -> None:
+    def _check_capacity(self, seq_cpu: list[int], max_pages: int) -> None:
         capacity = max_pages * self.config.page_size
         for i, s in enumerate(seq_cpu):
             if s > capacity:

@@ -119,7 +119,10 @@ class MLAConfig:
         kind = rs.get("type", rs.get("rope_type"))
         if kind not in ("yarn", "deepseek_yarn"):
             return 1.0
-        return yarn_mscale(float(rs.get("factor", 1.0)), float(rs.get("mscale_all_dim", 0.0)))
+        factor = rs.get("factor")
+        if factor is None and rs.get("original_max_position_embeddings"):
+            factor = self.max_context_len / float(rs["original_max_position_embeddings"])
+        return yarn_mscale(float(factor or 1.0), float(rs.get("mscale_all_dim") or 0.0))
 
     @property
     def num_local_heads(self) -> int:
@@ -161,7 +164,8 @@ class MLAConfig:
             qk_nope_head_dim=int(get("qk_nope_head_dim")),
             v_head_dim=int(get("v_head_dim")),
             num_layers=int(get("num_hidden_layers", 1)),
-            rope_scaling=dict(get("rope_scaling")) if get("rope_scaling") else None,
+            # transformers >= 5 writes rope_parameters; hub checkpoints carry rope_scaling.
+            rope_scaling=dict(get("rope_scaling") or get("rope_parameters") or {}) or None,
             max_context_len=int(get("max_position_embeddings", 4096)),
         )
         torch_dtype = get("torch_dtype", None) or get("dtype", None)

@@ -1,0 +1,20 @@
+"""A small serving engine over pagedmla (nano-vllm style): sequences, scheduler, model runner, LLM API."""
+
+from pagedmla.engine.llm import LLM, EngineStats, RequestOutput
+from pagedmla.engine.model_runner import ModelRunner
+from pagedmla.engine.sampling import SamplingParams, sample
+from pagedmla.engine.scheduler import ScheduledBatch, Scheduler
+from pagedmla.engine.sequence import Sequence, SequenceStatus
+
+__all__ = [
+    "LLM",
+    "EngineStats",
+    "ModelRunner",
+    "RequestOutput",
+    "SamplingParams",
+    "ScheduledBatch",
+    "Scheduler",
+    "Sequence",
+    "SequenceStatus",
+    "sample",
+]

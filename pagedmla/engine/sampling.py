@@ -1,0 +1,78 @@
+"""Sampling parameters and the sampler that turns last-token logits into next tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How one request generates.
+
+    temperature: 0 means greedy (argmax); > 0 samples from softmax(logits / temperature) after the
+    top_k (0 = off) and top_p (1 = off) filters. seed: per-request generator seed, so a request's
+    samples do not depend on what else is in the batch (None: the global torch generator).
+    max_tokens: new tokens to generate at most. stop_token_ids: tokens that end the request (kept in
+    the output). ignore_eos: do not stop at the model's end-of-sequence token(s).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not self.temperature >= 0:
+            raise ValueError(f"temperature: expected a float >= 0, got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k: expected an int >= 0 (0 disables it), got {self.top_k!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: expected a float in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed: expected an int or None, got {self.seed!r}")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens: expected an int >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or \
+                any(isinstance(t, bool) or not isinstance(t, int) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids: expected a list of ints, got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(self.stop_token_ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos: expected a bool, got {self.ignore_eos!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> list[int]:
+    """logits float32 [bs, vocab] (one row per request) -> the next token id of each request.
+
+    Greedy rows take the argmax (ties: lowest id, as torch.argmax); the others are sampled row by
+    row with their own generator."""
+    if logits.shape[0] != len(params) or len(params) != len(generators):
+        raise ValueError(f"logits/params/generators: expected one row per request, got {logits.shape[0]}, "
+                         f"{len(params)}, {len(generators)}")
+    tokens = logits.argmax(dim=-1)
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    for i in sampled:
+        p = params[i]
+        row = logits[i].float() / p.temperature
+        if p.top_k and p.top_k < row.shape[0]:
+            kth = row.topk(p.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = row.softmax(dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+            drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        tokens[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
+    return tokens.tolist()

@@ -1,0 +1,133 @@
+"""Load a Hugging Face DeepSeek-V2/V3 checkpoint directory: config.json + safetensors shards.
+
+Accepted layouts: one or more ``*.safetensors`` files with or without ``model.safetensors.index.json``;
+routed experts either per expert (``mlp.experts.N.{gate,up,down}_proj.weight``, the hub checkpoints and
+what transformers' ``save_pretrained`` writes) or stacked (``mlp.experts.gate_up_proj`` [E, 2I, H],
+``mlp.experts.down_proj`` [E, H, I], transformers' in-memory layout). Tensors in bf16/fp16/fp32 are cast
+to the model dtype (routers stay float32). Multi-token-prediction layers (indices >= num_hidden_layers)
+are skipped. A missing, mis-shaped, unexpected or non-float tensor raises ValueError naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from contextlib import ExitStack
+
+import torch
+from safetensors import safe_open
+
+from pagedmla.model.build import build_empty
+from pagedmla.model.config import DeepseekConfig
+from pagedmla.model.deepseek import DeepseekForCausalLM
+
+_INDEX = "model.safetensors.index.json"
+_FLOAT = (torch.bfloat16, torch.float16, torch.float32)
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_STACKED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+class _Checkpoint:
+    """Name -> shard lookup over the safetensors files of one directory, opened lazily."""
+
+    def __init__(self, path: str, stack: ExitStack):
+        self.path = path
+        self._stack = stack
+        self._handles: dict[str, object] = {}
+        index = os.path.join(path, _INDEX)
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"path: {index} has no weight_map")
+            self.files = {name: os.path.join(path, shard) for name, shard in weight_map.items()}
+            for shard in sorted(set(self.files.values())):
+                if not os.path.isfile(shard):
+                    raise ValueError(f"path: shard {os.path.basename(shard)} named in {_INDEX} is missing")
+        else:
+            shards = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+            if not shards:
+                raise ValueError(f"path: no *.safetensors files in {path}")
+            self.files = {}
+            for shard in shards:
+                full = os.path.join(path, shard)
+                for name in self._open(full).keys():
+                    self.files[name] = full
+        self.used: set[str] = set()
+
+    def _open(self, file: str):
+        if file not in self._handles:
+            self._handles[file] = self._stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+        return self._handles[file]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The tensor ``name`` after checking it exists, has ``shape`` and a float dtype."""
+        if name not in self.files:
+            raise ValueError(f"checkpoint {self.path}: missing tensor {name!r} (expected shape {list(shape)})")
+        handle = self._open(self.files[name])
+        actual = tuple(handle.get_slice(name).get_shape())
+        if actual != tuple(shape):
+            raise ValueError(f"checkpoint {self.path}: tensor {name!r} has shape {list(actual)}, "
+                             f"the model expects {list(shape)}")
+        tensor = handle.get_tensor(name)
+        if tensor.dtype not in _FLOAT:
+            raise ValueError(f"checkpoint {self.path}: tensor {name!r} has dtype {tensor.dtype}; "
+                             "expected bfloat16, float16 or float32")
+        self.used.add(name)
+        return tensor
+
+
+def load_checkpoint(path: str | os.PathLike, *, device: torch.device | str = "cpu",
+                    dtype: torch.dtype = torch.float32) -> DeepseekForCausalLM:
+    """Build the model described by ``path/config.json`` and fill it from the directory's safetensors."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"path: {path!r} is not a checkpoint directory")
+    cfg = DeepseekConfig.from_file(path)
+    model = build_empty(cfg, device, dtype)
+    with ExitStack() as stack, torch.no_grad():
+        ckpt = _Checkpoint(path, stack)
+        for name, target in model.state_dict().items():
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                ckpt.used.add(name)
+                continue
+            stacked = _STACKED.match(name)
+            if stacked and name not in ckpt:
+                _load_per_expert(ckpt, stacked.group(1), stacked.group(2), target)
+            else:
+                target.copy_(ckpt.get(name, tuple(target.shape)))
+        _check_unexpected(ckpt, cfg)
+    model.absorb_weights()
+    return model
+
+
+def _load_per_expert(ckpt: _Checkpoint, prefix: str, kind: str, target: torch.Tensor) -> None:
+    """Fill a stacked expert tensor from ``prefix.N.{gate,up,down}_proj.weight``."""
+    num_experts, rows, cols = target.shape
+    for e in range(num_experts):
+        if kind == "down_proj":
+            target[e].copy_(ckpt.get(f"{prefix}.{e}.down_proj.weight", (rows, cols)))
+        else:
+            inter = rows // 2
+            target[e, :inter].copy_(ckpt.get(f"{prefix}.{e}.gate_proj.weight", (inter, cols)))
+            target[e, inter:].copy_(ckpt.get(f"{prefix}.{e}.up_proj.weight", (inter, cols)))
+
+
+def _check_unexpected(ckpt: _Checkpoint, cfg: DeepseekConfig) -> None:
+    extra = []
+    for name in ckpt.files:
+        if name in ckpt.used or name.endswith("rotary_emb.inv_freq"):
+            continue
+        layer = _LAYER.match(name)
+        if layer and int(layer.group(1)) >= cfg.num_hidden_layers:
+            continue  # multi-token-prediction modules ride after the last layer
+        extra.append(name)
+    if extra:
+        shown = ", ".join(repr(n) for n in sorted(extra)[:5])
+        more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
+        raise ValueError(f"checkpoint {ckpt.path}: unexpected tensor(s) {shown}{more} for a "
+                         f"{cfg.model_type} config with {cfg.num_hidden_layers} layers")
