@@ -21,24 +21,32 @@ import torch
 
 BLOCK_N = 64
 BLOCK_M = 64
-# Query rows per request up to which the decode kernel runs 16-row tiles small enough (registers and
-# shared memory) for two programs per SM; the schedule then cuts the batch into two parts per SM.
+# Up to this many query rows per request (q_len x heads) the decode kernel runs 16-row tiles, small
+# enough (registers, shared memory) for two programs per SM; above it, 32- or 64-row tiles, one per SM.
+# (16-row tiles for 32-64 rows, tried on the H200, ran 1.2-2x slower: benchmarks/NOTES.md.)
 SMALL_TILE_ROWS = 16
+SMALL_TILE_M = 16
 FIXED_OVERHEAD_BLOCKS = 5
 METADATA_WIDTH = 8
 
 
+def tile_plan(rows: int) -> tuple[int, int]:
+    """(rows per tile, programs per SM) the decode kernel uses for ``rows`` query rows per request."""
+    if rows <= SMALL_TILE_ROWS:
+        return SMALL_TILE_M, 2
+    return (32 if rows <= 32 else BLOCK_M), 1
+
+
 def num_sm_parts_for(device: torch.device, num_q_tokens_per_head_k: int, num_heads_k: int) -> int:
-    """How many parts the batch is cut into: the programs that fit on the GPU at once (one per SM, two
-    for 16-row tiles), divided by the head tiles each part launches."""
+    """How many parts the batch is cut into: the programs that fit on the GPU at once (SMs times programs
+    per SM), divided by the row tiles each part launches."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     else:
         sms = 8
-    if num_q_tokens_per_head_k <= SMALL_TILE_ROWS:
-        sms *= 2
-    m_tiles = -(-num_q_tokens_per_head_k // BLOCK_M)
-    return max(1, sms // max(1, num_heads_k) // max(1, m_tiles))
+    tile_m, per_sm = tile_plan(num_q_tokens_per_head_k)
+    m_tiles = -(-num_q_tokens_per_head_k // tile_m)
+    return max(1, sms * per_sm // max(1, num_heads_k) // max(1, m_tiles))
 
 
 def get_mla_metadata(

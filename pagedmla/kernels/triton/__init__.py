@@ -1,3 +1,33 @@
 """pagedmla's Triton kernels; importing this package registers them as the `triton` provider."""
 
-from pagedmla.kernels.triton import decode, merge, paged_prefill, varlen  # noqa: F401
+import os
+
+
+def _interpreter_scalar_index_fix() -> None:
+    """Let Triton 3.6's interpreter (TRITON_INTERPRET=1, the CPU path) use loaded scalars as loop bounds.
+
+    The interpreter holds every scalar as a 1-element array and turns loop bounds into ints with
+    ``int(array)``, which NumPy >= 2.4 rejects for arrays with ndim > 0 (triton-lang/triton#9171, fixed
+    upstream by #9172, not in 3.6). The kernels' loop bounds come from metadata and lengths, so without
+    this the CPU path cannot run. Compiled kernels are unaffected.
+    """
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_pagedmla_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._pagedmla_fixed = True
+    interpreter._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    _interpreter_scalar_index_fix()
+
+from pagedmla.kernels.triton import decode, merge, paged_prefill, varlen  # noqa: E402, F401
