@@ -77,11 +77,15 @@ def test_captured_graph_replays_like_eager(mode, q_len):
                                    device=dev), h.table.block_table, seq_lens_cpu=seq)
         be.init_forward_metadata(eager_batch)
         eager = be.forward(q[:n], lat[:n], None, 0, new_loc, h.cache)
-        # Padding rows change the split schedule, hence the fp32 summation order: equal up to bf16 rounding.
-        torch.testing.assert_close(replayed, eager)
         for s, rows in zip(real, new_lat[:n].split(q_len)):
             h.hist[s] = torch.cat([h.hist[s], rows])
         ref = torch.cat([dense_absorbed(qr, h.hist[s], h.cfg.softmax_scale, True, LORA)[0]
                          for s, qr in zip(real, new_q[:n].split(q_len))])
-        rel = (eager.view_as(ref).double().cpu() - ref).norm() / ref.norm()
-        assert rel < BF16_TOL
+        for name, result in (("replayed", replayed), ("eager", eager)):
+            rel = (result.view_as(ref).double().cpu() - ref).norm() / ref.norm()
+            assert rel < BF16_TOL, f"{name}: relative error {rel:.2e}"
+        # Padding rows change the split schedule, so the kernel rounds P to bf16 against other running
+        # maxima: replay and eager agree to bf16 accuracy, not bit for bit (same schedule: see
+        # test_triton_decode's graph test, which is exact).
+        rel = ((replayed.float() - eager.float()).norm() / eager.float().norm()).item()
+        assert rel < 1e-2, f"replayed vs eager: {rel:.2e}"

@@ -3,9 +3,9 @@
 Two numerically different bf16 attention paths cannot promise identical free-running greedy tokens for
 a random-weight model: its next-token logits often have near-ties, and one flip changes everything
 after it (the torch provider in bf16 diverges from itself in float32 the same way). So the checks are:
-teacher-forced (both providers follow the same tokens), every step's logits agree to bf16 accuracy and
-every decisive choice is the same; free-running, the token streams are equal up to their first
-difference, and that difference is a near-tie smaller than the providers' measured logit difference.
+every attention call of a real generation is run by both providers on the same inputs and agrees to bf16
+accuracy; free-running, the token streams are equal up to their first difference, and that difference
+is a near-tie smaller than the providers' measured logit difference at that step.
 """
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-import pagedmla.engine.llm as llm_module
+from pagedmla.backend import MLABackend
 from pagedmla.engine import LLM, SamplingParams
 from pagedmla.model import load_model
 
 pytestmark = pytest.mark.gpu
 PROMPT_LENS = (1, 8, 40, 100, 257)
 NEW_TOKENS = 32
+NO_GRAPHS: dict = {}
 
 
 def _prompts() -> list[list[int]]:
@@ -27,10 +28,9 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(0, 512, (n,), generator=gen).tolist() for n in PROMPT_LENS]
 
 
-def _run(model, provider: str, forced: dict | None = None, monkeypatch=None):
-    """Greedy generation recording each step's logits per (prompt, output index); with ``forced`` the
-    sampler returns those tokens instead (teacher forcing)."""
-    llm = LLM(model, page_size=64, max_batch_size=4, max_context_len=1024, provider=provider)
+def _run(model, provider: str):
+    """Greedy generation recording each step's logits per (prompt, output index)."""
+    llm = LLM(model, page_size=64, max_batch_size=4, max_context_len=1024, provider=provider, **NO_GRAPHS)
     assert llm.runner.backend.provider == provider
     logits_of: dict[tuple, torch.Tensor] = {}
     run = llm.runner.run
@@ -39,35 +39,42 @@ def _run(model, provider: str, forced: dict | None = None, monkeypatch=None):
         logits = run(seqs, mode, num_extends, **kwargs)
         for seq, row in zip(seqs, logits):
             logits_of[(tuple(seq.prompt_token_ids), seq.num_output_tokens)] = row.float().cpu()
-        recording_run.last = seqs
         return logits
 
     llm.runner.run = recording_run
-    if forced is not None:
-        real_sample = llm_module.sample
-
-        def forced_sample(logits, params, generators):
-            real_sample(logits, params, generators)
-            return [forced[tuple(s.prompt_token_ids)][s.num_output_tokens] for s in recording_run.last]
-
-        monkeypatch.setattr(llm_module, "sample", forced_sample)
     outs = llm.generate(_prompts(), SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
     return {tuple(o.prompt_token_ids): o.token_ids for o in outs}, logits_of
 
 
-def test_teacher_forced_logits_agree(monkeypatch):
+def test_every_attention_call_of_a_generation_agrees(monkeypatch):
+    """The engine drives the torch provider; every attention call the model makes is also run, on the same
+    inputs and cache, by a Triton backend planned from the same batches, and the two must agree."""
     model = load_model("tiny", device="cuda", dtype=torch.bfloat16)
-    tokens, ref = _run(model, "torch")
-    forced_tokens, got = _run(model, "triton", forced=tokens, monkeypatch=monkeypatch)
-    assert forced_tokens == tokens
-    assert set(got) == set(ref) and len(ref) == len(PROMPT_LENS) * NEW_TOKENS
-    for key, r in ref.items():
-        g = got[key]
-        rel = ((g - r).norm() / r.norm()).item()
-        assert rel < 3e-2, f"step {key[1]} of prompt length {len(key[0])}: logits differ by {rel:.2e}"
-        top2 = r.topk(2).values
-        if top2[0] - top2[1] > 4 * (g - r).abs().max():
-            assert g.argmax() == r.argmax(), f"a decisive choice differs at step {key[1]}"
+    llm = LLM(model, page_size=64, max_batch_size=4, max_context_len=1024, provider="torch", **NO_GRAPHS)
+    ref_backend = llm.runner.backend
+    triton_backend = MLABackend(ref_backend.config, device=ref_backend.device, provider="triton")
+    plan, forward = ref_backend.init_forward_metadata, ref_backend.forward
+    errors: dict[str, list[float]] = {}
+
+    def plan_both(batch):
+        plan(batch)
+        triton_backend.init_forward_metadata(batch)
+
+    def forward_both(q, k, v, layer, out_cache_loc, cache, save_kv_cache=True, **kwargs):
+        ref = forward(q, k, v, layer, out_cache_loc, cache, save_kv_cache, **kwargs)
+        # The rows are already stored: the Triton backend only reads them.
+        out = triton_backend.forward(q, k, v, layer, out_cache_loc, cache, False, **kwargs)
+        key = f"{ref_backend.metadata.mode.value}/{ref_backend.attention_form}"
+        errors.setdefault(key, []).append(((out.float() - ref.float()).norm() / ref.float().norm()).item())
+        return ref
+
+    monkeypatch.setattr(ref_backend, "init_forward_metadata", plan_both)
+    monkeypatch.setattr(ref_backend, "forward", forward_both)
+    llm.generate(_prompts(), SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert {"extend/mha", "decode/absorbed"} <= set(errors)
+    worst = {key: max(values) for key, values in errors.items()}
+    print("worst relative difference per step kind:", worst)
+    assert all(w < 2e-2 for w in worst.values()), worst
 
 
 def test_free_running_greedy_tokens_agree_up_to_near_ties():
