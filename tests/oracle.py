@@ -26,6 +26,7 @@ Public API
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -41,6 +42,11 @@ TOLERANCES = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-3, to
 # ----------------------------------------------------------------------------------------------------
 # Dense attention
 # ----------------------------------------------------------------------------------------------------
+
+def gen(*key) -> torch.Generator:
+    """A CPU generator seeded from a test case's parameters (stable across runs and processes)."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
 
 def _cpu64(t: torch.Tensor) -> torch.Tensor:
     """Any tensor (any device, any float dtype) as a float64 CPU tensor: the oracle always runs there."""

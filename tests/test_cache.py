@@ -4,27 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import random
-import zlib
 
 import pytest
 import torch
-from oracle import assert_attention_close, dense_paged, gather_rows
+from oracle import assert_attention_close, dense_paged, gather_rows, gen
 
 import pagedmla
 from pagedmla import MLAKVCache, OutOfPagesError, PageAllocator, RequestTable
-
-
-@pytest.fixture(autouse=True)
-def _single_thread():
-    """These tests run many tiny ops: with pytest-xdist on 2 cores, torch's intra-op threads only contend."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def gen(*key) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
 
 
 def digest(t: torch.Tensor) -> str:

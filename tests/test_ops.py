@@ -8,7 +8,6 @@ set to NaN, so a read outside a request's tokens shows up as NaN in the result.
 from __future__ import annotations
 
 import math
-import zlib
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from oracle import (
     dense_mha,
     dense_paged,
     dense_varlen,
+    gen,
     make_paged_cache,
 )
 
@@ -28,20 +28,6 @@ from pagedmla.ops import providers, schedule
 
 F32, F64 = torch.float32, torch.float64
 NEG_INF = float("-inf")
-
-
-@pytest.fixture(autouse=True)
-def _single_thread():
-    """These tests run many tiny ops: with pytest-xdist on 2 cores, torch's intra-op threads only contend."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def gen(*key) -> torch.Generator:
-    """A generator seeded from the test case's parameters (stable across runs and processes)."""
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
 
 
 def randint(g: torch.Generator, lo: int, hi: int) -> int:

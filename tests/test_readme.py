@@ -21,6 +21,14 @@ def test_readme_example_runs():
     assert torch.allclose(scope["merged_lse"], scope["lse_hq"].T + torch.log(torch.tensor(2.0)), atol=1e-6)
 
 
+def test_readme_engine_example_runs():
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    assert len(blocks) >= 2, "README lost its engine example"
+    scope: dict = {}
+    exec(compile(blocks[1], "README.md", "exec"), scope)
+    assert len(scope["llm"].generate([[4, 5]], scope["SamplingParams"](max_tokens=3))[0].token_ids) == 3
+
+
 def test_readme_keeps_the_two_commands():
     text = README.read_text()
     assert "make demo" in text and "make test" in text

@@ -7,29 +7,16 @@ raise, or a raise for the wrong reason, both show up.
 from __future__ import annotations
 
 import math
-import zlib
 
 import pytest
 import torch
+from oracle import gen
 
 import pagedmla
 from pagedmla import MLAConfig, MLAKVCache, OutOfPagesError, PageAllocator, RequestTable
 
 F32, F64 = torch.float32, torch.float64
 I32, I64 = torch.int32, torch.int64
-
-
-@pytest.fixture(autouse=True)
-def _single_thread():
-    """These tests run many tiny ops: with pytest-xdist on 2 cores, torch's intra-op threads only contend."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def gen(*key) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
 
 
 def t32(x):
