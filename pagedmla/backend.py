@@ -24,7 +24,7 @@ import torch
 
 from pagedmla.cache import MLAKVCache
 from pagedmla.config import MLAConfig
-from pagedmla.ops.providers import resolve
+from pagedmla.ops.providers import available_providers, resolve
 from pagedmla.ops.schedule import get_mla_metadata, num_sm_parts_for
 
 
@@ -139,17 +139,22 @@ class MLABackend:
         self.kv_dim = config.kv_dim
         self.v_dim = config.kv_lora_rank
         self.scale = float(config.softmax_scale)
-        self._decode_impl = resolve("paged_decode", self.device, provider)[1]
-        self._varlen_paged_impl = resolve("paged_varlen", self.device, provider)[1]
-        self._varlen_impl = resolve("varlen", self.device, provider)[1]
-        self._merge_impl = resolve("merge", self.device, provider)[1]
-        self.provider = resolve("paged_decode", self.device, provider)[0]
+        self.provider, self._decode_impl = resolve("paged_decode", self.device, provider)
+        # A provider that only has a decode kernel (flashmla) runs the other ops on the default one.
+        self._varlen_paged_impl = self._resolve_or_default("paged_varlen", provider)
+        self._varlen_impl = self._resolve_or_default("varlen", provider)
+        self._merge_impl = self._resolve_or_default("merge", provider)
         if self.provider != "torch" and config.kv_cache_dtype == torch.float32:
             raise ValueError(f"kv_cache_dtype: the {self.provider!r} provider runs bfloat16/float16 caches; "
                              "float32 caches need provider='torch'")
         self.metadata: ForwardMetadata | None = None
         self._graph: _GraphState | None = None
         self._num_extends_override: int | None = None
+
+    def _resolve_or_default(self, op: str, provider: str | None) -> Callable:
+        if provider is not None and provider not in available_providers(op):
+            provider = None
+        return resolve(op, self.device, provider)[1]
 
     # ------------------------------------------------------------------ planning
     @property

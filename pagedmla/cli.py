@@ -35,6 +35,14 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--page-size", type=int, default=64)
     gen.add_argument("--max-batch-size", type=int, default=32)
     gen.add_argument("--max-context-len", type=int, default=None, help="default: the model's max positions")
+    gen.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                     help="tokens per step at most (longer prompts are prefilled in chunks)")
+    gen.add_argument("--mixed-batching", action="store_true", help="prefill chunks share steps with decodes")
+    gen.add_argument("--enable-prefix-caching", action="store_true", help="share cached prompt-prefix pages")
+    gen.add_argument("--num-speculative-tokens", type=int, default=0,
+                     help="n-gram speculative decoding with this many draft tokens (0 = off)")
+    gen.add_argument("--cuda-graph", choices=("auto", "on", "off"), default="auto",
+                     help="CUDA graphs for decode / verify steps (auto: on for CUDA)")
     gen.add_argument("--profile-attention", action="store_true", help="count and time attention calls per step")
     return parser
 
@@ -45,6 +53,15 @@ def _summary(stats: EngineStats, num_layers: int) -> list[str]:
              f"decode:  {stats.decode_tokens} tokens in {stats.decode_seconds * 1e3:.1f} ms "
              f"({stats.decode_tokens_per_s:.1f} tokens/s, {stats.decode_steps} steps)"]
     steps = {"extend": stats.prefill_steps, "decode": stats.decode_steps, "mixed": stats.mixed_steps}
+    if stats.mixed_steps:
+        lines.append(f"mixed:   {stats.mixed_tokens} tokens in {stats.mixed_seconds * 1e3:.1f} ms "
+                     f"({stats.mixed_steps} steps)")
+    if stats.draft_tokens:
+        lines.append(f"speculative: {stats.accepted_draft_tokens}/{stats.draft_tokens} draft tokens accepted "
+                     f"({stats.acceptance_rate:.0%}) in {stats.verify_steps} verify steps")
+    if stats.cached_prefix_tokens or stats.preemptions:
+        lines.append(f"prefix cache: {stats.cached_prefix_tokens} prompt tokens reused; "
+                     f"preemptions: {stats.preemptions}")
     for kind, calls in stats.attention_calls.items():
         n = max(1, steps.get(kind, 1))
         lines.append(f"attention ({kind}): {calls / n:.0f} calls/step ({num_layers} layers), "
@@ -56,6 +73,9 @@ def generate(args: argparse.Namespace) -> int:
     """Run the ``generate`` command; prints each request's ids (and text) and the throughput summary."""
     llm = LLM(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size, provider=args.provider,
               max_batch_size=args.max_batch_size, max_context_len=args.max_context_len,
+              max_num_batched_tokens=args.max_num_batched_tokens, mixed_batching=args.mixed_batching,
+              enable_prefix_caching=args.enable_prefix_caching, num_speculative_tokens=args.num_speculative_tokens,
+              enable_cuda_graph={"auto": None, "on": True, "off": False}[args.cuda_graph],
               profile_attention=args.profile_attention)
     prompts = args.prompt if llm.tokenizer is not None else [_parse_ids(p) for p in args.prompt]
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,

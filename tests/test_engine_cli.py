@@ -24,6 +24,15 @@ def test_generate_prints_ids_and_summary(capsys):
     assert "attention (decode): 3 calls/step (3 layers)" in out
 
 
+def test_engine_feature_flags(capsys):
+    rc = main(["generate", "--prompt", " ".join(["3 4 5 6"] * 6), "--prompt", "3 4 5 6 7", "--max-new-tokens", "12",
+               "--page-size", "16", "--max-context-len", "128", "--device", "cpu", "--max-num-batched-tokens", "8",
+               "--enable-prefix-caching", "--num-speculative-tokens", "3", "--cuda-graph", "off"])
+    out = capsys.readouterr().out
+    assert rc == 0 and len(re.findall(r"generated ids: (?:\d+ ?){12} \(length\)", out)) == 2
+    assert re.search(r"prefill: 29 tokens in [\d.]+ ms \([\d.]+ tokens/s, 4 steps\)", out)
+
+
 def test_bad_prompt_exits_with_a_message(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["generate", "--prompt", "hello world", "--max-context-len", "64"])

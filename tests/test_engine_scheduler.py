@@ -31,7 +31,7 @@ def test_prefill_then_decode_steps_and_pages_return(tiny):
         modes.append((batch.mode, len(batch.seqs)))
         assert len(llm.scheduler.running) <= 2
         logits = llm.runner.run(batch.seqs, batch.mode, batch.num_extends)
-        llm.scheduler.postprocess(batch, logits.argmax(-1).tolist())
+        llm.scheduler.postprocess(batch, [[t] for t in logits.argmax(-1).tolist()])
     assert modes[0] == (ForwardMode.EXTEND, 2)
     assert (ForwardMode.EXTEND, 1) in modes[1:]  # the third request joined once a slot freed
     assert all(m in (ForwardMode.EXTEND, ForwardMode.DECODE) for m, _ in modes)

@@ -1,7 +1,11 @@
 """A small serving engine over pagedmla (nano-vllm style): sequences, scheduler, model runner, LLM API."""
 
+from pagedmla.engine.cuda_graph import GraphRunner
+from pagedmla.engine.drafter import NgramDrafter
+from pagedmla.engine.kv_pages import KVPages, PageBookError
 from pagedmla.engine.llm import LLM, EngineStats, RequestOutput
 from pagedmla.engine.model_runner import ModelRunner
+from pagedmla.engine.prefix_cache import PrefixCache
 from pagedmla.engine.sampling import SamplingParams, sample
 from pagedmla.engine.scheduler import ScheduledBatch, Scheduler
 from pagedmla.engine.sequence import Sequence, SequenceStatus
@@ -9,7 +13,12 @@ from pagedmla.engine.sequence import Sequence, SequenceStatus
 __all__ = [
     "LLM",
     "EngineStats",
+    "GraphRunner",
+    "KVPages",
     "ModelRunner",
+    "NgramDrafter",
+    "PageBookError",
+    "PrefixCache",
     "RequestOutput",
     "SamplingParams",
     "ScheduledBatch",

@@ -1,7 +1,10 @@
 """LLM: the engine's Python API (nano-vllm style). ``LLM(model).generate(prompts, params)``.
 
-Requests can also be driven step by step (``add_request`` / ``step``), which is how requests join a
-running batch: anything added between steps is admitted by the scheduler at the next step.
+Requests can also be driven step by step (``add_request`` / ``step`` / ``abort``), which is how requests
+join a running batch: anything added between steps is admitted by the scheduler at the next step.
+Features (each leaves greedy output unchanged): chunked prefill under a per-step token budget, MIXED
+prefill + decode steps, prefix caching, preemption with recomputation when pages run out, CUDA graphs
+for decode / verify steps, and n-gram speculative decoding verified in one target step.
 """
 
 from __future__ import annotations
@@ -16,11 +19,16 @@ import torch
 from tqdm.auto import tqdm
 
 from pagedmla.backend import ForwardMode
+from pagedmla.engine.cuda_graph import GraphRunner
+from pagedmla.engine.drafter import NgramDrafter
+from pagedmla.engine.kv_pages import KVPages
 from pagedmla.engine.model_runner import ModelRunner
+from pagedmla.engine.prefix_cache import PrefixCache
 from pagedmla.engine.profiler import AttentionProfiler
 from pagedmla.engine.sampling import SamplingParams, sample
-from pagedmla.engine.scheduler import Scheduler
+from pagedmla.engine.scheduler import ScheduledBatch, Scheduler
 from pagedmla.engine.sequence import Sequence
+from pagedmla.engine.speculative import verify
 from pagedmla.model.deepseek import DeepseekForCausalLM
 from pagedmla.model.factory import TINY, load_model
 
@@ -29,19 +37,26 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 @dataclass
 class RequestOutput:
-    """A finished request: its prompt, generated token ids (and text when a tokenizer exists)."""
+    """A finished (or aborted) request: its prompt, generated token ids (and text when a tokenizer exists).
+
+    arrival_time / token_times: ``time.perf_counter()`` when the request was added and when each
+    generated token came out (time to first token, inter-token latency)."""
 
     request_id: int
     prompt_token_ids: list[int]
     token_ids: list[int]
     finish_reason: str
     text: str | None = None
+    arrival_time: float = 0.0
+    token_times: list[float] = field(default_factory=list)
 
 
 @dataclass
 class EngineStats:
     """Token counts and wall time per step kind since the last reset (prefill = EXTEND steps, decode =
-    DECODE steps; MIXED steps are counted apart). Attention calls/seconds fill in when profiling."""
+    DECODE and verify steps; MIXED steps are counted apart). Attention calls/seconds fill in when
+    profiling. Speculative decoding: draft tokens proposed and accepted (``acceptance_rate``); prefix
+    caching: prompt tokens whose prefill a cached prefix saved; preemptions: requests sent back to wait."""
 
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
@@ -52,8 +67,18 @@ class EngineStats:
     mixed_tokens: int = 0
     mixed_seconds: float = 0.0
     mixed_steps: int = 0
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    cached_prefix_tokens: int = 0
+    preemptions: int = 0
     attention_calls: dict[str, int] = field(default_factory=dict)
     attention_seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens (0 before any was proposed)."""
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -68,7 +93,7 @@ def _default_num_pages(model: DeepseekForCausalLM, page_size: int, dtype: torch.
                        max_batch_size: int, max_context_len: int) -> int:
     cfg = model.config
     per_page = page_size * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers * dtype.itemsize
-    enough = max_batch_size * -(-max_context_len // page_size)
+    enough = max_batch_size * (-(-max_context_len // page_size) + 1)
     return max(2, min(budget_bytes // per_page, enough) + 1)
 
 
@@ -77,13 +102,19 @@ class LLM:
 
     model: "tiny", a checkpoint directory, or an already loaded DeepseekForCausalLM. device: default
     CUDA when available. dtype: default the checkpoint's (tiny: bf16 on CUDA, fp32 on CPU). page_size:
-    tokens per cache page. num_pages: cache size (default: fits ``cache_bytes``). provider: attention
-    provider ("torch", "triton", ...; default the best for the device). max_batch_size: running
-    requests at most. max_num_batched_tokens: prompt tokens per prefill step at most (one prompt always
-    fits). extend_prefix_mode: the backend's form for prefills over a cached prefix. mixed_batching:
-    run new prefills together with running decodes in MIXED steps. profile_attention: count and time
-    the model's attention calls (adds device synchronisation). seed: weights of ``tiny``. tokenizer:
-    "auto" (the checkpoint's, if it ships one), None, or a tokenizer object. backend_options: further
+    tokens per cache page. num_pages: cache size (default: fits ``cache_bytes``); pages are allocated
+    as tokens arrive, and when they run out the youngest requests are preempted and recomputed later.
+    provider: attention provider ("torch", "triton", ...; default the best for the device).
+    max_batch_size: running requests at most. max_num_batched_tokens: tokens per step at most (longer
+    prompts are prefilled in chunks over several steps). extend_prefix_mode: the backend's form for
+    prefills over a cached prefix. mixed_batching: run prefill chunks together with running decodes in
+    MIXED steps. enable_prefix_caching: share the full pages of common prompt prefixes between requests.
+    num_speculative_tokens: k > 0 drafts up to k tokens per request by prompt lookup (n-gram matches of
+    up to ``ngram_max_n`` tokens) and verifies them in one step. enable_cuda_graph: replay CUDA graphs
+    for decode / verify steps (None: on for CUDA devices) of ``cuda_graph_batch_sizes`` (default 1, 2,
+    4, 8, 16, ... up to max_batch_size). profile_attention: count and time the model's attention calls
+    (adds device synchronisation; such steps run eagerly). seed: weights of ``tiny``. tokenizer: "auto"
+    (the checkpoint's, if it ships one), None, or a tokenizer object. backend_options: further
     MLAConfig fields for the backend.
     """
 
@@ -92,6 +123,8 @@ class LLM:
                  num_pages: int | None = None, provider: str | None = None,
                  max_batch_size: int = 32, max_num_batched_tokens: int = 8192, max_context_len: int | None = None,
                  extend_prefix_mode: str = "auto", mixed_batching: bool = False, cache_bytes: int = 1 << 28,
+                 enable_prefix_caching: bool = False, num_speculative_tokens: int = 0, ngram_max_n: int = 4,
+                 enable_cuda_graph: bool | None = None, cuda_graph_batch_sizes: list[int] | None = None,
                  profile_attention: bool = False, seed: int = 0, tokenizer: Any = "auto",
                  backend_options: dict | None = None):
         if isinstance(model, DeepseekForCausalLM):
@@ -107,12 +140,29 @@ class LLM:
         context = max_context_len or cfg.max_position_embeddings
         if num_pages is None:
             num_pages = _default_num_pages(self.model, page_size, weight.dtype, cache_bytes, max_batch_size, context)
+        for name, value in (("enable_prefix_caching", enable_prefix_caching), ("mixed_batching", mixed_batching)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}: expected a bool, got {value!r}")
+        if enable_cuda_graph is not None and not isinstance(enable_cuda_graph, bool):
+            raise ValueError(f"enable_cuda_graph: expected a bool or None, got {enable_cuda_graph!r}")
+        if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
+                or num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens: expected an int >= 0, got {num_speculative_tokens!r}")
         self.runner = ModelRunner(self.model, page_size=page_size, num_pages=num_pages, max_batch_size=max_batch_size,
                                   max_context_len=context, provider=provider, extend_prefix_mode=extend_prefix_mode,
-                                  backend_options=backend_options)
-        self.scheduler = Scheduler(self.runner.table, max_batch_size=max_batch_size,
+                                  backend_options=backend_options, num_speculative_tokens=num_speculative_tokens)
+        table = self.runner.table
+        prefix_cache = PrefixCache(table.allocator, page_size) if enable_prefix_caching else None
+        self.pages = KVPages(table, prefix_cache)
+        self.scheduler = Scheduler(self.pages, max_batch_size=max_batch_size,
                                    max_num_batched_tokens=max_num_batched_tokens, max_context_len=context,
-                                   eos_token_ids=cfg.eos_token_id, mixed=mixed_batching)
+                                   eos_token_ids=cfg.eos_token_id, mixed=mixed_batching,
+                                   num_speculative_tokens=num_speculative_tokens)
+        self.drafter = NgramDrafter(num_speculative_tokens, max_n=ngram_max_n) if num_speculative_tokens else None
+        if enable_cuda_graph is None:
+            enable_cuda_graph = self.runner.device.type == "cuda"
+        if enable_cuda_graph:
+            self.runner.graphs = GraphRunner(self.runner, cuda_graph_batch_sizes)
         self.tokenizer = _load_tokenizer(model) if isinstance(tokenizer, str) and tokenizer == "auto" else tokenizer
         self.profiler = AttentionProfiler(self.runner.backend) if profile_attention else None
         self.stats = EngineStats()
@@ -141,13 +191,22 @@ class LLM:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
-        seq = Sequence(self.encode(prompt), params, self.device)
+        seq = Sequence(self.encode(prompt), params, self.device, arrival_time=time.perf_counter())
         self.scheduler.add(seq)
         self._requests[seq.seq_id] = seq
         return seq.seq_id
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def abort(self, request_id: int) -> RequestOutput:
+        """Stop an unfinished request now (waiting or running), freeing its pages; returns its output so
+        far with finish_reason "abort"."""
+        seq = self._requests.get(request_id)
+        if seq is None:
+            raise ValueError(f"request_id: {request_id!r} is not an unfinished request of this engine")
+        self.scheduler.finish(seq, "abort")
+        return self._output(seq)
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; returns the requests that finished in it."""
@@ -156,29 +215,69 @@ class LLM:
             return []
         calls, secs = (self.profiler.calls, self.profiler.seconds) if self.profiler else (0, 0.0)
         start = time.perf_counter()
-        logits = self.runner.run(batch.seqs, batch.mode, batch.num_extends, backend=self.profiler)
-        tokens = sample(logits, [s.params for s in batch.seqs], [s.generator for s in batch.seqs])
-        elapsed = time.perf_counter() - start  # sample() read the tokens back, so the device is done
-        self._record(batch.mode, sum(s.num_new_tokens for s in batch.seqs), len(batch.seqs), elapsed)
+        mode, tokens, drafts, proposed = batch.mode, None, None, []
+        if batch.speculative:
+            drafts, proposed = self._draft(batch)
+            if drafts is not None:
+                mode = ForwardMode.TARGET_VERIFY
+                tokens = [[seq.token_ids[-1]] + d for seq, d in zip(batch.seqs, drafts)]
+        elif batch.num_extends:
+            tokens = [seq.token_ids[seq.num_cached_tokens: seq.num_cached_tokens + n]
+                      for seq, n in zip(batch.seqs, batch.num_tokens)]
+        logits = self.runner.run(batch.seqs, mode, batch.num_extends, tokens=tokens, all_logits=drafts is not None,
+                                 backend=self.profiler)
+        params = [s.params for s in batch.seqs]
+        generators = [s.generator for s in batch.seqs]
+        if drafts is not None:
+            new_tokens = verify(logits, drafts, params, generators)
+        else:
+            # Only a step that reaches a request's last token samples (not the earlier prompt chunks).
+            rows = [i for i in range(len(batch.seqs)) if batch.samples(i)]
+            sampled = iter(sample(logits[rows], [params[i] for i in rows], [generators[i] for i in rows])
+                           if rows else [])
+            new_tokens = [[next(sampled)] if batch.samples(i) else [] for i in range(len(batch.seqs))]
+        now = time.perf_counter()  # the tokens were read back, so the device is done
+        self._record(batch, mode, new_tokens, proposed, now - start)
         if self.profiler:
-            kind = batch.mode.value
+            kind = mode.value
             self.stats.attention_calls[kind] = self.stats.attention_calls.get(kind, 0) + self.profiler.calls - calls
             self.stats.attention_seconds[kind] = self.stats.attention_seconds.get(kind, 0.0) + \
                 self.profiler.seconds - secs
-        return [self._output(seq) for seq in self.scheduler.postprocess(batch, tokens)]
+        finished = self.scheduler.postprocess(batch, new_tokens, verified=drafts is not None, now=now)
+        self.stats.preemptions = self.scheduler.num_preemptions
+        self.stats.cached_prefix_tokens = self.pages.cached_prefix_tokens
+        return [self._output(seq) for seq in finished]
 
-    def _record(self, mode: ForwardMode, new_tokens: int, bs: int, seconds: float) -> None:
+    def _draft(self, batch: ScheduledBatch) -> tuple[list[list[int]] | None, list[int]]:
+        """Each request's k draft tokens (its n-gram proposal, padded with its last token: padding is simply
+        verified like any draft) and how many of them were proposed; (None, []) when no request has a
+        proposal (a plain decode step is cheaper)."""
+        k = self.drafter.k
+        proposals = [self.drafter.propose(seq.token_ids)[:k] for seq in batch.seqs]
+        if not any(proposals):
+            return None, []
+        drafts = [p + [(p or seq.token_ids)[-1]] * (k - len(p)) for seq, p in zip(batch.seqs, proposals)]
+        return drafts, [len(p) for p in proposals]
+
+    def _record(self, batch: ScheduledBatch, mode: ForwardMode, new_tokens: list[list[int]], proposed: list[int],
+                seconds: float) -> None:
         s = self.stats
         if mode == ForwardMode.EXTEND:
-            s.prefill_tokens += new_tokens
+            s.prefill_tokens += sum(batch.num_tokens)
             s.prefill_seconds += seconds
             s.prefill_steps += 1
-        elif mode == ForwardMode.DECODE:
-            s.decode_tokens += bs
+        elif mode.is_decode_like():
+            s.decode_tokens += sum(len(t) for t in new_tokens)
             s.decode_seconds += seconds
             s.decode_steps += 1
+            if mode == ForwardMode.TARGET_VERIFY:
+                s.verify_steps += 1
+                for n, produced in zip(proposed, new_tokens):
+                    # Real proposals only: tokens padding a short draft do not count as drafted.
+                    s.draft_tokens += n
+                    s.accepted_draft_tokens += min(n, len(produced) - 1)
         else:
-            s.mixed_tokens += new_tokens
+            s.mixed_tokens += sum(batch.num_tokens)
             s.mixed_seconds += seconds
             s.mixed_steps += 1
 
@@ -186,7 +285,8 @@ class LLM:
         del self._requests[seq.seq_id]
         text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True) if self.tokenizer else None
         return RequestOutput(request_id=seq.seq_id, prompt_token_ids=seq.prompt_token_ids,
-                             token_ids=seq.output_token_ids, finish_reason=seq.finish_reason, text=text)
+                             token_ids=seq.output_token_ids, finish_reason=seq.finish_reason, text=text,
+                             arrival_time=seq.arrival_time, token_times=list(seq.token_times))
 
     def generate(self, prompts: str | Seq[int] | Seq[str | Seq[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -203,12 +303,15 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"params: expected {len(prompts)} SamplingParams (one per prompt), got {len(params)}")
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        wanted = set(ids)
         done: dict[int, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
         while len(done) < len(ids) and self.has_unfinished():
             for out in self.step():
-                done[out.request_id] = out
-                bar.update(1)
+                # Requests queued earlier through add_request may finish here too; they are not ours.
+                if out.request_id in wanted:
+                    done[out.request_id] = out
+                    bar.update(1)
         bar.close()
         return [done[i] for i in ids]
 

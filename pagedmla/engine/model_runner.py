@@ -1,14 +1,17 @@
 """Model runner: owns the latent cache, page tables and backend; turns a scheduled batch into one forward.
 
-For each request the step runs ``token_ids[num_cached_tokens:]``: positions continue from the cached
-prefix, new latent rows go to the slots ``RequestTable.token_slots`` gives, and ``seq_lens`` count
-every token of the request including this step's. The backend is planned once per step, before the
-model's layers call it.
+For each request the step runs a list of tokens starting at ``num_cached_tokens`` (by default all of
+``token_ids[num_cached_tokens:]``; a prompt chunk; or the last token and its drafts in a verify step):
+positions continue from the cached prefix, new latent rows go to the slots ``RequestTable.token_slots``
+gives, and ``seq_lens`` count every token of the request including this step's. The backend is planned
+once per step, before the model's layers call it. Decode and verify steps of captured batch sizes
+replay CUDA graphs when a GraphRunner is attached (``graphs``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +20,9 @@ from pagedmla.cache import MLAKVCache, PageAllocator, RequestTable
 from pagedmla.engine.sequence import Sequence
 from pagedmla.model.context import StepContext
 from pagedmla.model.deepseek import DeepseekForCausalLM
+
+if TYPE_CHECKING:
+    from pagedmla.engine.cuda_graph import GraphRunner
 
 
 @dataclass
@@ -33,33 +39,55 @@ class StepInputs:
 class ModelRunner:
     """model: a loaded DeepseekForCausalLM; the cache gets ``num_pages`` pages of ``page_size`` tokens in
     the model's dtype; the RequestTable holds ``max_batch_size`` request slots. ``backend_options`` are
-    further MLAConfig fields (chunked_prefix_capacity, chunked_prefix_min_extend, ...)."""
+    further MLAConfig fields (chunked_prefix_capacity, chunked_prefix_min_extend, ...).
+    ``num_speculative_tokens`` k > 0 sizes the backend for verify steps of k + 1 tokens per request (and
+    widens its context by k: a request at the context limit still verifies k draft slots)."""
 
     def __init__(self, model: DeepseekForCausalLM, *, page_size: int, num_pages: int, max_batch_size: int,
                  max_context_len: int, provider: str | None = None, extend_prefix_mode: str = "auto",
-                 backend_name: str = "pagedmla", backend_options: dict | None = None):
+                 backend_name: str = "pagedmla", backend_options: dict | None = None,
+                 num_speculative_tokens: int = 0):
         cfg = model.config
         self.model = model
         self.dtype = model.model.embed_tokens.weight.dtype
         self.device = model.model.embed_tokens.weight.device
+        options = dict(backend_options or {})
+        if num_speculative_tokens:
+            options["num_draft_tokens"] = num_speculative_tokens + 1
         self.mla_config = cfg.mla_config(page_size=page_size, dtype=self.dtype, max_batch_size=max_batch_size,
-                                         max_context_len=max_context_len, extend_prefix_mode=extend_prefix_mode,
-                                         **(backend_options or {}))
+                                         max_context_len=max_context_len + num_speculative_tokens,
+                                         extend_prefix_mode=extend_prefix_mode, **options)
         self.backend: MLABackend = create_backend(backend_name, self.mla_config, device=self.device,
                                                   provider=provider)
         self.cache = MLAKVCache(cfg.num_hidden_layers, num_pages, page_size, self.mla_config.kv_dim,
                                 dtype=self.dtype, device=self.device)
         self.table = RequestTable(PageAllocator(num_pages), page_size, max_batch_size,
                                   self.mla_config.max_pages_per_request, device=self.device)
+        self.graphs: GraphRunner | None = None
 
-    def prepare(self, seqs: list[Sequence], mode: ForwardMode, num_extends: int) -> StepInputs:
-        """Build the step's tensors; every request's pages must already cover its tokens."""
+    def q_len(self, mode: ForwardMode) -> int:
+        """Tokens per request of a decode-like step."""
+        return self.mla_config.num_draft_tokens if mode == ForwardMode.TARGET_VERIFY else 1
+
+    def prepare(self, seqs: list[Sequence], mode: ForwardMode, num_extends: int,
+                tokens: list[list[int]] | None = None) -> StepInputs:
+        """Build the step's tensors; every request's pages must already cover its tokens.
+
+        tokens: the ids each request runs from ``num_cached_tokens`` on (default: all uncached ones)."""
+        if tokens is not None and len(tokens) != len(seqs):
+            raise ValueError(f"tokens: expected one token list per request ({len(seqs)}), got {len(tokens)}")
+        decode_len = self.q_len(mode)
         ids, positions, slots, lens, ext, pre = [], [], [], [], [], []
         for i, seq in enumerate(seqs):
-            start, end = seq.num_cached_tokens, len(seq)
-            if i >= num_extends and end - start != 1:
-                raise ValueError(f"seqs: decode request {seq.seq_id} has {end - start} new tokens, expected 1")
-            ids.extend(seq.token_ids[start:end])
+            step = seq.token_ids[seq.num_cached_tokens:] if tokens is None else list(tokens[i])
+            start = seq.num_cached_tokens
+            end = start + len(step)
+            if i >= num_extends and len(step) != decode_len:
+                raise ValueError(f"seqs: decode request {seq.seq_id} has {len(step)} new tokens, "
+                                 f"expected {decode_len}")
+            if not step:
+                raise ValueError(f"tokens: request {seq.seq_id} has nothing to run")
+            ids.extend(step)
             positions.extend(range(start, end))
             slots.append(self.table.token_slots(seq.slot, start, end))
             lens.append(end)
@@ -82,12 +110,16 @@ class ModelRunner:
                           out_cache_loc=torch.cat(slots), last_token_index=last.to(dev), batch=batch)
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], mode: ForwardMode, num_extends: int, *, all_logits: bool = False,
-            backend: MLABackend | None = None) -> torch.Tensor:
+    def run(self, seqs: list[Sequence], mode: ForwardMode, num_extends: int, *, tokens: list[list[int]] | None = None,
+            all_logits: bool = False, backend: MLABackend | None = None) -> torch.Tensor:
         """One forward step. Returns float32 logits [bs, vocab] of each request's last new token, or of
         every new token ([T, vocab], request-major) with ``all_logits``. ``backend`` substitutes a
-        wrapper of ``self.backend`` (such as the attention profiler)."""
-        inputs = self.prepare(seqs, mode, num_extends)
+        wrapper of ``self.backend`` (such as the attention profiler; such steps run eagerly)."""
+        inputs = self.prepare(seqs, mode, num_extends, tokens)
+        if backend is None and self.graphs is not None and self.graphs.can_replay(mode, len(seqs)):
+            logits = self.graphs.replay(inputs, mode)
+            # Decode-like steps run the same number of tokens per request; with one, every row is a last row.
+            return logits if all_logits or self.q_len(mode) == 1 else logits.index_select(0, inputs.last_token_index)
         self.backend.init_forward_metadata(inputs.batch)
         ctx = StepContext(backend=backend or self.backend, cache=self.cache, out_cache_loc=inputs.out_cache_loc)
         hidden = self.model(inputs.input_ids, inputs.positions, ctx)

@@ -74,6 +74,10 @@ class PrefixCache:
         for name in reversed(names):
             self._pages.move_to_end(name)
 
+    def cached_pages(self) -> list[int]:
+        """The pages the cache holds a reference on."""
+        return list(self._pages.values())
+
     @property
     def num_evictable(self) -> int:
         return sum(1 for p in self._pages.values() if self.allocator.refcount(p) == 1)

@@ -62,17 +62,23 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     tokens = logits.argmax(dim=-1)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     for i in sampled:
-        p = params[i]
-        row = logits[i].float() / p.temperature
-        if p.top_k and p.top_k < row.shape[0]:
-            kth = row.topk(p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = row.softmax(dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-            drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
-            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        probs = sampling_probs(logits[i], params[i])
         tokens[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
     return tokens.tolist()
+
+
+def sampling_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a non-greedy request samples from: softmax(row / temperature) after the top_k
+    and top_p filters; row float [vocab] -> float32 [vocab] summing to 1."""
+    row = row.float() / p.temperature
+    if p.top_k and p.top_k < row.shape[0]:
+        kth = row.topk(p.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = row.softmax(dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return probs

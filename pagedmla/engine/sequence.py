@@ -20,10 +20,15 @@ class SequenceStatus(enum.Enum):
 
 class Sequence:
     """token_ids: prompt followed by the generated tokens. ``num_cached_tokens`` tokens already have
-    their latent rows in the cache; a step processes ``token_ids[num_cached_tokens:]``. ``slot`` is the
-    RequestTable row while the request holds pages (None otherwise)."""
+    their latent rows in the cache; a step processes (a chunk of) ``token_ids[num_cached_tokens:]``.
+    ``slot`` is the RequestTable row while the request holds pages (None otherwise).
 
-    def __init__(self, prompt_token_ids: list[int], params: SamplingParams, device: torch.device):
+    ``seq_id`` grows with arrival order, so it is also the request's age: preemption takes the
+    youngest (largest id) first. ``token_times`` records when each output token was produced (the
+    benchmark's time-to-first-token and inter-token latencies)."""
+
+    def __init__(self, prompt_token_ids: list[int], params: SamplingParams, device: torch.device,
+                 arrival_time: float = 0.0):
         self.seq_id = next(_ids)
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
@@ -35,13 +40,18 @@ class Sequence:
         self.generator: torch.Generator | None = None
         if params.seed is not None and not params.greedy:
             self.generator = torch.Generator(device=device).manual_seed(params.seed)
+        self.arrival_time = arrival_time
+        self.token_times: list[float] = []
+        self.num_preemptions = 0
+        # Full pages of this request already offered to the prefix cache (insertion is incremental).
+        self.num_committed_pages = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
     @property
     def num_new_tokens(self) -> int:
-        """Tokens the next step has to run through the model."""
+        """Tokens not yet run through the model (the next steps' work)."""
         return len(self.token_ids) - self.num_cached_tokens
 
     @property

@@ -2,7 +2,9 @@
 
 Router math is float32 (as the checkpoints keep ``gate.weight`` and ``e_score_correction_bias`` in
 float32). Experts run grouped: tokens are sorted by expert and each expert with hits runs one GEMM
-pair over its tokens.
+pair over its tokens. That needs the per-expert counts on the host, which a CUDA graph cannot capture;
+under capture the experts run densely instead (every expert over every token, combined with the routing
+weights, zero for unchosen experts): more FLOPs, but decode batches are small and the step has no sync.
 """
 
 from __future__ import annotations
@@ -78,6 +80,26 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], weights float32 [T, k], ids [T, k] -> sum_k weight * expert(x), [T, hidden] in x's dtype."""
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self.forward_dense(x, weights, ids)
+        return self.forward_grouped(x, weights, ids)
+
+    def forward_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The same as ``forward_grouped`` without any host synchronisation (capturable): each expert runs
+        over all T tokens and contributes with its combined routing weight (0 where not chosen)."""
+        num_experts = self.gate_up_proj.shape[0]
+        # dense[t, e] = routing weight of expert e for token t (ids are distinct within a row).
+        dense = torch.zeros(x.shape[0], num_experts, dtype=weights.dtype, device=x.device)
+        dense.scatter_(1, ids, weights)
+        out = torch.zeros_like(x)
+        for e in range(num_experts):
+            gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * dense[:, e:e + 1]
+            out += y.to(out.dtype)
+        return out
+
+    def forward_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each expert with tokens runs one GEMM pair over just those tokens (reads the counts back)."""
         out = torch.zeros_like(x)
         k = ids.shape[1]
         flat = ids.flatten()

@@ -1,0 +1,147 @@
+"""CUDA graphs for decode and verify steps: one graph per (batch size, mode), captured once, replayed by
+copying the step's inputs into the captured static buffers.
+
+A step of ``raw`` requests replays the graph of the smallest captured batch size >= raw; the padded rows
+run token 0 at position 0, write their latent row to slot 0 (the reserved page 0) and attend with the
+backend's fill seq_len over block-table rows of page 0, so they touch no live data. Larger batches run
+eagerly. Nothing in a replay allocates or reads back from the device: the inputs are copied into the
+static buffers, the backend refills its own graph buffers (``init_forward_metadata_replay_cuda_graph``),
+and the logits are read from the graph's static output.
+
+Graph objects come from a factory (``CudaGraph`` on the GPU); tests substitute one that re-runs the
+captured function, so the padding and buffer logic runs on the CPU too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from pagedmla.backend import ForwardMode
+from pagedmla.model.context import StepContext
+
+if TYPE_CHECKING:
+    from pagedmla.engine.model_runner import ModelRunner, StepInputs
+
+
+class Graph(Protocol):
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Record ``fn`` and return its (static) output tensor."""
+
+    def replay(self) -> None:
+        """Run the recorded work again, refreshing the output tensor in place."""
+
+
+class CudaGraph:
+    """torch.cuda.CUDAGraph capture after warm-up runs (which compile kernels and settle allocations).
+
+    Graphs of one runner share a memory pool; capturing the largest batch first lets the smaller ones
+    reuse its blocks."""
+
+    def __init__(self, pool=None, warmup: int = 2):
+        self.pool = pool
+        self.warmup = warmup
+        self.graph = torch.cuda.CUDAGraph()
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(self.warmup):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            out = fn()
+        return out
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+def default_batch_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to 32 and every 16 beyond, ending at max_batch_size (cheap padding
+    where batches are small, few graphs where they are large)."""
+    sizes = [b for b in (1, 2, 4) if b < max_batch_size]
+    b = 8
+    while b < max_batch_size:
+        sizes.append(b)
+        b += 8 if b < 32 else 16
+    return sizes + [max_batch_size]
+
+
+class GraphRunner:
+    """Captures decode steps (and verify steps when the backend has draft tokens) of ``batch_sizes``.
+
+    runner: the ModelRunner whose model, cache and backend the graphs use; graph_factory: makes one
+    Graph per captured (batch size, mode)."""
+
+    def __init__(self, runner: ModelRunner, batch_sizes: list[int] | None = None,
+                 graph_factory: Callable[[], Graph] | None = None):
+        max_bs = runner.mla_config.max_batch_size
+        sizes = sorted(set(batch_sizes or default_batch_sizes(max_bs)))
+        if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or not 0 < b <= max_bs for b in sizes):
+            raise ValueError(f"batch_sizes: expected batch sizes in 1..{max_bs} (max_batch_size), got {batch_sizes!r}")
+        if graph_factory is None:
+            if runner.device.type != "cuda":
+                raise ValueError(f"enable_cuda_graph: CUDA graphs need a CUDA device, the model is on {runner.device}")
+            pool = torch.cuda.graph_pool_handle()
+            graph_factory = lambda: CudaGraph(pool)  # noqa: E731
+        self.runner = runner
+        self.batch_sizes = sizes
+        self.modes = [ForwardMode.DECODE]
+        if runner.mla_config.decode_q_len > 1:
+            self.modes.append(ForwardMode.TARGET_VERIFY)
+        dev = runner.device
+        tokens = sizes[-1] * max(runner.q_len(m) for m in self.modes)
+        self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(tokens, dtype=torch.int64, device=dev)
+        self.out_cache_loc = torch.zeros(tokens, dtype=torch.int64, device=dev)
+        self.graphs: dict[tuple[int, ForwardMode], Graph] = {}
+        self.outputs: dict[tuple[int, ForwardMode], torch.Tensor] = {}
+        runner.backend.init_cuda_graph_state(sizes[-1])
+        with torch.inference_mode():
+            for mode in self.modes:
+                for bs in reversed(sizes):
+                    self._capture(bs, mode, graph_factory())
+
+    def _capture(self, bs: int, mode: ForwardMode, graph: Graph) -> None:
+        runner = self.runner
+        n = bs * runner.q_len(mode)
+        fill = runner.backend.get_cuda_graph_seq_len_fill_value()
+        seq_lens = torch.full((bs,), fill, dtype=torch.int32, device=runner.device)
+        slots = torch.zeros(bs, dtype=torch.int64, device=runner.device)
+        runner.backend.init_forward_metadata_capture_cuda_graph(bs, slots, seq_lens, mode)
+        ctx = StepContext(backend=runner.backend, cache=runner.cache, out_cache_loc=self.out_cache_loc[:n])
+        model = runner.model
+
+        def step() -> torch.Tensor:
+            return model.compute_logits(model(self.input_ids[:n], self.positions[:n], ctx))
+
+        self.outputs[(bs, mode)] = graph.capture(step)
+        self.graphs[(bs, mode)] = graph
+
+    def padded_batch_size(self, bs: int) -> int | None:
+        """The captured batch size a step of ``bs`` requests replays (None: larger than any, run eagerly)."""
+        return next((b for b in self.batch_sizes if b >= bs), None)
+
+    def can_replay(self, mode: ForwardMode, bs: int) -> bool:
+        return mode in self.modes and self.padded_batch_size(bs) is not None
+
+    def replay(self, inputs: StepInputs, mode: ForwardMode) -> torch.Tensor:
+        """Logits [raw * q_len, vocab] of a decode / verify step of ``raw`` requests, from the graph of the
+        next captured batch size. The returned tensor is the graph's output: valid until the next replay."""
+        raw = inputs.batch.batch_size
+        bs = self.padded_batch_size(raw)
+        q = self.runner.q_len(mode)
+        n_raw, n = raw * q, bs * q
+        for buf, src in ((self.input_ids, inputs.input_ids), (self.positions, inputs.positions),
+                         (self.out_cache_loc, inputs.out_cache_loc)):
+            buf[:n_raw].copy_(src)
+            buf[n_raw:n].zero_()
+        batch = inputs.batch
+        self.runner.backend.init_forward_metadata_replay_cuda_graph(bs, batch.req_pool_indices, batch.seq_lens, mode,
+                                                                    batch.block_table, raw_bs=raw)
+        self.graphs[(bs, mode)].replay()
+        return self.outputs[(bs, mode)][:n_raw]

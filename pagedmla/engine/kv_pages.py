@@ -1,0 +1,105 @@
+"""A request's pages through its life: opened (from a cached prefix when there is one), grown on demand,
+trimmed after rejected draft tokens, offered to the prefix cache as pages fill, and released.
+
+The allocator's books are checkable at any time (``audit``): every page is free, or referenced exactly
+once by each running request that lists it plus once by the prefix cache when the cache names it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+from pagedmla.cache import RequestTable
+from pagedmla.engine.prefix_cache import PrefixCache
+from pagedmla.engine.sequence import Sequence
+
+
+class PageBookError(AssertionError):
+    """The page allocator's reference counts disagree with the pages' owners."""
+
+
+class KVPages:
+    """table: the RequestTable the model runner reads; prefix_cache: None disables prefix caching."""
+
+    def __init__(self, table: RequestTable, prefix_cache: PrefixCache | None = None):
+        self.table = table
+        self.allocator = table.allocator
+        self.page_size = table.page_size
+        self.prefix_cache = prefix_cache
+        self.cached_prefix_tokens = 0  # prompt tokens whose prefill the prefix cache saved
+
+    @property
+    def capacity(self) -> int:
+        """Pages one request could ever hold (all but the reserved page 0)."""
+        return self.allocator.num_pages - 1
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def open(self, seq: Sequence) -> None:
+        """Give ``seq`` a request slot, starting from its longest cached full-page prefix."""
+        shared = self.prefix_cache.match(seq.token_ids) if self.prefix_cache is not None else []
+        seq.slot = self.table.add_request(shared)
+        seq.num_cached_tokens = len(shared) * self.page_size
+        seq.num_committed_pages = len(shared)
+        self.cached_prefix_tokens += seq.num_cached_tokens
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Make ``seq``'s pages cover ``num_tokens`` tokens (OutOfPagesError taking nothing if they cannot)."""
+        self.table.ensure_capacity(seq.slot, num_tokens)
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the pages beyond the first ``num_tokens`` tokens (slots of rejected draft tokens)."""
+        pages = self.table.pages[seq.slot]
+        keep = self.pages_for(num_tokens)
+        if keep >= len(pages):
+            return
+        tail = pages[keep:]
+        del pages[keep:]
+        # The row's entries past the last page hold the reserved page 0, as RequestTable keeps them.
+        self.table.block_table[seq.slot, keep:keep + len(tail)] = 0
+        self.allocator.free(tail)
+
+    def commit(self, seq: Sequence) -> None:
+        """Offer the prefix cache the pages ``seq`` has completely written since the last commit."""
+        if self.prefix_cache is None:
+            return
+        full = seq.num_cached_tokens // self.page_size
+        if full > seq.num_committed_pages:
+            self.prefix_cache.insert(seq.token_ids[: full * self.page_size], self.table.pages[seq.slot][:full])
+            seq.num_committed_pages = full
+
+    def release(self, seq: Sequence) -> None:
+        """Close ``seq``'s slot (its pages lose one reference; cached ones stay with the cache)."""
+        self.table.free_request(seq.slot)
+        seq.slot = None
+
+    def audit(self, running: Iterable[Sequence]) -> None:
+        """Raise PageBookError unless every page's reference count equals its owners (the running requests
+        listing it, plus the prefix cache) and the free pages are exactly those with no owner."""
+        owners: Counter[int] = Counter()
+        slots = set()
+        for seq in running:
+            if seq.slot is None or seq.slot not in self.table.pages:
+                raise PageBookError(f"running request {seq.seq_id} has no open slot")
+            slots.add(seq.slot)
+            pages = self.table.pages[seq.slot]
+            if len(set(pages)) != len(pages):
+                raise PageBookError(f"request {seq.seq_id} lists a page twice: {pages}")
+            owners.update(pages)
+            row = self.table.block_table[seq.slot].tolist()
+            if row[: len(pages)] != pages or any(row[len(pages):]):
+                raise PageBookError(f"request {seq.seq_id}: block-table row {row} disagrees with pages {pages}")
+        if slots != set(self.table.pages):
+            raise PageBookError(f"open slots {sorted(self.table.pages)} are not the running requests' {sorted(slots)}")
+        if self.prefix_cache is not None:
+            owners.update(self.prefix_cache.cached_pages())
+        free = 0
+        for page in range(1, self.allocator.num_pages):
+            refs = self.allocator.refcount(page)
+            if refs != owners[page]:
+                raise PageBookError(f"page {page} has {refs} references but {owners[page]} owners")
+            free += refs == 0
+        if free != self.allocator.num_free:
+            raise PageBookError(f"{free} pages have no owner but the allocator lists {self.allocator.num_free} free")

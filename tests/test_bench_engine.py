@@ -1,0 +1,40 @@
+"""CPU smoke run of benchmarks/bench_engine.py on its tiny preset (the GPU run uses --preset v2-lite)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_engine.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_engine", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tiny_preset_runs_on_cpu_and_matches_transformers(capsys):
+    bench = _bench()
+    assert bench.main(["--preset", "tiny", "--device", "cpu", "--num-requests", "4", "--prompt-len", "8:24",
+                       "--output-len", "4:8", "--batch-size", "4", "--page-size", "16", "--mixed"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\| pagedmla torch \| [\d.]+ \| [\d.]+ \| [\d.]+ / [\d.]+ / [\d.]+ \| .* \| 4/4 \|", out), out
+    assert "| transformers generate |" in out and "best engine throughput / transformers" in out
+
+
+def test_percentiles_and_bad_arguments(capsys):
+    bench = _bench()
+    assert bench.percentiles([5.0, 1.0, 3.0, 2.0, 4.0]) == (3.0, 5.0, 5.0)
+    assert bench.percentiles([]) == (0.0, 0.0, 0.0)
+    with pytest.raises(SystemExit):
+        bench.main(["--preset", "tiny", "--device", "cpu", "--prompt-len", "9:3"])
+    assert "--prompt-len" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--preset", "tiny", "--device", "cpu", "--cuda-graph", "on"])
+    assert "--cuda-graph" in capsys.readouterr().err

@@ -1,0 +1,166 @@
+"""CUDA-graph decode / verify steps.
+
+On the CPU a stand-in graph (it re-runs the captured function on replay) exercises everything but the
+capture itself: padding to the next captured batch size, the static input buffers, the backend's
+replay planning over its graph buffers, the eager fallback for larger batches, and the MoE's
+sync-free path that capture uses. On a GPU (``-m gpu``) real graphs must give the eager engine's
+greedy tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from engine_driver import drive
+
+from pagedmla.backend import ForwardMode
+from pagedmla.engine import LLM, GraphRunner, SamplingParams
+from pagedmla.engine.cuda_graph import default_batch_sizes
+from pagedmla.model import load_model
+from pagedmla.model.moe import MoE
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+# Requests of different lengths, so that the running batch grows and shrinks through every size.
+STAGGERED = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (4, 30, 9, 14, 6, 22, 18)]
+
+
+class ReRunGraph:
+    """CPU stand-in for a CUDA graph: replay runs the captured function again into the same output."""
+
+    def capture(self, fn):
+        self.fn = fn
+        self.out = fn()
+        return self.out
+
+    def replay(self):
+        self.out.copy_(self.fn())
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny", device="cpu", dtype=torch.float32)
+
+
+def _llm(model, **kwargs):
+    return LLM(model, page_size=16, num_pages=64, max_batch_size=8, max_context_len=128, provider="torch", **kwargs)
+
+
+def _prompts(lengths, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 512, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _with_graphs(llm, sizes):
+    llm.runner.graphs = GraphRunner(llm.runner, sizes, graph_factory=ReRunGraph)
+    replays = []
+    replay = llm.runner.graphs.replay
+
+    def counting(inputs, mode):
+        replays.append((inputs.batch.batch_size, llm.runner.graphs.padded_batch_size(inputs.batch.batch_size), mode))
+        return replay(inputs, mode)
+
+    llm.runner.graphs.replay = counting
+    return replays
+
+
+@pytest.mark.parametrize("k", [0, 2], ids=["decode", "verify"])
+def test_replayed_steps_match_eager(tiny, k):
+    prompts = _prompts([3, 20, 7, 33, 5, 12]) + [list(range(40, 48)) * 3]
+    join_at = [0, 0, 1, 2, 3, 3, 4]
+    eager = drive(_llm(tiny, num_speculative_tokens=k), prompts, STAGGERED, join_at)
+    llm = _llm(tiny, num_speculative_tokens=k)
+    replays = _with_graphs(llm, [1, 2, 4])
+    graphed = drive(llm, prompts, STAGGERED, join_at)
+    assert graphed.outputs == eager.outputs
+    padded = {(raw, bs) for raw, bs, _ in replays}
+    assert (3, 4) in padded and all(bs in (1, 2, 4) for _, bs in padded)
+    assert llm.stats.decode_steps > len(replays), "batches of 5+ requests ran eagerly"
+    if k:
+        assert any(mode == ForwardMode.TARGET_VERIFY for *_, mode in replays)
+        assert llm.stats.acceptance_rate > 0
+
+
+def test_replay_pads_rows_into_reserved_page(tiny):
+    llm = _llm(tiny)
+    _with_graphs(llm, [4])
+    for p in _prompts([5, 18, 9]):
+        llm.add_request(p, GREEDY)
+    llm.step()  # prefill
+    llm.step()  # decode of 3 requests replays the 4-row graph
+    g = llm.runner.graphs
+    running = sorted(llm.scheduler.running, key=lambda s: s.seq_id)
+    assert g.input_ids[:3].tolist() == [s.token_ids[-2] for s in running]
+    assert g.positions[:4].tolist() == [len(s) - 2 for s in running] + [0]
+    assert g.input_ids[3] == 0 and g.out_cache_loc[3] == 0
+    state = llm.runner.backend._graph
+    fill = llm.runner.backend.get_cuda_graph_seq_len_fill_value()
+    assert state.seq_lens[:4].tolist() == [len(s) - 1 for s in running] + [fill]
+    assert not state.block_table[3].any()
+    for i, s in enumerate(running):
+        pages = llm.runner.table.pages[s.slot]
+        assert state.block_table[i, : len(pages)].tolist() == pages
+
+
+def test_default_batch_sizes_and_bad_arguments(tiny):
+    assert default_batch_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    assert default_batch_sizes(3) == [1, 2, 3]
+    assert default_batch_sizes(1) == [1]
+    with pytest.raises(ValueError, match="enable_cuda_graph"):
+        _llm(tiny, enable_cuda_graph=True)
+    with pytest.raises(ValueError, match="batch_sizes"):
+        GraphRunner(_llm(tiny).runner, [0, 4], graph_factory=ReRunGraph)
+    with pytest.raises(ValueError, match="batch_sizes"):
+        GraphRunner(_llm(tiny).runner, [16], graph_factory=ReRunGraph)
+
+
+def test_sync_free_moe_equals_grouped_path(tiny):
+    """Same function (float64: equal to 1e-12); in float32 the two differ only by GEMM rounding (the grouped
+    path multiplies row subsets), far below anything that could move a greedy choice."""
+    moe = next(m for m in tiny.modules() if isinstance(m, MoE))
+    gen = torch.Generator().manual_seed(0)
+    for dtype, rel in ((torch.float64, 1e-12), (torch.float32, 2e-6)):
+        experts = copy.deepcopy(moe.experts).to(dtype)
+        for tokens in (1, 3, 17):
+            x = torch.randn(tokens, tiny.config.hidden_size, generator=gen)
+            weights, ids = moe.gate(x)
+            x = x.to(dtype)
+            grouped = experts.forward_grouped(x, weights, ids)
+            dense = experts.forward_dense(x, weights, ids)
+            assert (dense - grouped).abs().max() <= rel * grouped.abs().max()
+            # Eager forward keeps the grouped fast path.
+            assert torch.equal(experts(x, weights, ids), grouped)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+def _gpu_run(model, graphs: bool, k: int, provider: str):
+    llm = LLM(model, page_size=16, num_pages=128, max_batch_size=8, max_context_len=256, provider=provider,
+              enable_cuda_graph=graphs, num_speculative_tokens=k)
+    prompts = _prompts([3, 20, 7, 33, 5, 12, 60, 9, 2]) + [list(range(40, 48)) * 3]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (4, 40, 9, 14, 6, 22, 18, 30, 11, 26)]
+    run = drive(llm, prompts, params, [0, 0, 1, 2, 3, 3, 4, 6, 6, 8])
+    return run.outputs, llm
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [0, 3], ids=["decode", "verify"])
+def test_cuda_graph_greedy_equals_eager_float32(k):
+    """Same provider, float32: replayed graphs must give the eager engine's tokens exactly (batches of 1..9
+    requests: padded replays of 1, 2, 4, 8 and eager steps of 9)."""
+    model = load_model("tiny", device="cuda", dtype=torch.float32)
+    eager, _ = _gpu_run(model, False, k, "torch")
+    graphed, llm = _gpu_run(model, True, k, "torch")
+    assert llm.runner.graphs is not None and llm.runner.graphs.batch_sizes == [1, 2, 4, 8]
+    assert graphed == eager
+    if k:
+        assert llm.stats.acceptance_rate > 0
+
+
+@pytest.mark.gpu
+def test_cuda_graph_greedy_equals_eager_bf16_triton():
+    """bf16 through the Triton kernels, captured: the same tokens as the same kernels run eagerly."""
+    model = load_model("tiny", device="cuda", dtype=torch.bfloat16)
+    eager, _ = _gpu_run(model, False, 0, "triton")
+    graphed, _ = _gpu_run(model, True, 0, "triton")
+    assert graphed == eager
