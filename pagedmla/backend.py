@@ -186,7 +186,8 @@ class MLABackend:
             width = max(1, -(-max(seq_cpu) // self.config.page_size))
             block_table = block_table[:, :width]
         block_table = block_table.index_select(0, batch.req_pool_indices.to(torch.int64))
-        seq_lens = batch.seq_lens
+        # The backend owns the step's lengths: the engine may update its tensor before the layers run.
+        seq_lens = batch.seq_lens.clone()
         if mode.is_decode_like():
             q_len = self._decode_q_len(mode)
             md, ns = get_mla_metadata(seq_lens, q_len * self.heads, 1)
@@ -263,6 +264,8 @@ class MLABackend:
     @staticmethod
     def _check_extend(seq_cpu: list[int], ext: list[int], pre: list[int]) -> None:
         for i, (s, e, p) in enumerate(zip(seq_cpu, ext, pre)):
+            if p < 0:
+                raise ValueError(f"extend_seq_lens_cpu: request {i} has {e} new tokens but seq_lens_cpu says only {s}")
             if e + p != s:
                 raise ValueError(f"extend_seq_lens_cpu/extend_prefix_lens_cpu: request {i} has {p} cached + {e} new "
                                  f"tokens but seq_lens_cpu says {s}")
@@ -344,21 +347,26 @@ class MLABackend:
     def forward(self, q, k, v, layer, out_cache_loc, cache: MLAKVCache, save_kv_cache: bool = True, **kwargs):
         """Route to forward_decode or forward_extend by the planned mode."""
         meta = self._meta()
-        if meta.mode.is_decode_like():
+        if meta.mode.is_decode_like() or meta.mode == ForwardMode.DRAFT_EXTEND:
             return self.forward_decode(q, k, v, layer, out_cache_loc, cache, meta.bs, save_kv_cache)
         return self.forward_extend(q, k, v, layer, out_cache_loc, cache, save_kv_cache, **kwargs)
 
     def forward_decode(self, q, k, v, layer, out_cache_loc, cache: MLAKVCache, bs: int, save_kv_cache: bool = True):
-        """Absorbed attention, q_len tokens per request (1; the draft tokens when verifying).
+        """Absorbed attention of a decode-like step: q_len tokens per request (1; the draft tokens when
+        verifying), or, on a draft backend, DRAFT_EXTEND's per-request token counts.
 
-        q: [bs * q_len, H, 576]; k: the new latent rows [bs * q_len, 1, 576] (or [.., 576]); v: unused
-        (pass None: values are the latent rows' first 512 columns). Returns [bs * q_len, H * 512].
+        q: [T, H, 576]; k: the new latent rows [T, 1, 576] (or [T, 576]); v: unused (pass None: values
+        are the latent rows' first 512 columns). Returns [T, H * 512].
         """
         meta = self._meta()
-        if not meta.mode.is_decode_like():
+        if meta.bs == 0:
+            return q.new_empty(0, self.heads * self.v_dim)
+        if not (meta.mode.is_decode_like() or meta.mode == ForwardMode.DRAFT_EXTEND):
             raise RuntimeError(f"forward_decode: the planned step is {meta.mode.value}, not a decode step")
         if bs != meta.bs:
             raise ValueError(f"bs: the planned batch has {meta.bs} requests, got {bs}")
+        if meta.mode == ForwardMode.DRAFT_EXTEND:
+            return self.forward_extend(q, k, v, layer, out_cache_loc, cache, save_kv_cache)
         self._check_q(q, meta.num_tokens, self.kv_dim)
         lid = _layer_id(layer)
         if save_kv_cache:
@@ -379,9 +387,10 @@ class MLABackend:
         (k [n, H, 192], v [n, H, 128])`` for the prefix chunks. Returns [T, H * 128].
         """
         meta = self._meta()
-        if meta.mode.is_decode_like() or meta.mode == ForwardMode.IDLE:
-            if meta.mode == ForwardMode.IDLE:
-                return q.new_empty(0, self.heads * (self.v_dim if meta.form == "absorbed" else v.shape[-1]))
+        if meta.bs == 0:
+            # IDLE and empty batches are planned in the absorbed form: no tokens, no cache writes.
+            return q.new_empty(0, self.heads * self.v_dim)
+        if meta.mode.is_decode_like():
             raise RuntimeError(f"forward_extend: the planned step is {meta.mode.value}, not an extend step")
         lid = _layer_id(layer)
         if meta.form == "absorbed":
@@ -469,8 +478,9 @@ class MLABackend:
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
                                                 seq_lens: torch.Tensor, forward_mode: ForwardMode,
                                                 block_table: torch.Tensor, raw_bs: int | None = None) -> None:
-        """Refill the graph buffers for a replay of the ``bs``-row graph: copies only, no allocation and no
-        host synchronisation. The first ``raw_bs`` rows are real (``seq_lens`` / ``req_pool_indices`` may
+        """Refill the graph buffers for a replay of the ``bs``-row graph: no host synchronisation and no new
+        buffers (the schedule is recomputed with temporaries from the caching allocator, then copied in).
+        The first ``raw_bs`` rows are real (``seq_lens`` / ``req_pool_indices`` may
         hold just those); the rest are padding (seq_len 1, block-table row of page 0)."""
         g = self._graph_state()
         key = (bs, forward_mode)
@@ -479,7 +489,11 @@ class MLABackend:
         raw = bs if raw_bs is None else raw_bs
         if not 0 <= raw <= bs:
             raise ValueError(f"raw_bs: expected 0..{bs}, got {raw_bs}")
-        width = min(block_table.shape[1], g.block_table.shape[1])
+        if block_table.shape[1] > g.block_table.shape[1]:
+            # Lengths are not read back during a replay, so a wider table could not be checked to fit.
+            raise ValueError(f"block_table: {block_table.shape[1]} columns exceed the graph buffers' "
+                             f"{g.block_table.shape[1]} (init_cuda_graph_state's max_pages_per_request)")
+        width = block_table.shape[1]
         rows = block_table.index_select(0, req_pool_indices[:raw].to(torch.int64))
         g.block_table[:raw, :width].copy_(rows[:, :width])
         g.block_table[:raw, width:].zero_()

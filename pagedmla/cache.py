@@ -22,8 +22,8 @@ class PageAllocator:
     """Hands out page ids 1..num_pages-1 with reference counts (shared prefix pages have count > 1).
 
     Freed pages are reused most-recently-freed first, so a finishing request's pages go to the next.
-    ``reclaim(n)``, when set (a prefix cache does), is asked to free up to ``n`` pages before an
-    allocation would fail.
+    ``reclaim(n)`` and ``reclaimable()``, when set (a prefix cache sets both), free up to ``n`` pages and
+    count the pages that could be freed; an allocation that would fail asks for them only when they suffice.
     """
 
     def __init__(self, num_pages: int):
@@ -32,7 +32,8 @@ class PageAllocator:
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, 0, -1))
         self._refs = [0] * num_pages
-        self.reclaim: Callable[[int], None] | None = None
+        self.reclaim: Callable[[int], object] | None = None
+        self.reclaimable: Callable[[], int] | None = None
 
     @property
     def num_free(self) -> int:
@@ -49,8 +50,10 @@ class PageAllocator:
         """Take ``n`` free pages (reference count 1 each), or raise OutOfPagesError taking none."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"n: expected an int >= 0, got {n!r}")
-        if n > len(self._free) and self.reclaim is not None:
-            self.reclaim(n - len(self._free))
+        short = n - len(self._free)
+        # Evict only when it makes the allocation succeed: a failing one must take nothing, cached pages included.
+        if short > 0 and self.reclaim is not None and self.reclaimable is not None and self.reclaimable() >= short:
+            self.reclaim(short)
         if n > len(self._free):
             raise OutOfPagesError(f"need {n} pages, only {len(self._free)} of {self.num_pages - 1} are free")
         pages = [self._free.pop() for _ in range(n)]
@@ -182,7 +185,7 @@ class MLAKVCache:
                 or page_size & (page_size - 1):
             raise ValueError(f"page_size: expected a power of two between 1 and 256, got {page_size!r}")
         if dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
-            raise ValueError(f"dtype: expected bfloat16, float16 or float32, got {dtype}")
+            raise ValueError(f"dtype: expected bfloat16, float16, float32 or float64, got {dtype}")
         self.num_pages = num_pages
         self.page_size = page_size
         self.kv_dim = kv_dim
@@ -210,10 +213,10 @@ class MLAKVCache:
         built the slots themselves, such as the backend inside a step."""
         buf = self.layer(layer_id)
         checks.tensor(latent, "latent", dtypes=checks.FLOAT_DTYPES)
-        rows = latent.reshape(latent.shape[0], -1) if latent.dim() == 3 else latent
-        if rows.dim() != 2 or rows.shape[1] != self.kv_dim or (latent.dim() == 3 and latent.shape[1] != 1):
+        if tuple(latent.shape[1:]) not in ((self.kv_dim,), (1, self.kv_dim)):
             raise ValueError(f"latent: expected shape [T, {self.kv_dim}] or [T, 1, {self.kv_dim}], "
                              f"got {tuple(latent.shape)}")
+        rows = latent.reshape(latent.shape[0], self.kv_dim)
         self._check_slots(out_cache_loc, rows.shape[0], check_values=validate)
         buf.view(self.num_slots, self.kv_dim).index_copy_(0, out_cache_loc, rows.to(self.dtype))
 
@@ -222,8 +225,9 @@ class MLAKVCache:
         buf = self.layer(layer_id)
         c = checks.tensor(c_kv, "c_kv", dtypes=checks.FLOAT_DTYPES)
         r = checks.tensor(k_pe, "k_pe", dtypes=checks.FLOAT_DTYPES)
-        c = c.reshape(c.shape[0], -1) if c.dim() == 3 else c
-        r = r.reshape(r.shape[0], -1) if r.dim() == 3 else r
+        # [T, 1, w] rows are [T, w] rows; explicit widths keep zero-row inputs reshapeable.
+        c = c.reshape(c.shape[0], c.shape[-1]) if c.dim() == 3 and c.shape[1] == 1 else c
+        r = r.reshape(r.shape[0], r.shape[-1]) if r.dim() == 3 and r.shape[1] == 1 else r
         if c.dim() != 2 or r.dim() != 2 or c.shape[0] != r.shape[0] or c.shape[1] + r.shape[1] != self.kv_dim:
             raise ValueError(f"c_kv/k_pe: widths must add up to {self.kv_dim} over the same T rows, got "
                              f"{tuple(c_kv.shape)} and {tuple(k_pe.shape)}")

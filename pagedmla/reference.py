@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-# Bounds the [rows, heads, keys] score tensor of one step of the paged reference.
+# Elements (of the gathered rows and of the scores) one chunk of the paged reference may hold.
 _SCORE_BUDGET = 1 << 26
 
 
@@ -64,7 +64,8 @@ def paged_mla_attention(
     kv_len = seq_lens[req]
     max_kv = max_pages * page_size
     offsets = torch.arange(page_size, device=dev)
-    rows_per_chunk = max(1, _SCORE_BUDGET // max(1, H * max_kv))
+    # Each query row gathers its request's [max_kv, D] rows and scores [H, max_kv]: bound both.
+    rows_per_chunk = max(1, _SCORE_BUDGET // max(1, max_kv * max(H, D)))
     for start in range(0, T, rows_per_chunk):
         sl = slice(start, min(T, start + rows_per_chunk))
         r = req[sl]
@@ -76,7 +77,7 @@ def paged_mla_attention(
             valid &= key_pos.unsqueeze(0) <= last.unsqueeze(1)
         # Invalid positions may index unused or poisoned slots: read slot 0 there and zero the rows.
         kv = cache[torch.where(valid, slots, torch.zeros_like(slots))].to(cdt)
-        kv = torch.where(valid.unsqueeze(-1), kv, torch.zeros_like(kv))
+        kv.masked_fill_(~valid.unsqueeze(-1), 0.0)
         scores = torch.einsum("thd,tkd->thk", q[sl].to(cdt), kv) * softmax_scale
         p, l = _softmax_rows(scores, valid.unsqueeze(1))
         out[sl] = torch.einsum("thk,tkd->thd", p, kv[..., :head_dim_v])

@@ -363,3 +363,75 @@ def test_draft_extend_on_a_draft_backend():
     h.step(ForwardMode.EXTEND, slots, [9, 17, 2])
     h.step(ForwardMode.DRAFT_EXTEND, slots, [1, 3, 2])
     h.step(ForwardMode.DECODE, slots, [1, 1, 1])
+
+
+@pytest.mark.parametrize("heads,page_size", [(3, 16), (16, 1)])
+def test_every_mode_on_the_triton_provider(heads, page_size):
+    """The backend on pagedmla's own kernels (the Triton interpreter on CPU, fp16; bf16 runs on the GPU)."""
+    h = Harness(heads=heads, page_size=page_size, num_pages=600, num_draft_tokens=3, seed=heads + page_size,
+                dtype=torch.float16, provider="triton", tol=5e-3)
+    slots = [h.add() for _ in range(5)]
+    assert h.step(ForwardMode.EXTEND, slots, [1, 15, 16, 17, 40]) == "mha"
+    h.step(ForwardMode.DECODE, slots, [1] * 5)
+    h.step(ForwardMode.TARGET_VERIFY, slots, [3] * 5)
+    h.backend.config.extend_prefix_mode = "absorbed"
+    assert h.step(ForwardMode.EXTEND, slots, [3, 1, 2, 0, 5]) == "absorbed"
+    h.backend.config.extend_prefix_mode = "chunked"
+    h.backend.config.chunked_prefix_capacity = 24
+    assert h.step(ForwardMode.EXTEND, slots, [3, 1, 2, 0, 5]) == "chunked"
+    h.step(ForwardMode.MIXED, slots, [4, 2, 1, 1, 1], num_extends=2)
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED])
+def test_batches_with_no_requests(mode):
+    h = Harness(seed=23)
+    empty_i, empty_l = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32)
+    h.backend.init_forward_metadata(ForwardBatch(mode, empty_i, empty_l, h.table.block_table, [], [], []))
+    before = h.cache.buffers[0].clone()
+    out = h.backend.forward(torch.zeros(0, 4, 576), torch.zeros(0, 1, 576), None, 0, empty_i, h.cache)
+    assert out.shape == (0, 4 * 512)
+    assert torch.equal(before.isnan(), h.cache.buffers[0].isnan())
+    h.cache.write(0, empty_i, torch.zeros(0, 1, 576))
+
+
+def test_draft_extend_through_forward_decode():
+    h = Harness(heads=8, num_draft_tokens=2, is_draft=True, seed=29)
+    slots = [h.add() for _ in range(2)]
+    h.step(ForwardMode.EXTEND, slots, [7, 3])
+    pre = [h.hist[s].shape[0] for s in slots]
+    seq = [p + n for p, n in zip(pre, [2, 1])]
+    for s, n in zip(slots, seq):
+        h.table.ensure_capacity(s, n)
+    loc = torch.cat([h.table.token_slots(s, p, n) for s, p, n in zip(slots, pre, seq)])
+    batch = ForwardBatch(ForwardMode.DRAFT_EXTEND, torch.tensor(slots), torch.tensor(seq, dtype=torch.int32),
+                         h.table.block_table, seq_lens_cpu=seq, extend_seq_lens_cpu=[2, 1])
+    h.backend.init_forward_metadata(batch)
+    q, lat = h.rand(3, 8, 576), h.rand(3, 576)
+    out = h.backend.forward_decode(q.float(), lat.float()[:, None], None, 0, loc, h.cache, 2)
+    for s, rows in zip(slots, lat.split([2, 1])):
+        h.hist[s] = torch.cat([h.hist[s], rows])
+    ref = torch.cat([dense_absorbed(qr, h.hist[s], h.cfg.softmax_scale, True, LORA)[0]
+                     for s, qr in zip(slots, q.split([2, 1]))])
+    assert ((out.view_as(ref).double() - ref).norm() / ref.norm()) < 1e-5
+
+
+def test_planning_rejects_more_new_tokens_than_the_sequence_holds():
+    h = Harness(heads=8, num_draft_tokens=2, is_draft=True, seed=31)
+    slots = [h.add() for _ in range(2)]
+    for s in slots:
+        h.table.ensure_capacity(s, 8)
+    batch = ForwardBatch(ForwardMode.DRAFT_EXTEND, torch.tensor(slots), torch.tensor([2, 5], dtype=torch.int32),
+                         h.table.block_table, seq_lens_cpu=[2, 5], extend_seq_lens_cpu=[4, 1])
+    with pytest.raises(ValueError, match="extend_seq_lens_cpu"):
+        h.backend.init_forward_metadata(batch)
+
+
+def test_replay_rejects_a_block_table_wider_than_the_graph_buffers():
+    h = Harness(seed=37, max_bs=4)
+    h.backend.init_cuda_graph_state(4)
+    h.backend.init_forward_metadata_capture_cuda_graph(2, torch.zeros(2, dtype=torch.int64),
+                                                       torch.ones(2, dtype=torch.int32), ForwardMode.DECODE)
+    wide = torch.zeros(4, h.cfg.max_pages_per_request + 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="block_table"):
+        h.backend.init_forward_metadata_replay_cuda_graph(2, torch.tensor([0, 1]), torch.ones(2, dtype=torch.int32),
+                                                          ForwardMode.DECODE, wide)

@@ -39,11 +39,13 @@ def test_match_share_and_evict_lru():
     pages = alloc.allocate(6)
     assert len(pages) == 6 and len(cache) == 2
     assert cache.match(prompt) == shared[:2], "the least recently used page (the third) goes first"
+    # An allocation that eviction cannot satisfy fails without evicting anything.
     with pytest.raises(OutOfPagesError):
         alloc.allocate(3)
-    assert len(cache) == 0 and alloc.num_free == 2
+    assert len(cache) == 2 and alloc.num_free == 0
+    assert alloc.allocate(2) and len(cache) == 0
     alloc.free(pages)
-    assert alloc.num_free == 8
+    assert alloc.num_free == 6
 
 
 def test_drafter_proposes_continuations():

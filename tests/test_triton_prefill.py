@@ -155,6 +155,7 @@ PAGED_CASES = [
     ([33], [33], 2, 64),
     ([1, 2], [64, 65], 8, 64),
     ([0, 9, 1], [5, 31, 3], 3, 16),  # a request with no new tokens; H not a power of two
+    ([6, 4, 3], [2, 0, 3], 4, 16),  # more queries than keys: causal rows that see no key, an empty KV
 ]
 
 

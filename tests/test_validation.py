@@ -7,6 +7,7 @@ raise, or a raise for the wrong reason, both show up.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -17,6 +18,12 @@ from pagedmla import MLAConfig, MLAKVCache, OutOfPagesError, PageAllocator, Requ
 
 F32, F64 = torch.float32, torch.float64
 I32, I64 = torch.int32, torch.int64
+
+
+def names(argument: str) -> str:
+    """Pattern of an error message that starts by naming ``argument``, alone or in a slash-separated list
+    of the arguments at fault (not merely containing its letters somewhere)."""
+    return rf"^(\w+/)*{re.escape(argument)}(:|/| )"
 
 
 def t32(x):
@@ -143,19 +150,19 @@ DECODE_CASES = _decode_cases()
 @pytest.mark.parametrize("case", list(DECODE_CASES))
 def test_flash_mla_with_kvcache_rejects(case):
     args, name = DECODE_CASES[case]
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(ValueError, match=names(name)):
         call_decode(args)
 
 
 @pytest.mark.parametrize("scale", [0.0, -0.1, float("nan"), "0.1", True])
 def test_flash_mla_with_kvcache_rejects_softmax_scale(scale):
-    with pytest.raises(ValueError, match="softmax_scale"):
+    with pytest.raises(ValueError, match=names("softmax_scale")):
         call_decode(decode_args(), softmax_scale=scale)
 
 
 def test_flash_mla_with_kvcache_rejects_non_tensor_q():
     a = decode_args()
-    with pytest.raises(TypeError, match="q"):
+    with pytest.raises(TypeError, match=names("q")):
         call_decode(replace(a, q=a["q"].tolist()))
 
 
@@ -218,13 +225,13 @@ VARLEN_PAGED_CASES = _varlen_paged_cases()
 @pytest.mark.parametrize("case", list(VARLEN_PAGED_CASES))
 def test_flash_mla_varlen_with_kvcache_rejects(case):
     args, name = VARLEN_PAGED_CASES[case]
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(ValueError, match=names(name)):
         call_varlen_paged(args)
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, True])
 def test_flash_mla_varlen_rejects_bad_max_q_len(value):
-    with pytest.raises(ValueError, match="max_q_len"):
+    with pytest.raises(ValueError, match=names("max_q_len")):
         call_varlen_paged(varlen_paged_args(), max_q_len=value)
 
 
@@ -233,12 +240,12 @@ def test_flash_mla_varlen_rejects_max_q_len_below_longest_request():
     as flash_attn_varlen_func refuses a short max_seqlen_q."""
     a = varlen_paged_args()
     call_varlen_paged(a, max_q_len=3)
-    with pytest.raises(ValueError, match="max_q_len"):
+    with pytest.raises(ValueError, match=names("max_q_len")):
         call_varlen_paged(a, max_q_len=2)
 
 
 def test_flash_mla_varlen_rejects_bad_softmax_scale():
-    with pytest.raises(ValueError, match="softmax_scale"):
+    with pytest.raises(ValueError, match=names("softmax_scale")):
         call_varlen_paged(varlen_paged_args(), softmax_scale=-1.0)
 
 
@@ -281,23 +288,23 @@ MHA_CASES = _mha_cases()
 @pytest.mark.parametrize("case", list(MHA_CASES))
 def test_flash_attn_varlen_func_rejects(case):
     args, name = MHA_CASES[case]
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(ValueError, match=names(name)):
         call_mha(args)
 
 
 @pytest.mark.parametrize("out", [torch.zeros(7, 4, 24), torch.zeros(7, 4, 16, dtype=F64), torch.zeros(7, 16)])
 def test_flash_attn_varlen_func_rejects_bad_out(out):
-    with pytest.raises(ValueError, match="out"):
+    with pytest.raises(ValueError, match=names("out")):
         call_mha(mha_args(), out=out)
 
 
 def test_flash_attn_varlen_func_rejects_bad_softmax_scale():
-    with pytest.raises(ValueError, match="softmax_scale"):
+    with pytest.raises(ValueError, match=names("softmax_scale")):
         call_mha(mha_args(), softmax_scale=0)
 
 
 def test_flash_attn_varlen_func_rejects_non_tensor_cu_seqlens():
-    with pytest.raises(TypeError, match="cu_seqlens_q"):
+    with pytest.raises(TypeError, match=names("cu_seqlens_q")):
         call_mha(replace(mha_args(), cu_seqlens_q=[0, 3, 7]))
 
 
@@ -330,7 +337,7 @@ MERGE_CASES = _merge_cases()
 @pytest.mark.parametrize("case", list(MERGE_CASES))
 def test_merge_state_rejects(case):
     args, kw, name = MERGE_CASES[case]
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(ValueError, match=names(name)):
         call_merge(args, **kw)
 
 
@@ -351,7 +358,7 @@ def test_merge_state_rejects(case):
     (t32([3, 4]), 16, 1, 2.0, ValueError, "num_sm_parts"),
 ])
 def test_get_mla_metadata_rejects(lens, q_tokens, heads_k, parts, exc, name):
-    with pytest.raises(exc, match=name):
+    with pytest.raises(exc, match=names(name)):
         pagedmla.get_mla_metadata(lens, q_tokens, heads_k, num_sm_parts=parts)
 
 
@@ -376,7 +383,7 @@ def small_cache():
 def test_kv_cache_constructor_rejects(kwargs, name):
     base = dict(num_layers=2, num_pages=4, page_size=4, kv_dim=24, dtype=F32)
     base.update(kwargs)
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(ValueError, match=names(name)):
         MLAKVCache(**base)
 
 
@@ -411,7 +418,7 @@ def test_kv_cache_write_rejects_and_leaves_buffer_untouched(case):
     kw, name = WRITE_CASES[case]
     args = dict(layer_id=1, out_cache_loc=_LOC, latent=_ROWS)
     args.update(kw)
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(ValueError, match=names(name)):
         cache.write(args["layer_id"], args["out_cache_loc"], args["latent"])
     assert all(torch.equal(a, b) for a, b in zip(before, cache.buffers))
 
@@ -445,7 +452,7 @@ def test_kv_cache_write_split_rejects_and_leaves_buffer_untouched(case):
     kw, name = SPLIT_CASES[case]
     args = dict(layer_id=0, out_cache_loc=_SLOC, c_kv=_C, k_pe=_R)
     args.update(kw)
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(ValueError, match=names(name)):
         cache.write_split(args["layer_id"], args["out_cache_loc"], args["c_kv"], args["k_pe"])
     assert all(torch.equal(a, b) for a, b in zip(before, cache.buffers))
 
@@ -458,12 +465,12 @@ def test_kv_cache_write_split_rejects_and_leaves_buffer_untouched(case):
     (torch.tensor([0.0, 3.0]), "slots"),
 ])
 def test_kv_cache_gather_rejects(slots, name):
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(ValueError, match=names(name)):
         small_cache().gather(0, slots)
 
 
 def test_kv_cache_gather_rejects_bad_layer():
-    with pytest.raises(ValueError, match="layer_id"):
+    with pytest.raises(ValueError, match=names("layer_id")):
         small_cache().gather(5, torch.tensor([0]))
 
 
@@ -473,7 +480,7 @@ def test_kv_cache_gather_rejects_bad_layer():
 
 @pytest.mark.parametrize("n", [0, 1, -3, 2.0, True])
 def test_allocator_constructor_rejects(n):
-    with pytest.raises(ValueError, match="num_pages"):
+    with pytest.raises(ValueError, match=names("num_pages")):
         PageAllocator(n)
 
 
@@ -509,7 +516,7 @@ def test_allocator_share_rejects(pages):
 def test_request_table_constructor_rejects(kwargs, name):
     base = dict(page_size=4, max_requests=2, max_pages_per_request=3)
     base.update(kwargs)
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(ValueError, match=names(name)):
         RequestTable(PageAllocator(8), **base)
 
 
@@ -573,7 +580,7 @@ def test_request_table_rejects():
     (dict(max_context_len=0), "max_context_len"),
 ])
 def test_mla_config_rejects(kwargs, name):
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(ValueError, match=names(name)):
         MLAConfig(**kwargs)
 
 

@@ -17,14 +17,19 @@ from pagedmla.cache import PageAllocator
 
 def page_hashes(tokens: Sequence[int], page_size: int) -> list[bytes]:
     """Chained hash of each full page of ``tokens``: hash i covers tokens[: (i + 1) * page_size]."""
-    out: list[bytes] = []
-    prev = b""
-    for start in range(0, len(tokens) - page_size + 1, page_size):
+    return extend_page_hashes([], tokens, page_size)
+
+
+def extend_page_hashes(chain: list[bytes], tokens: Sequence[int], page_size: int) -> list[bytes]:
+    """Append to ``chain`` (the ``page_hashes`` of a prefix of ``tokens``) the hashes of the full pages of
+    ``tokens`` it lacks, and return it: each page is hashed once however often its sequence grows."""
+    prev = chain[-1] if chain else b""
+    for start in range(len(chain) * page_size, len(tokens) - page_size + 1, page_size):
         h = hashlib.blake2b(prev, digest_size=16)
         h.update(b",".join(str(t).encode() for t in tokens[start: start + page_size]))
         prev = h.digest()
-        out.append(prev)
-    return out
+        chain.append(prev)
+    return chain
 
 
 class PrefixCache:
@@ -36,29 +41,34 @@ class PrefixCache:
         self._pages: OrderedDict[bytes, int] = OrderedDict()  # LRU order: oldest first
         self._names: dict[int, bytes] = {}
         allocator.reclaim = self.evict
-        self.hits = 0
-        self.queries = 0
+        allocator.reclaimable = lambda: self.num_evictable
 
     def __len__(self) -> int:
         return len(self._pages)
 
-    def match(self, tokens: Sequence[int]) -> list[int]:
+    def match(self, tokens: Sequence[int], hashes: Sequence[bytes] | None = None) -> list[int]:
         """Pages holding the longest cached prefix of ``tokens``, leaving at least one token uncached
-        (its logits are needed). The caller takes its own reference (``RequestTable.add_request``)."""
+        (its logits are needed). The caller takes its own reference (``RequestTable.add_request``).
+        hashes: ``page_hashes`` of ``tokens`` (or of a longer sequence they start), already computed."""
+        usable = max(0, len(tokens) - 1) // self.page_size
+        if hashes is None:
+            hashes = page_hashes(tokens[: usable * self.page_size], self.page_size)
         names = []
-        for name in page_hashes(tokens[: max(0, len(tokens) - 1)], self.page_size):
+        for name in hashes[:usable]:
             if name not in self._pages:
                 break
             names.append(name)
         self._touch(names)
-        self.queries += 1
-        self.hits += bool(names)
         return [self._pages[name] for name in names]
 
-    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> None:
-        """Register the full pages of a sequence whose first ``len(tokens)`` tokens are written."""
+    def insert(self, tokens: Sequence[int], pages: Sequence[int], hashes: Sequence[bytes] | None = None) -> None:
+        """Register the full pages of a sequence whose first ``len(tokens)`` tokens are written.
+        hashes: ``page_hashes`` of ``tokens`` (or of a longer sequence they start), already computed."""
+        full = len(tokens) // self.page_size
+        if hashes is None:
+            hashes = page_hashes(tokens, self.page_size)
         names = []
-        for name, page in zip(page_hashes(tokens, self.page_size), pages):
+        for name, page in zip(hashes[:full], pages):
             names.append(name)
             if name in self._pages or page in self._names:
                 # Already cached (or the page already names another prefix: it holds one at a time).

@@ -2,7 +2,8 @@
 
 FlashMLA's own limits apply and are checked here rather than failing inside the library: bfloat16
 only, page size 64, Hopper GPUs. Its split schedule differs from pagedmla's, so the adapter computes
-FlashMLA's own (on the device, no host synchronisation) and ignores the metadata it is given.
+FlashMLA's own on every call (on the device, no host synchronisation; once per layer, where an engine
+built on FlashMLA alone would compute it once per step) and ignores the metadata it is given.
 """
 
 from __future__ import annotations

@@ -380,6 +380,9 @@ def paged_decode_triton(
         k_cache = k_cache.contiguous()
     if block_table.stride(-1) != 1:
         block_table = block_table.contiguous()
+    # The kernels index these 1-D tensors as dense arrays (a no-op when they already are).
+    cache_seqlens, num_splits = cache_seqlens.contiguous(), num_splits.contiguous()
+    tile_scheduler_metadata = tile_scheduler_metadata.contiguous()
     parts = tile_scheduler_metadata.shape[0]
     if tile_scheduler_metadata.shape[1] != METADATA_WIDTH:
         raise ValueError(f"tile_scheduler_metadata: expected {METADATA_WIDTH} columns, "

@@ -210,6 +210,8 @@ def paged_varlen_attention(
     q = last_dim_contiguous(q)
     kv = last_dim_contiguous(k_cache.reshape(-1, d))
     block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
+    # The kernel indexes these 1-D tensors as dense arrays (a no-op when they already are).
+    cache_seqlens, qo_indptr = cache_seqlens.contiguous(), qo_indptr.contiguous()
     cfg = default_config(q.dtype)
     if config:
         cfg.update(config)

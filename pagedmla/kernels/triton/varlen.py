@@ -63,8 +63,10 @@ def _attn_tile(
     dv = tl.arange(0, BLOCK_DV)
     for start_n in tl.range(lo, hi, BLOCK_N):
         n = start_n + offs_n
-        k_rows = k_base + n[:, None] * stride_kt
-        v_rows = v_base + n[:, None] * stride_vt
+        # The tile start in int64 keeps long sequences (position x row stride > 2^31) addressable; the
+        # in-tile offsets stay small enough for int32.
+        k_rows = k_base + tl.cast(start_n, tl.int64) * stride_kt + offs_n[:, None] * stride_kt
+        v_rows = v_base + tl.cast(start_n, tl.int64) * stride_vt + offs_n[:, None] * stride_vt
         if MASKED:
             n_ok = n < lk
             k1 = tl.load(k_rows + d1[None, :], mask=n_ok[:, None] & (d1[None, :] < DK), other=0.0)
@@ -134,7 +136,9 @@ def _varlen_fwd_kernel(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     row_ok = offs_m < lq
     d1 = tl.arange(0, BLOCK_D1)
-    q_rows = Q + q_start.to(tl.int64) * stride_qt + h * stride_qh + offs_m[:, None] * stride_qt
+    row0 = q_start.to(tl.int64) + m0
+    local_m = tl.arange(0, BLOCK_M)
+    q_rows = Q + row0 * stride_qt + h * stride_qh + local_m[:, None] * stride_qt
     q1 = tl.load(q_rows + d1[None, :], mask=row_ok[:, None] & (d1[None, :] < DK), other=0.0)
     if BLOCK_D2 > 0:
         d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
@@ -168,7 +172,7 @@ def _varlen_fwd_kernel(
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
     dv = tl.arange(0, BLOCK_DV)
-    o_rows = O + q_start.to(tl.int64) * stride_ot + h * stride_oh + offs_m[:, None] * stride_ot
+    o_rows = O + row0 * stride_ot + h * stride_oh + local_m[:, None] * stride_ot
     tl.store(o_rows + dv[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
     tl.store(LSE + (q_start.to(tl.int64) + offs_m) * num_heads + h, lse, mask=row_ok)
 
@@ -234,6 +238,8 @@ def varlen_attention(
         raise ValueError(f"out: expected {q.dtype} [{tq}, {h}, {dv}] with unit last stride, "
                          f"got {out.dtype} {tuple(out.shape)}")
     lse = torch.empty(tq, h, dtype=torch.float32, device=q.device)
+    # The kernel indexes the cumulative lengths as dense arrays (a no-op when they already are).
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     batch = cu_seqlens_q.shape[0] - 1
     if tq == 0 or batch <= 0 or max_seqlen_q == 0:
         out.zero_()
