@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 
 from pagedmla.engine import LLM, EngineStats, SamplingParams
+
+# Python argument names that errors start with, where the flag is not simply "--" + the name with dashes.
+_FLAG_NAMES = {"max_tokens": "--max-new-tokens", "enable_cuda_graph": "--cuda-graph", "prompts": "--prompt"}
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -52,7 +56,9 @@ def _summary(stats: EngineStats, num_layers: int) -> list[str]:
              f"({stats.prefill_tokens_per_s:.1f} tokens/s, {stats.prefill_steps} steps)",
              f"decode:  {stats.decode_tokens} tokens in {stats.decode_seconds * 1e3:.1f} ms "
              f"({stats.decode_tokens_per_s:.1f} tokens/s, {stats.decode_steps} steps)"]
-    steps = {"extend": stats.prefill_steps, "decode": stats.decode_steps, "mixed": stats.mixed_steps}
+    # Attention is counted per forward mode, and EngineStats.decode_steps includes the verify steps.
+    steps = {"extend": stats.prefill_steps, "decode": stats.decode_steps - stats.verify_steps,
+             "target_verify": stats.verify_steps, "mixed": stats.mixed_steps}
     if stats.mixed_steps:
         lines.append(f"mixed:   {stats.mixed_tokens} tokens in {stats.mixed_seconds * 1e3:.1f} ms "
                      f"({stats.mixed_steps} steps)")
@@ -60,8 +66,9 @@ def _summary(stats: EngineStats, num_layers: int) -> list[str]:
         lines.append(f"speculative: {stats.accepted_draft_tokens}/{stats.draft_tokens} draft tokens accepted "
                      f"({stats.acceptance_rate:.0%}) in {stats.verify_steps} verify steps")
     if stats.cached_prefix_tokens or stats.preemptions:
-        lines.append(f"prefix cache: {stats.cached_prefix_tokens} prompt tokens reused; "
-                     f"preemptions: {stats.preemptions}")
+        lines.append(f"prefix cache: {stats.cached_prefix_tokens} prompt tokens reused "
+                     f"({stats.prefix_cache_hits}/{stats.prefix_cache_queries} admissions hit, "
+                     f"{stats.prefix_cache_hit_rate:.0%}); preemptions: {stats.preemptions}")
     for kind, calls in stats.attention_calls.items():
         n = max(1, steps.get(kind, 1))
         lines.append(f"attention ({kind}): {calls / n:.0f} calls/step ({num_layers} layers), "
@@ -93,14 +100,25 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _flag_message(message: str, args: argparse.Namespace) -> str:
+    """An engine error (``"name: ..."``, naming a Python argument) rephrased to name the flag that set it."""
+    match = re.match(r"(\w+): ", message)
+    if match is None:
+        return message
+    name = match.group(1)
+    flag = _FLAG_NAMES.get(name) or ("--" + name.replace("_", "-") if name in vars(args) else None)
+    return message if flag is None else flag + message[len(name):]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``pagedmla`` console script; bad arguments exit with status 2 and a message."""
+    """Entry point of the ``pagedmla`` console script; bad arguments exit with status 2 and a message
+    naming the flag at fault."""
     parser = _build_parser()
     args = parser.parse_args(argv)
     try:
         return generate(args)
     except (ValueError, TypeError) as exc:
-        parser.exit(2, f"pagedmla {args.command}: error: {exc}\n")
+        parser.exit(2, f"pagedmla {args.command}: error: {_flag_message(str(exc), args)}\n")
 
 
 if __name__ == "__main__":

@@ -56,12 +56,16 @@ def save_hf_checkpoint(variant: str, path, seed: int = 0, **save_kwargs):
     return model
 
 
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy generate of exactly ``max_new_tokens`` tokens (EOS does not stop it)."""
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, stop_at_eos: bool = False) -> list[int]:
+    """transformers' greedy generate of exactly ``max_new_tokens`` tokens (EOS does not stop it), or with
+    ``stop_at_eos`` of up to ``max_new_tokens`` ending after EOS (kept, as pagedmla keeps it).
+
+    The two are different greedy rules, not a truncation of one another: ``min_new_tokens`` forbids EOS
+    until the length is reached, so without ``stop_at_eos`` the tokens after a would-be EOS differ."""
+    min_new = {} if stop_at_eos else {"min_new_tokens": max_new_tokens}
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                             pad_token_id=0)
+                             do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0, **min_new)
     return out[0, len(prompt):].tolist()
 
 

@@ -45,3 +45,29 @@ def test_python_dash_m_runs_the_cli():
                            "--max-context-len", "64", "--device", "cpu"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "generated ids:" in proc.stdout and "decode:" in proc.stdout
+
+
+def test_attention_per_step_with_speculative_decoding(capsys):
+    """Verify steps are their own kind: each kind's calls per step are one per layer."""
+    rc = main(["generate", "--prompt", "5 6 7 5 6 7 5 6", "--prompt", "1 2 3 4 1 2 3 4", "--max-new-tokens", "20",
+               "--ignore-eos", "--page-size", "16", "--max-context-len", "128", "--device", "cpu",
+               "--num-speculative-tokens", "2", "--profile-attention"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    per_step = {kind: (int(calls), int(layers))
+                for kind, calls, layers in re.findall(r"attention \((\w+)\): (\d+) calls/step \((\d+) layers\)", out)}
+    assert {"extend", "target_verify"} <= set(per_step)
+    assert all(calls == layers == 3 for calls, layers in per_step.values()), per_step
+
+
+@pytest.mark.parametrize(("flags", "flag"), [
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--cuda-graph", "on"], "--cuda-graph"),
+    (["--max-context-len", "0"], "--max-context-len"),
+    (["--top-p", "2"], "--top-p"),
+])
+def test_errors_name_the_flag(capsys, flags, flag):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--prompt", "1 2 3", "--device", "cpu", *flags])
+    assert exc.value.code == 2
+    assert f"error: {flag}: " in capsys.readouterr().err

@@ -113,6 +113,8 @@ def test_default_batch_sizes_and_bad_arguments(tiny):
         GraphRunner(_llm(tiny).runner, [0, 4], graph_factory=ReRunGraph)
     with pytest.raises(ValueError, match="batch_sizes"):
         GraphRunner(_llm(tiny).runner, [16], graph_factory=ReRunGraph)
+    with pytest.raises(ValueError, match="batch_sizes"):
+        GraphRunner(_llm(tiny).runner, [], graph_factory=ReRunGraph)
 
 
 def test_sync_free_moe_equals_grouped_path(tiny):

@@ -94,6 +94,11 @@ def test_abort_of_waiting_and_running_requests(tiny):
     assert len(outs[0].token_ids) == 8
     assert not llm.has_unfinished() and kept not in llm._requests
     assert llm.pages.allocator.num_used == 0 and alone[0].token_ids
+    # generate returned only its own request; the kept one's output waits for pop_finished, unchanged by
+    # the aborts around it.
+    finished = llm.pop_finished()
+    assert list(finished) == [kept] and finished[kept].token_ids == alone[0].token_ids
+    assert llm.pop_finished() == {}
 
 
 def test_request_that_never_fits_fails_at_add(tiny):

@@ -4,7 +4,7 @@ import pytest
 
 from pagedmla.cache import OutOfPagesError, PageAllocator, RequestTable
 from pagedmla.engine.drafter import NgramDrafter
-from pagedmla.engine.prefix_cache import PrefixCache, page_hashes
+from pagedmla.engine.prefix_cache import PrefixCache, extend_page_hashes, page_hashes
 
 
 def test_hashes_name_whole_prefixes():
@@ -56,3 +56,26 @@ def test_drafter_proposes_continuations():
     assert d.propose([1, 2, 3, 4, 9, 3, 7, 2, 3]) == [4, 9, 3]
     with pytest.raises(ValueError, match="k"):
         NgramDrafter(k=0)
+
+
+def test_hash_chain_grows_incrementally():
+    tokens = list(range(100, 140))
+    chain: list[bytes] = []
+    for n in range(len(tokens) + 1):
+        before = list(chain)
+        assert extend_page_hashes(chain, tokens[:n], 4) is chain
+        assert chain == page_hashes(tokens[:n], 4) and chain[: len(before)] == before
+
+
+def test_precomputed_hashes_match_and_insert_like_tokens():
+    alloc = PageAllocator(9)
+    table = RequestTable(alloc, 4, 4, 8)
+    cache = PrefixCache(alloc, 4)
+    prompt = list(range(1, 14))
+    r = table.add_request()
+    table.ensure_capacity(r, len(prompt))
+    longer = page_hashes(prompt + [20, 21, 22], 4)  # a chain reaching past the written tokens
+    cache.insert(prompt[:8], table.pages[r], longer)
+    assert len(cache) == 2  # only the pages of the tokens given
+    assert cache.match(prompt, longer) == cache.match(prompt) == table.pages[r][:2]
+    assert cache.match(prompt[:8], longer) == cache.match(prompt[:8]) == table.pages[r][:1]

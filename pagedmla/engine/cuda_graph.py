@@ -4,9 +4,11 @@ copying the step's inputs into the captured static buffers.
 A step of ``raw`` requests replays the graph of the smallest captured batch size >= raw; the padded rows
 run token 0 at position 0, write their latent row to slot 0 (the reserved page 0) and attend with the
 backend's fill seq_len over block-table rows of page 0, so they touch no live data. Larger batches run
-eagerly. Nothing in a replay allocates or reads back from the device: the inputs are copied into the
-static buffers, the backend refills its own graph buffers (``init_forward_metadata_replay_cuda_graph``),
-and the logits are read from the graph's static output.
+eagerly. A replay reads nothing back from the device and reuses its static buffers: the inputs are
+copied into them, the backend refills its own graph buffers (``init_forward_metadata_replay_cuda_graph``),
+and the logits are read from the graph's static output. Building the inputs (``ModelRunner.prepare``)
+and the backend's recomputation of its schedule for the replay do allocate small temporaries, which the
+caching allocator serves without new device allocations once the sizes have been seen.
 
 Graph objects come from a factory (``CudaGraph`` on the GPU); tests substitute one that re-runs the
 captured function, so the padding and buffer logic runs on the CPU too.
@@ -74,14 +76,16 @@ def default_batch_sizes(max_batch_size: int) -> list[int]:
 class GraphRunner:
     """Captures decode steps (and verify steps when the backend has draft tokens) of ``batch_sizes``.
 
-    runner: the ModelRunner whose model, cache and backend the graphs use; graph_factory: makes one
-    Graph per captured (batch size, mode)."""
+    runner: the ModelRunner whose model, cache and backend the graphs use; batch_sizes: a non-empty list
+    (None: ``default_batch_sizes``); graph_factory: makes one Graph per captured (batch size, mode)."""
 
     def __init__(self, runner: ModelRunner, batch_sizes: list[int] | None = None,
                  graph_factory: Callable[[], Graph] | None = None):
         max_bs = runner.mla_config.max_batch_size
-        sizes = sorted(set(batch_sizes or default_batch_sizes(max_bs)))
-        if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or not 0 < b <= max_bs for b in sizes):
+        if batch_sizes is not None and not batch_sizes:
+            raise ValueError("batch_sizes: expected at least one batch size to capture (None: the defaults)")
+        sizes = sorted(set(default_batch_sizes(max_bs) if batch_sizes is None else batch_sizes))
+        if any(isinstance(b, bool) or not isinstance(b, int) or not 0 < b <= max_bs for b in sizes):
             raise ValueError(f"batch_sizes: expected batch sizes in 1..{max_bs} (max_batch_size), got {batch_sizes!r}")
         if graph_factory is None:
             if runner.device.type != "cuda":

@@ -23,11 +23,15 @@ class NgramDrafter:
     def propose(self, tokens: Sequence[int]) -> list[int]:
         """Draft tokens continuing ``tokens`` (possibly fewer than k, or none)."""
         length = len(tokens)
+        if length <= self.min_n:
+            return []  # no earlier occurrence of even the shortest suffix fits
+        last = tokens[-1]
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             suffix = list(tokens[length - n:])
-            # Latest earlier occurrence first: recent context predicts best.
+            # Latest earlier occurrence first: recent context predicts best. A candidate must end in the
+            # last token; checking that one token first skips building a slice at almost every position.
             for start in range(length - n - 1, -1, -1):
-                if list(tokens[start: start + n]) == suffix:
+                if tokens[start + n - 1] == last and list(tokens[start: start + n]) == suffix:
                     follow = list(tokens[start + n: start + n + self.k])
                     if follow:
                         return follow

@@ -1,5 +1,6 @@
-"""A request's pages through its life: opened (from a cached prefix when there is one), grown on demand,
-trimmed after rejected draft tokens, offered to the prefix cache as pages fill, and released.
+"""A request's pages through its life: opened with pages for its first chunk (from a cached prefix when
+there is one), grown on demand, trimmed after rejected draft tokens, offered to the prefix cache as pages
+fill, and released.
 
 The allocator's books are checkable at any time (``audit``): every page is free, or referenced exactly
 once by each running request that lists it plus once by the prefix cache when the cache names it.
@@ -10,8 +11,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
-from pagedmla.cache import RequestTable
-from pagedmla.engine.prefix_cache import PrefixCache
+from pagedmla.cache import OutOfPagesError, RequestTable
+from pagedmla.engine.prefix_cache import PrefixCache, extend_page_hashes
 from pagedmla.engine.sequence import Sequence
 
 
@@ -27,7 +28,12 @@ class KVPages:
         self.allocator = table.allocator
         self.page_size = table.page_size
         self.prefix_cache = prefix_cache
-        self.cached_prefix_tokens = 0  # prompt tokens whose prefill the prefix cache saved
+        # Counted per admission that got its pages (a refused attempt is retried later and counts then):
+        # tokens whose prefill a cached prefix saved, admissions that looked up the cache, and those
+        # that found at least one page.
+        self.cached_prefix_tokens = 0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
 
     @property
     def capacity(self) -> int:
@@ -37,13 +43,30 @@ class KVPages:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def open(self, seq: Sequence) -> None:
-        """Give ``seq`` a request slot, starting from its longest cached full-page prefix."""
-        shared = self.prefix_cache.match(seq.token_ids) if self.prefix_cache is not None else []
+    def open(self, seq: Sequence, max_tokens: int) -> int:
+        """Give ``seq`` a request slot, starting from its longest cached full-page prefix, with pages for
+        its next chunk: up to ``max_tokens`` of its uncached tokens. Returns the chunk's length.
+
+        OutOfPagesError when the pages are short: the slot is closed again and nothing is kept or counted."""
+        shared = []
+        if self.prefix_cache is not None:
+            shared = self.prefix_cache.match(seq.token_ids, self._hashes(seq))
         seq.slot = self.table.add_request(shared)
         seq.num_cached_tokens = len(shared) * self.page_size
         seq.num_committed_pages = len(shared)
-        self.cached_prefix_tokens += seq.num_cached_tokens
+        n = min(seq.num_new_tokens, max_tokens)
+        try:
+            self.grow(seq, seq.num_cached_tokens + n)
+        except OutOfPagesError:
+            self.release(seq)
+            seq.num_cached_tokens = 0
+            seq.num_committed_pages = 0
+            raise
+        if self.prefix_cache is not None:
+            self.cached_prefix_tokens += seq.num_cached_tokens
+            self.prefix_queries += 1
+            self.prefix_hits += bool(shared)
+        return n
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Make ``seq``'s pages cover ``num_tokens`` tokens (OutOfPagesError taking nothing if they cannot)."""
@@ -67,8 +90,15 @@ class KVPages:
             return
         full = seq.num_cached_tokens // self.page_size
         if full > seq.num_committed_pages:
-            self.prefix_cache.insert(seq.token_ids[: full * self.page_size], self.table.pages[seq.slot][:full])
+            # Every full page is offered again (the cache refreshes their recency), but only the new
+            # ones are hashed: the sequence keeps its chain.
+            self.prefix_cache.insert(seq.token_ids[: full * self.page_size], self.table.pages[seq.slot][:full],
+                                     self._hashes(seq))
             seq.num_committed_pages = full
+
+    def _hashes(self, seq: Sequence) -> list[bytes]:
+        """``seq``'s chain of page hashes, extended over the full pages its tokens gained since last time."""
+        return extend_page_hashes(seq.page_hashes, seq.token_ids, self.page_size)
 
     def release(self, seq: Sequence) -> None:
         """Close ``seq``'s slot (its pages lose one reference; cached ones stay with the cache)."""

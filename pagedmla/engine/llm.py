@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pagedmla.backend import ForwardMode
+from pagedmla.config import resolve_dtype
 from pagedmla.engine.cuda_graph import GraphRunner
 from pagedmla.engine.drafter import NgramDrafter
 from pagedmla.engine.kv_pages import KVPages
@@ -53,10 +54,16 @@ class RequestOutput:
 
 @dataclass
 class EngineStats:
-    """Token counts and wall time per step kind since the last reset (prefill = EXTEND steps, decode =
-    DECODE and verify steps; MIXED steps are counted apart). Attention calls/seconds fill in when
-    profiling. Speculative decoding: draft tokens proposed and accepted (``acceptance_rate``); prefix
-    caching: prompt tokens whose prefill a cached prefix saved; preemptions: requests sent back to wait."""
+    """Token counts and wall time per step kind (prefill = EXTEND steps, decode = DECODE and verify steps,
+    ``verify_steps`` of them verify steps; MIXED steps are counted apart). Prefill and mixed tokens are
+    the tokens run; decode tokens are those the requests kept (up to a stop token or max_tokens).
+    Attention calls/seconds fill in when profiling. Speculative decoding: draft tokens proposed, and
+    accepted into the output (``acceptance_rate``). Prefix caching: tokens whose prefill a cached prefix
+    saved, and admissions that looked up the cache / found a prefix there (``prefix_cache_hit_rate``).
+    Preemptions: requests sent back to wait.
+
+    Every field accumulates step by step from the engine's creation; assigning a fresh EngineStats to
+    ``LLM.stats`` starts the counts again."""
 
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
@@ -71,6 +78,8 @@ class EngineStats:
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
     cached_prefix_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     preemptions: int = 0
     attention_calls: dict[str, int] = field(default_factory=dict)
     attention_seconds: dict[str, float] = field(default_factory=dict)
@@ -81,12 +90,43 @@ class EngineStats:
         return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
     @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Admissions that reused a cached prefix / admissions that looked (0 before any looked)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
     def prefill_tokens_per_s(self) -> float:
+        """Prefill tokens per second of prefill step time (0 before any prefill step)."""
         return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:
+        """Decoded tokens per second of decode and verify step time (0 before any such step)."""
         return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    """ValueError naming ``name`` unless ``value`` is an int >= 1 (bools are not ints here)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+
+
+def _check_loaded_model(model: DeepseekForCausalLM, device: Any, dtype: Any, seed: int | None) -> None:
+    """A model passed in already has its device, dtype and weights: arguments asking for others (which
+    only apply to a model LLM loads) are errors rather than silently ignored."""
+    weight = model.model.embed_tokens.weight
+    if device is not None:
+        dev = torch.device(device)
+        # "cuda" names whichever CUDA device the model is on; "cuda:1" names one.
+        if dev.type != weight.device.type or (dev.index is not None and dev.index != weight.device.index):
+            raise ValueError(f"device: the given model is on {weight.device}, not {dev}; move the model there "
+                             "or leave device unset")
+    if dtype is not None and resolve_dtype(dtype, "dtype") != weight.dtype:
+        raise ValueError(f"dtype: the given model is in {weight.dtype}, not {dtype}; convert the model or "
+                         "leave dtype unset")
+    if seed is not None:
+        raise ValueError("seed: seeds the random weights of a model LLM builds ('tiny'); the given model "
+                         "already has its weights, leave seed unset")
 
 
 def _default_num_pages(model: DeepseekForCausalLM, page_size: int, dtype: torch.dtype, budget_bytes: int,
@@ -113,9 +153,15 @@ class LLM:
     up to ``ngram_max_n`` tokens) and verifies them in one step. enable_cuda_graph: replay CUDA graphs
     for decode / verify steps (None: on for CUDA devices) of ``cuda_graph_batch_sizes`` (default 1, 2,
     4, 8, 16, ... up to max_batch_size). profile_attention: count and time the model's attention calls
-    (adds device synchronisation; such steps run eagerly). seed: weights of ``tiny``. tokenizer: "auto"
-    (the checkpoint's, if it ships one), None, or a tokenizer object. backend_options: further
-    MLAConfig fields for the backend.
+    (adds device synchronisation; such steps run eagerly). seed: the random weights of ``tiny`` (default
+    0; a checkpoint's weights ignore it). device, dtype and seed apply to a model LLM loads: with a
+    loaded model they must be unset or agree with it (ValueError otherwise). max_context_len: tokens per
+    request at most, prompt included (None: the model's max positions). cache_bytes: cache size in
+    bytes that the default num_pages fills. tokenizer: "auto" (the checkpoint's, if it ships one),
+    None, or a tokenizer object. backend_options: further MLAConfig fields for the backend.
+
+    ``generate`` returns its own requests' outputs; requests queued with ``add_request`` that finish
+    during a ``generate`` call are kept for ``pop_finished``.
     """
 
     def __init__(self, model: str | os.PathLike | DeepseekForCausalLM = TINY, *,
@@ -125,29 +171,37 @@ class LLM:
                  extend_prefix_mode: str = "auto", mixed_batching: bool = False, cache_bytes: int = 1 << 28,
                  enable_prefix_caching: bool = False, num_speculative_tokens: int = 0, ngram_max_n: int = 4,
                  enable_cuda_graph: bool | None = None, cuda_graph_batch_sizes: list[int] | None = None,
-                 profile_attention: bool = False, seed: int = 0, tokenizer: Any = "auto",
+                 profile_attention: bool = False, seed: int | None = None, tokenizer: Any = "auto",
                  backend_options: dict | None = None):
+        # Arguments are checked before any model is loaded or cache allocated.
+        for name, value in (("enable_prefix_caching", enable_prefix_caching), ("mixed_batching", mixed_batching)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}: expected a bool, got {value!r}")
+        if enable_cuda_graph is not None and not isinstance(enable_cuda_graph, bool):
+            raise ValueError(f"enable_cuda_graph: expected a bool or None, got {enable_cuda_graph!r}")
+        # The model runner sizes the backend for k draft tokens before the scheduler exists: checked here only.
+        if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
+                or num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens: expected an int >= 0, got {num_speculative_tokens!r}")
+        # The default num_pages is sized from max_context_len, before the scheduler (which checks it too) exists.
+        if max_context_len is not None:
+            _check_positive_int("max_context_len", max_context_len)
+        _check_positive_int("cache_bytes", cache_bytes)
+        _check_positive_int("ngram_max_n", ngram_max_n)
         if isinstance(model, DeepseekForCausalLM):
+            _check_loaded_model(model, device, dtype, seed)
             self.model = model
         else:
             dev = torch.device(device) if device is not None else \
                 torch.device("cuda" if torch.cuda.is_available() else "cpu")
             if dev.type == "cuda" and not torch.cuda.is_available():
                 raise ValueError("device: CUDA was asked for but is not available on this machine")
-            self.model = load_model(model, device=dev, dtype=dtype, seed=seed)
+            self.model = load_model(model, device=dev, dtype=dtype, seed=0 if seed is None else seed)
         cfg = self.model.config
         weight = self.model.model.embed_tokens.weight
-        context = max_context_len or cfg.max_position_embeddings
+        context = cfg.max_position_embeddings if max_context_len is None else max_context_len
         if num_pages is None:
             num_pages = _default_num_pages(self.model, page_size, weight.dtype, cache_bytes, max_batch_size, context)
-        for name, value in (("enable_prefix_caching", enable_prefix_caching), ("mixed_batching", mixed_batching)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name}: expected a bool, got {value!r}")
-        if enable_cuda_graph is not None and not isinstance(enable_cuda_graph, bool):
-            raise ValueError(f"enable_cuda_graph: expected a bool or None, got {enable_cuda_graph!r}")
-        if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
-                or num_speculative_tokens < 0:
-            raise ValueError(f"num_speculative_tokens: expected an int >= 0, got {num_speculative_tokens!r}")
         self.runner = ModelRunner(self.model, page_size=page_size, num_pages=num_pages, max_batch_size=max_batch_size,
                                   max_context_len=context, provider=provider, extend_prefix_mode=extend_prefix_mode,
                                   backend_options=backend_options, num_speculative_tokens=num_speculative_tokens)
@@ -167,6 +221,8 @@ class LLM:
         self.profiler = AttentionProfiler(self.runner.backend) if profile_attention else None
         self.stats = EngineStats()
         self._requests: dict[int, Sequence] = {}
+        # Outputs of add_request'ed requests that finished inside a generate call, for pop_finished.
+        self._finished: dict[int, RequestOutput] = {}
 
     @property
     def device(self) -> torch.device:
@@ -188,16 +244,34 @@ class LLM:
 
     def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> int:
         """Queue a request; it joins the running batch at the next step. Returns its request id."""
-        params = params or SamplingParams()
+        seq = self._new_sequence(prompt, params)
+        self._enqueue(seq)
+        return seq.seq_id
+
+    def _new_sequence(self, prompt: str | Seq[int], params: SamplingParams | None) -> Sequence:
+        """A request checked to be runnable (ValueError / TypeError naming the argument otherwise), not queued."""
+        params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
         seq = Sequence(self.encode(prompt), params, self.device, arrival_time=time.perf_counter())
+        self.scheduler.check(seq)
+        return seq
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """Queue a checked request and track it until it finishes or is aborted."""
         self.scheduler.add(seq)
         self._requests[seq.seq_id] = seq
-        return seq.seq_id
 
     def has_unfinished(self) -> bool:
+        """Whether any request is still waiting or running."""
         return self.scheduler.has_unfinished()
+
+    def pop_finished(self) -> dict[int, RequestOutput]:
+        """Outputs, by request id, of requests queued with ``add_request`` that finished during a
+        ``generate`` call (which returns only its own requests' outputs). They are handed over once: the
+        engine forgets them, so an application that mixes the two should collect them after each call."""
+        finished, self._finished = self._finished, {}
+        return finished
 
     def abort(self, request_id: int) -> RequestOutput:
         """Stop an unfinished request now (waiting or running), freeing its pages; returns its output so
@@ -210,8 +284,11 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; returns the requests that finished in it."""
+        before = self._page_counts()
         batch = self.scheduler.schedule()
         if batch is None:
+            # Scheduling may still have preempted requests.
+            self._record_page_counts(before)
             return []
         calls, secs = (self.profiler.calls, self.profiler.seconds) if self.profiler else (0, 0.0)
         start = time.perf_counter()
@@ -237,45 +314,65 @@ class LLM:
                            if rows else [])
             new_tokens = [[next(sampled)] if batch.samples(i) else [] for i in range(len(batch.seqs))]
         now = time.perf_counter()  # the tokens were read back, so the device is done
-        self._record(batch, mode, new_tokens, proposed, now - start)
         if self.profiler:
             kind = mode.value
             self.stats.attention_calls[kind] = self.stats.attention_calls.get(kind, 0) + self.profiler.calls - calls
             self.stats.attention_seconds[kind] = self.stats.attention_seconds.get(kind, 0.0) + \
                 self.profiler.seconds - secs
+        lengths = [len(seq) for seq in batch.seqs]
         finished = self.scheduler.postprocess(batch, new_tokens, verified=drafts is not None, now=now)
-        self.stats.preemptions = self.scheduler.num_preemptions
-        self.stats.cached_prefix_tokens = self.pages.cached_prefix_tokens
+        # Stop tokens and max_tokens may cut a request's new tokens short: count what it kept.
+        kept = [len(seq) - n for seq, n in zip(batch.seqs, lengths)]
+        self._record(batch, mode, new_tokens, kept, proposed, now - start)
+        self._record_page_counts(before)
         return [self._output(seq) for seq in finished]
+
+    def _page_counts(self) -> tuple[int, int, int, int]:
+        """The scheduler's and page manager's running totals that EngineStats mirrors, to take differences of."""
+        p = self.pages
+        return self.scheduler.num_preemptions, p.cached_prefix_tokens, p.prefix_queries, p.prefix_hits
+
+    def _record_page_counts(self, before: tuple[int, int, int, int]) -> None:
+        # Added as differences rather than copied, so that a fresh EngineStats counts from its assignment.
+        preempted, cached, queries, hits = (a - b for a, b in zip(self._page_counts(), before))
+        s = self.stats
+        s.preemptions += preempted
+        s.cached_prefix_tokens += cached
+        s.prefix_cache_queries += queries
+        s.prefix_cache_hits += hits
 
     def _draft(self, batch: ScheduledBatch) -> tuple[list[list[int]] | None, list[int]]:
         """Each request's k draft tokens (its n-gram proposal, padded with its last token: padding is simply
         verified like any draft) and how many of them were proposed; (None, []) when no request has a
         proposal (a plain decode step is cheaper)."""
         k = self.drafter.k
-        proposals = [self.drafter.propose(seq.token_ids)[:k] for seq in batch.seqs]
+        proposals = [self.drafter.propose(seq.token_ids) for seq in batch.seqs]
         if not any(proposals):
             return None, []
         drafts = [p + [(p or seq.token_ids)[-1]] * (k - len(p)) for seq, p in zip(batch.seqs, proposals)]
         return drafts, [len(p) for p in proposals]
 
-    def _record(self, batch: ScheduledBatch, mode: ForwardMode, new_tokens: list[list[int]], proposed: list[int],
-                seconds: float) -> None:
+    def _record(self, batch: ScheduledBatch, mode: ForwardMode, new_tokens: list[list[int]], kept: list[int],
+                proposed: list[int], seconds: float) -> None:
+        """Add one step to the stats: ``new_tokens`` are the tokens each request produced, ``kept`` how many
+        of them postprocess appended, ``proposed`` each request's real draft tokens (verify steps)."""
         s = self.stats
         if mode == ForwardMode.EXTEND:
             s.prefill_tokens += sum(batch.num_tokens)
             s.prefill_seconds += seconds
             s.prefill_steps += 1
         elif mode.is_decode_like():
-            s.decode_tokens += sum(len(t) for t in new_tokens)
+            s.decode_tokens += sum(kept)
             s.decode_seconds += seconds
             s.decode_steps += 1
             if mode == ForwardMode.TARGET_VERIFY:
                 s.verify_steps += 1
-                for n, produced in zip(proposed, new_tokens):
-                    # Real proposals only: tokens padding a short draft do not count as drafted.
+                for n, produced, appended in zip(proposed, new_tokens, kept):
+                    # Real proposals only: tokens padding a short draft do not count as drafted. Accepted
+                    # drafts are the produced tokens before the target's own (the last), as far as the
+                    # request kept them.
                     s.draft_tokens += n
-                    s.accepted_draft_tokens += min(n, len(produced) - 1)
+                    s.accepted_draft_tokens += min(n, len(produced) - 1, appended)
         else:
             s.mixed_tokens += sum(batch.num_tokens)
             s.mixed_seconds += seconds
@@ -292,7 +389,12 @@ class LLM:
                  params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Run ``prompts`` (one prompt, or a list of token-id lists / strings) to completion; outputs in
-        prompt order. ``params``: one SamplingParams for all, or one per prompt."""
+        prompt order. ``params``: one SamplingParams for all, or one per prompt.
+
+        Every prompt and its params are checked before any is queued, so an error queues nothing.
+        Requests queued earlier with ``add_request`` run alongside: those finishing during the call are
+        kept for ``pop_finished``, and those still unfinished when this call's requests are done stay
+        queued (``step`` or a later ``generate`` runs them)."""
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                         and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
@@ -302,16 +404,21 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"params: expected {len(prompts)} SamplingParams (one per prompt), got {len(params)}")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        seqs = [self._new_sequence(p, sp) for p, sp in zip(prompts, params)]
+        for seq in seqs:
+            self._enqueue(seq)
+        ids = [seq.seq_id for seq in seqs]
         wanted = set(ids)
         done: dict[int, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
         while len(done) < len(ids) and self.has_unfinished():
             for out in self.step():
-                # Requests queued earlier through add_request may finish here too; they are not ours.
                 if out.request_id in wanted:
                     done[out.request_id] = out
                     bar.update(1)
+                else:
+                    # A request queued earlier through add_request: not this call's, but not to be lost.
+                    self._finished[out.request_id] = out
         bar.close()
         return [done[i] for i in ids]
 

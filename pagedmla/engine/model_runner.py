@@ -2,9 +2,11 @@
 
 For each request the step runs a list of tokens starting at ``num_cached_tokens`` (by default all of
 ``token_ids[num_cached_tokens:]``; a prompt chunk; or the last token and its drafts in a verify step):
-positions continue from the cached prefix, new latent rows go to the slots ``RequestTable.token_slots``
-gives, and ``seq_lens`` count every token of the request including this step's. The backend is planned
-once per step, before the model's layers call it. Decode and verify steps of captured batch sizes
+positions continue from the cached prefix, new latent rows go to the slots of the request's pages
+(position p: ``pages[p // page_size] * page_size + p % page_size``, as ``RequestTable.token_slots``), and
+``seq_lens`` count every token of the request including this step's. The step's index tensors are built on
+the host and reach the device in one copy. The backend is planned once per step, before the model's
+layers call it. Decode and verify steps of captured batch sizes
 replay CUDA graphs when a GraphRunner is attached (``graphs``).
 """
 
@@ -77,7 +79,8 @@ class ModelRunner:
         if tokens is not None and len(tokens) != len(seqs):
             raise ValueError(f"tokens: expected one token list per request ({len(seqs)}), got {len(tokens)}")
         decode_len = self.q_len(mode)
-        ids, positions, slots, lens, ext, pre = [], [], [], [], [], []
+        ps = self.table.page_size
+        ids, positions, slots, lens, ext, pre, last = [], [], [], [], [], [], []
         for i, seq in enumerate(seqs):
             step = seq.token_ids[seq.num_cached_tokens:] if tokens is None else list(tokens[i])
             start = seq.num_cached_tokens
@@ -87,27 +90,35 @@ class ModelRunner:
                                  f"expected {decode_len}")
             if not step:
                 raise ValueError(f"tokens: request {seq.seq_id} has nothing to run")
+            pages = self.table.pages[seq.slot]
+            if end > len(pages) * ps:
+                raise ValueError(f"seqs: request {seq.seq_id} writes positions up to {end - 1} but its pages "
+                                 f"hold {len(pages) * ps} tokens")
             ids.extend(step)
             positions.extend(range(start, end))
-            slots.append(self.table.token_slots(seq.slot, start, end))
+            slots.extend(pages[p // ps] * ps + p % ps for p in range(start, end))
             lens.append(end)
             ext.append(end - start)
             pre.append(start)
-        dev = self.device
+            last.append(len(ids) - 1)
+        # One host-to-device copy for all the step's int64 indices (plus seq_lens, cast on the device),
+        # instead of one per tensor and per request; the fields are views into it.
+        t, bs = len(ids), len(seqs)
+        host = torch.tensor(ids + positions + slots + [s.slot for s in seqs] + last + lens, dtype=torch.int64)
+        packed = host.to(self.device)
+        input_ids, pos, loc, req, last_index, seq_lens = packed.split([t, t, t, bs, bs, bs])
         batch = ForwardBatch(
             forward_mode=mode,
-            req_pool_indices=torch.tensor([s.slot for s in seqs], dtype=torch.int64, device=dev),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            req_pool_indices=req,
+            seq_lens=seq_lens.to(torch.int32),
             block_table=self.table.block_table,
             seq_lens_cpu=lens,
             extend_seq_lens_cpu=ext[:num_extends],
             extend_prefix_lens_cpu=pre[:num_extends],
             num_extends=num_extends,
         )
-        last = torch.tensor(ext, dtype=torch.int64).cumsum(0) - 1
-        return StepInputs(input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-                          positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-                          out_cache_loc=torch.cat(slots), last_token_index=last.to(dev), batch=batch)
+        return StepInputs(input_ids=input_ids, positions=pos, out_cache_loc=loc, last_token_index=last_index,
+                          batch=batch)
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], mode: ForwardMode, num_extends: int, *, tokens: list[list[int]] | None = None,

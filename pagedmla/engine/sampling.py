@@ -69,16 +69,17 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
 
 def sampling_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """The distribution a non-greedy request samples from: softmax(row / temperature) after the top_k
-    and top_p filters; row float [vocab] -> float32 [vocab] summing to 1."""
+    and top_p filters; row float [vocab] (or rows [n, vocab], filtered each on its own) -> float32 of the
+    same shape, each row summing to 1."""
     row = row.float() / p.temperature
-    if p.top_k and p.top_k < row.shape[0]:
-        kth = row.topk(p.top_k).values[-1]
+    if p.top_k and p.top_k < row.shape[-1]:
+        kth = row.topk(p.top_k, dim=-1).values[..., -1:]
         row = row.masked_fill(row < kth, float("-inf"))
     probs = row.softmax(dim=-1)
     if p.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= p.top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return probs

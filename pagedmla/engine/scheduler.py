@@ -11,10 +11,13 @@ steps; a request whose prompt is done decodes one token (1 + k with speculative 
 * ``mixed=True``: running decodes come first, prompt chunks fill the rest of the budget, and both share
   one MIXED step (extends first, as the backend expects).
 
-Pages are allocated for exactly the tokens a step writes. When they run out (after the prefix cache
-has given back what only it holds), the youngest running requests are preempted: their pages are freed
-and they return to the front of the waiting queue to be recomputed later. A request that could not fit
-even alone is refused at ``add``.
+Pages are allocated as a step needs them: for the tokens an EXTEND step or chunk writes, and for one
+decode row, or with speculative decoding for the 1 + k rows of a verify step. Speculative decode steps
+reserve those k draft rows before the drafts exist, so a step that ends up a plain decode (no request
+had a proposal) leaves them allocated for the next one; after a verify step the pages past the kept
+tokens go back. When pages run out (after the prefix cache has given back what only it holds), the
+youngest running requests are preempted: their pages are freed and they return to the front of the
+waiting queue to be recomputed later. A request that could not fit even alone is refused at ``add``.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """pages: the request page manager; num_speculative_tokens: draft tokens per verify step (0: off)."""
+    """pages: the request page manager; num_speculative_tokens: draft tokens per verify step (0: off; an
+    int >= 0, which ``LLM`` checks before it sizes the model runner for it)."""
 
     def __init__(self, pages: KVPages, *, max_batch_size: int, max_num_batched_tokens: int, max_context_len: int,
                  eos_token_ids: list[int], mixed: bool = False, num_speculative_tokens: int = 0):
@@ -55,9 +59,6 @@ class Scheduler:
                             ("max_context_len", max_context_len)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
-                or num_speculative_tokens < 0:
-            raise ValueError(f"num_speculative_tokens: expected an int >= 0, got {num_speculative_tokens!r}")
         if mixed and num_speculative_tokens:
             raise ValueError("mixed_batching: verify steps cannot share a step with prefills; "
                              "turn off mixed batching or speculative decoding")
@@ -79,7 +80,13 @@ class Scheduler:
         return self.pages.pages_for(tokens - 1 + self.num_speculative_tokens)
 
     def add(self, seq: Sequence) -> None:
-        """Queue a request; ValueError if it could never run with this cache."""
+        """Queue a request; ValueError if it could never run with this cache (``check``)."""
+        self.check(seq)
+        self.waiting.append(seq)
+
+    def check(self, seq: Sequence) -> None:
+        """ValueError if ``seq`` could never run: an empty prompt, one that fills the context, or one whose
+        longest form needs more pages than the cache has. Queues nothing."""
         if seq.num_prompt_tokens < 1:
             raise ValueError("prompts: a prompt needs at least one token")
         if seq.num_prompt_tokens >= self.max_context_len:
@@ -89,7 +96,6 @@ class Scheduler:
         if need > self.pages.capacity:
             raise ValueError(f"num_pages: the request needs {need} pages (prompt + max_tokens) but the cache "
                              f"has {self.pages.capacity}; raise num_pages or lower max_tokens")
-        self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -150,13 +156,9 @@ class Scheduler:
         while budget > 0 and self.waiting and len(self.running) < self.max_batch_size \
                 and self.num_preemptions == preempted:
             seq = self.waiting[0]
-            self.pages.open(seq)
-            n = min(seq.num_new_tokens, budget)
             try:
-                self.pages.grow(seq, seq.num_cached_tokens + n)
+                n = self.pages.open(seq, budget)
             except OutOfPagesError:
-                self.pages.release(seq)
-                seq.num_cached_tokens = 0
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING

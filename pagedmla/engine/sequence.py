@@ -43,8 +43,12 @@ class Sequence:
         self.arrival_time = arrival_time
         self.token_times: list[float] = []
         self.num_preemptions = 0
-        # Full pages of this request already offered to the prefix cache (insertion is incremental).
+        # Full pages of this request already offered to the prefix cache: a commit offers the pages again
+        # only once another one has filled.
         self.num_committed_pages = 0
+        # Chained prefix-cache hashes of the full pages of token_ids so far (``extend_page_hashes``): tokens
+        # are only ever appended, so the chain stays valid and each page is hashed once, preemption included.
+        self.page_hashes: list[bytes] = []
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -19,7 +19,12 @@ from pagedmla.engine.sampling import SamplingParams, sampling_probs
 def accept_greedy(logits: torch.Tensor, draft: list[int]) -> list[int]:
     """logits [k + 1, vocab] of one request's verify rows, draft its k tokens -> the tokens to append
     (the accepted drafts followed by the target's token: 1 .. k + 1 tokens)."""
-    target = logits.argmax(dim=-1).tolist()
+    return accept_targets(logits.argmax(dim=-1).tolist(), draft)
+
+
+def accept_targets(target: list[int], draft: list[int]) -> list[int]:
+    """``accept_greedy`` given the target's argmax of each verify row (``verify`` reads them back for the
+    whole batch at once)."""
     out = []
     for j, token in enumerate(draft):
         if token != target[j]:
@@ -32,28 +37,33 @@ def accept_greedy(logits: torch.Tensor, draft: list[int]) -> list[int]:
 def accept_sampled(logits: torch.Tensor, draft: list[int], params: SamplingParams,
                    generator: torch.Generator | None) -> list[int]:
     """Rejection sampling of point-mass drafts: the same contract as ``accept_greedy`` for a request
-    that samples (temperature > 0), drawing from ``generator``."""
-    out = []
-    for j, token in enumerate(draft):
-        probs = _normalised(logits[j], params)
-        u = torch.rand((), generator=generator, device=probs.device)
-        if u < probs[token]:
-            out.append(token)
-            continue
-        residual = probs.clone()
-        residual[token] = 0.0
-        # probs[token] < 1 here (u < 1 was not below it), so the residual keeps some mass.
-        out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)[0]))
-        return out
-    probs = _normalised(logits[len(draft)], params)
-    out.append(int(torch.multinomial(probs, 1, generator=generator)[0]))
-    return out
+    that samples (temperature > 0), drawing from ``generator``.
+
+    Every draw is made up front on the device, so the decision costs one readback: a uniform per draft,
+    and one token per verify row (row j < k from the residual p_j without d_j, the one used if d_j is the
+    first rejected draft; row k from p_k, the bonus token if every draft is accepted). Draws that the
+    decision does not use change nothing: each token still follows p exactly."""
+    k = len(draft)
+    probs = _normalised(logits[: k + 1], params)
+    rows = torch.arange(k, device=probs.device)
+    picked = torch.tensor(draft, dtype=torch.int64, device=probs.device)
+    accept = torch.rand(k, generator=generator, device=probs.device) < probs[rows, picked]
+    residual = probs.clone()
+    residual[rows, picked] = 0.0
+    # A draft with p = 1 leaves no residual mass, but it is always accepted (u < 1), so its row is never
+    # used; multinomial only needs some mass there.
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, probs)
+    candidates = torch.multinomial(residual, 1, generator=generator).view(-1)
+    decided = torch.cat([accept.to(torch.int64), candidates]).tolist()
+    accepted, tokens = decided[:k], decided[k:]
+    n = accepted.index(0) if 0 in accepted else k
+    return draft[:n] + [tokens[n]]
 
 
-def _normalised(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def _normalised(rows: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     # The top_p filter leaves the kept mass below 1; acceptance compares against true probabilities.
-    probs = sampling_probs(row, params)
-    return probs / probs.sum()
+    probs = sampling_probs(rows, params)
+    return probs / probs.sum(dim=-1, keepdim=True)
 
 
 def verify(logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingParams],
@@ -66,13 +76,12 @@ def verify(logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingP
                          f"params and generator per request, got {logits.shape[0]} rows, {bs} drafts, "
                          f"{len(params)} params, {len(generators)} generators")
     rows = logits.view(bs, logits.shape[0] // bs, -1)
-    out = []
     for i, draft in enumerate(drafts):
         if len(draft) != rows.shape[1] - 1:
             raise ValueError(f"drafts: request {i} has {len(draft)} draft tokens, "
                              f"the step verified {rows.shape[1] - 1}")
-        if params[i].greedy:
-            out.append(accept_greedy(rows[i], draft))
-        else:
-            out.append(accept_sampled(rows[i], draft, params[i], generators[i]))
-    return out
+    # One readback of every row's argmax serves all greedy requests.
+    targets = rows.argmax(dim=-1).tolist() if any(p.greedy for p in params) else None
+    return [accept_targets(targets[i], draft) if params[i].greedy
+            else accept_sampled(rows[i], draft, params[i], generators[i])
+            for i, draft in enumerate(drafts)]
