@@ -178,10 +178,10 @@ class MLABackend:
             return
         self._check_batch_tensors(batch)
         block_table = batch.block_table
-        if batch.seq_lens_cpu is not None:
+        seq_cpu = None if batch.seq_lens_cpu is None else _host_lens(batch.seq_lens_cpu, "seq_lens_cpu", bs)
+        if seq_cpu is not None:
             # Host lengths bound the pages any request reads: narrower rows, less work for providers
             # whose cost follows the table width (the reference pads every row to it).
-            seq_cpu = _host_lens(batch.seq_lens_cpu, "seq_lens_cpu", bs)
             self._check_capacity(seq_cpu, block_table.shape[1])
             width = max(1, -(-max(seq_cpu) // self.config.page_size))
             block_table = block_table[:, :width]
@@ -195,7 +195,8 @@ class MLABackend:
                                             block_table=block_table, q_len=q_len, tile_scheduler_metadata=md,
                                             num_splits=ns, num_tokens=bs * q_len, max_q_len=q_len)
             return
-        seq_cpu = _host_lens(batch.seq_lens_cpu, "seq_lens_cpu", bs)
+        if seq_cpu is None:
+            raise ValueError(f"seq_lens_cpu: required on the host for {mode.value} steps")
         if mode == ForwardMode.EXTEND:
             ext = _host_lens(batch.extend_seq_lens_cpu, "extend_seq_lens_cpu", bs)
             pre = _host_lens(batch.extend_prefix_lens_cpu, "extend_prefix_lens_cpu", bs)
@@ -302,13 +303,13 @@ class MLABackend:
             cu = [0]
             for length in lens:
                 cu.append(cu[-1] + length)
-            cu_dev = torch.tensor(cu, dtype=torch.int32, device=self.device)
-            lens_dev = torch.tensor(lens, dtype=torch.int64, device=self.device)
-            starts_dev = torch.tensor(starts, dtype=torch.int64, device=self.device)
+            # One host-to-device copy per loop: [cu (n + 1) | lens (n) | starts (n)].
+            packed = torch.tensor(cu + lens + starts, dtype=torch.int64, device=self.device)
+            cu_dev, lens_dev, starts_dev = packed[: n + 1], packed[n + 1: 2 * n + 1], packed[2 * n + 1:]
             req = torch.repeat_interleave(rows, lens_dev, output_size=total)
-            pos = torch.arange(total, device=self.device) - cu_dev[:-1].to(torch.int64)[req] + starts_dev[req]
+            pos = torch.arange(total, device=self.device) - cu_dev[:-1][req] + starts_dev[req]
             pages = block_table[req, pos // ps].to(torch.int64)
-            chunks.append(PrefixChunk(slots=pages * ps + pos % ps, cu_seqlens=cu_dev, max_len=max(lens),
+            chunks.append(PrefixChunk(slots=pages * ps + pos % ps, cu_seqlens=cu_dev.to(torch.int32), max_len=max(lens),
                                       lens_cpu=lens))
         return chunks
 
