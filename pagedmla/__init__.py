@@ -1,5 +1,13 @@
 """pagedmla: paged latent KV cache, kernels and attention backend for Multi-head Latent Attention."""
 
+from pagedmla.backend import (
+    ForwardBatch,
+    ForwardMode,
+    MLABackend,
+    available_backends,
+    create_backend,
+    register_backend,
+)
 from pagedmla.cache import MLAKVCache, OutOfPagesError, PageAllocator, RequestTable
 from pagedmla.config import MLAConfig
 from pagedmla.ops import (
@@ -14,15 +22,21 @@ from pagedmla.ops import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "ForwardBatch",
+    "ForwardMode",
+    "MLABackend",
     "MLAConfig",
     "MLAKVCache",
     "OutOfPagesError",
     "PageAllocator",
     "RequestTable",
+    "available_backends",
     "available_providers",
+    "create_backend",
     "flash_attn_varlen_func",
     "flash_mla_varlen_with_kvcache",
     "flash_mla_with_kvcache",
     "get_mla_metadata",
     "merge_state",
+    "register_backend",
 ]
