@@ -75,7 +75,6 @@ class PrefixChunk:
     slots: torch.Tensor  # int64 [total] cache slots of the gathered rows, request-major
     cu_seqlens: torch.Tensor  # int32 [num_extends + 1] over the gathered rows
     max_len: int
-    lens_cpu: list[int]
 
 
 @dataclass
@@ -309,8 +308,8 @@ class MLABackend:
             req = torch.repeat_interleave(rows, lens_dev, output_size=total)
             pos = torch.arange(total, device=self.device) - cu_dev[:-1][req] + starts_dev[req]
             pages = block_table[req, pos // ps].to(torch.int64)
-            chunks.append(PrefixChunk(slots=pages * ps + pos % ps, cu_seqlens=cu_dev.to(torch.int32), max_len=max(lens),
-                                      lens_cpu=lens))
+            chunks.append(PrefixChunk(slots=pages * ps + pos % ps, cu_seqlens=cu_dev.to(torch.int32),
+                                      max_len=max(lens)))
         return chunks
 
     @contextlib.contextmanager

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -81,7 +81,6 @@ class MLAConfig:
     # absorbed one: absorbed costs 1088 MACs per (query, key, head), MHA 320 plus a one-off 512x256
     # decompression per (key, head), so they cross near 131072 / 768 = 170 queries per request.
     chunked_prefix_min_extend: int = 170
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",

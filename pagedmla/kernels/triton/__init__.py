@@ -1,6 +1,6 @@
 """pagedmla's Triton kernels; importing this package registers them as the `triton` provider."""
 
-import os
+from pagedmla.ops.providers import triton_interpreting
 
 
 def _interpreter_scalar_index_fix() -> None:
@@ -27,7 +27,7 @@ def _interpreter_scalar_index_fix() -> None:
     interpreter._patch_lang_tensor = patched
 
 
-if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+if triton_interpreting():
     _interpreter_scalar_index_fix()
 
 from pagedmla.kernels.triton import decode, merge, paged_prefill, varlen  # noqa: E402, F401
