@@ -13,13 +13,14 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from engine_driver import drive
 
 from pagedmla.backend import ForwardMode
 from pagedmla.engine import LLM, GraphRunner, SamplingParams
 from pagedmla.engine.cuda_graph import default_batch_sizes
 from pagedmla.model import load_model
-from pagedmla.model.moe import MoE
+from pagedmla.model.moe import MoE, grouped_mm_supported
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 # Requests of different lengths, so that the running batch grows and shrinks through every size.
@@ -117,22 +118,41 @@ def test_default_batch_sizes_and_bad_arguments(tiny):
         GraphRunner(_llm(tiny).runner, [], graph_factory=ReRunGraph)
 
 
-def test_sync_free_moe_equals_grouped_path(tiny):
-    """Same function (float64: equal to 1e-12); in float32 the two differ only by GEMM rounding (the grouped
-    path multiplies row subsets), far below anything that could move a greedy choice."""
+def _naive_experts(experts, x, weights, ids):
+    """Token by token, choice by choice, in float64: the definition the three expert paths must meet."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    gate_up, down = experts.gate_up_proj.double(), experts.down_proj.double()
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t].tolist(), ids[t].tolist()):
+            gate, up = (gate_up[e] @ x[t].double()).chunk(2)
+            out[t] += w * (down[e] @ (F.silu(gate) * up))
+    return out
+
+
+def test_expert_paths_equal_the_definition(tiny):
+    """forward_sorted (grouped GEMMs, sync-free), forward_dense (batched, sync-free) and forward_grouped
+    (per-expert GEMMs) all equal a per-token float64 loop; float64 to 1e-12 where the path runs in float64,
+    float32 to GEMM rounding. Token counts leave some experts without tokens and give others several."""
     moe = next(m for m in tiny.modules() if isinstance(m, MoE))
     gen = torch.Generator().manual_seed(0)
     for dtype, rel in ((torch.float64, 1e-12), (torch.float32, 2e-6)):
         experts = copy.deepcopy(moe.experts).to(dtype)
-        for tokens in (1, 3, 17):
+        for tokens in (0, 1, 3, 17):
             x = torch.randn(tokens, tiny.config.hidden_size, generator=gen)
             weights, ids = moe.gate(x)
             x = x.to(dtype)
-            grouped = experts.forward_grouped(x, weights, ids)
-            dense = experts.forward_dense(x, weights, ids)
-            assert (dense - grouped).abs().max() <= rel * grouped.abs().max()
-            # Eager forward keeps the grouped fast path.
-            assert torch.equal(experts(x, weights, ids), grouped)
+            want = _naive_experts(experts, x, weights, ids)
+            scale = want.abs().max() if tokens else 1.0
+            paths = {"grouped": experts.forward_grouped, "dense": experts.forward_dense}
+            if grouped_mm_supported(x.device, dtype):
+                paths["sorted"] = experts.forward_sorted
+            for name, path in paths.items():
+                got = path(x, weights, ids)
+                assert got.dtype == dtype and got.shape == x.shape, name
+                assert torch.all((got.double() - want).abs() <= rel * scale), (name, dtype, tokens)
+            # forward() takes the sync-free grouped GEMM wherever this torch build supports it.
+            chosen = "sorted" if grouped_mm_supported(x.device, dtype) else "grouped"
+            assert torch.equal(experts(x, weights, ids), paths[chosen](x, weights, ids))
 
 
 # ---------------------------------------------------------------------------------------------- GPU

@@ -1,13 +1,14 @@
 """DeepSeek mixture of experts: router (softmax or sigmoid scoring, grouped top-k), routed and shared experts.
 
 Router math is float32 (as the checkpoints keep ``gate.weight`` and ``e_score_correction_bias`` in
-float32). Experts run grouped: tokens are sorted by expert and each expert with hits runs one GEMM
-pair over its tokens. That needs the per-expert counts on the host, which a CUDA graph cannot capture;
-under capture the experts run densely instead (every expert over every token, combined with the routing
-weights, zero for unchosen experts): more FLOPs, but decode batches are small and the step has no sync.
+float32). Routed experts run as grouped GEMMs over the (token, choice) pairs sorted by expert, with
+the group offsets computed on the device, so a step never waits for the host and a CUDA graph can
+capture it; see ``Experts`` for the fallbacks where this torch build has no grouped GEMM.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -71,7 +72,17 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """Routed experts stored stacked: gate_up_proj [E, 2 * inter, hidden] (gate rows first) and
-    down_proj [E, hidden, inter]."""
+    down_proj [E, hidden, inter].
+
+    Three ways to run them, all computing the same function:
+    - ``forward_sorted``: the (token, choice) pairs sorted by expert, one grouped GEMM per projection
+      (``torch._grouped_mm`` with device-side group offsets). No host synchronisation, so it is also
+      what a CUDA graph captures; used wherever this torch build runs grouped GEMMs for the device and
+      dtype (probed once per device type and dtype).
+    - ``forward_grouped``: a GEMM pair per expert with hits; reads the per-expert counts back to the host.
+    - ``forward_dense``: every expert over every token, weighted 0 where not chosen; no host
+      synchronisation, E/top_k times the FLOPs. The capture fallback where grouped GEMMs are unavailable.
+    """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -80,27 +91,46 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], weights float32 [T, k], ids [T, k] -> sum_k weight * expert(x), [T, hidden] in x's dtype."""
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if grouped_mm_supported(x.device, x.dtype, probe=not capturing):
+            return self.forward_sorted(x, weights, ids)
+        if capturing:
             return self.forward_dense(x, weights, ids)
         return self.forward_grouped(x, weights, ids)
 
-    def forward_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The same as ``forward_grouped`` without any host synchronisation (capturable): each expert runs
-        over all T tokens and contributes with its combined routing weight (0 where not chosen)."""
+    def forward_sorted(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """One grouped GEMM per projection over the pairs sorted by expert; group offsets stay on the device."""
+        num_tokens, k = ids.shape
         num_experts = self.gate_up_proj.shape[0]
-        # dense[t, e] = routing weight of expert e for token t (ids are distinct within a row).
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        # scatter_add rather than bincount: bincount sizes its output from the data (a host read).
+        counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offsets = counts.cumsum(0, dtype=torch.int32)
+        hidden = torch._grouped_mm(x[order // k], self.gate_up_proj.transpose(1, 2), offs=offsets)
+        gate, up = hidden.chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
+        y = y.to(_accumulate_dtype(x.dtype)) * weights.flatten()[order, None]
+        # Back to (token, choice) order, then a fixed-order sum over the k choices (deterministic; no atomics).
+        pairs = torch.empty_like(y).index_copy_(0, order, y)
+        return pairs.view(num_tokens, k, x.shape[1]).sum(dim=1).to(x.dtype)
+
+    def forward_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Every expert over all T tokens as one batched GEMM per projection, combined with the routing
+        weights (0 for unchosen experts)."""
+        num_experts = self.gate_up_proj.shape[0]
+        # dense[e, t] = routing weight of expert e for token t (ids are distinct within a row).
         dense = torch.zeros(x.shape[0], num_experts, dtype=weights.dtype, device=x.device)
         dense.scatter_(1, ids, weights)
-        out = torch.zeros_like(x)
-        for e in range(num_experts):
-            gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * dense[:, e:e + 1]
-            out += y.to(out.dtype)
-        return out
+        hidden = torch.bmm(x.expand(num_experts, -1, -1), self.gate_up_proj.transpose(1, 2))
+        gate, up = hidden.chunk(2, dim=-1)
+        y = torch.bmm(F.silu(gate) * up, self.down_proj.transpose(1, 2))
+        return (y.to(_accumulate_dtype(x.dtype)) * dense.t()[:, :, None]).sum(dim=0).to(x.dtype)
 
     def forward_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each expert with tokens runs one GEMM pair over just those tokens (reads the counts back)."""
-        out = torch.zeros_like(x)
+        out = torch.zeros(x.shape, dtype=_accumulate_dtype(x.dtype), device=x.device)
         k = ids.shape[1]
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)
@@ -114,10 +144,55 @@ class Experts(nn.Module):
                 continue
             rows = token_of[start:start + n]
             gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * flat_w[start:start + n, None]
-            out.index_add_(0, rows, y.to(out.dtype))
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]).to(out.dtype) * flat_w[start:start + n, None]
+            out.index_add_(0, rows, y)
             start += n
-        return out
+        return out.to(x.dtype)
+
+
+def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The k weighted expert outputs of a token are summed in at least float32."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+_GROUPED_MM: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype, probe: bool = True) -> bool:
+    """Whether ``torch._grouped_mm`` runs for this device type and dtype in this torch build without the
+    host (it exists from torch 2.8; which devices, architectures and dtypes it accepts varies by build, and
+    on CUDA some dtypes take a fallback that copies offsets through the host). Probed with a tiny call the
+    first time, on CUDA inside a graph capture; ``probe=False`` (during a capture) answers False until probed."""
+    key = (device.type, dtype)
+    if key not in _GROUPED_MM:
+        if not probe:
+            return False
+        _GROUPED_MM[key] = _probe_grouped_mm(device, dtype)
+    return _GROUPED_MM[key]
+
+
+def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    a = torch.ones(4, 16, dtype=dtype, device=device)
+    b = torch.ones(2, 16, 16, dtype=dtype, device=device)
+    offsets = torch.tensor([1, 4], dtype=torch.int32, device=device)
+    try:
+        if device.type != "cuda":
+            out = torch._grouped_mm(a, b.transpose(1, 2), offs=offsets)
+        else:
+            # Captured, so a path that reads the offsets on the host fails here rather than mid-capture later.
+            torch._grouped_mm(a, b.transpose(1, 2), offs=offsets)
+            graph = torch.cuda.CUDAGraph()
+            with warnings.catch_warnings():
+                # A refused capture ends as an empty graph, which torch warns about before we return False.
+                warnings.simplefilter("ignore", UserWarning)
+                with torch.cuda.graph(graph):
+                    out = torch._grouped_mm(a, b.transpose(1, 2), offs=offsets)
+            graph.replay()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return bool((out == 16).all())
 
 
 class MoE(nn.Module):
