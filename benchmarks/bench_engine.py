@@ -107,15 +107,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_engine(model, prompts, out_lens, args, provider: str, graphs: bool) -> dict:
-    """Serve the burst once (after a short warm-up); returns the row of the results table."""
+def run_engine(model, prompts, out_lens, args, provider: str, graphs: bool, profile: bool = False) -> dict:
+    """Serve the burst once (after a warm-up); returns the row of the results table. ``profile``
+    times every attention call with a device synchronisation on both sides (eager only)."""
     device = model.model.embed_tokens.weight.device
     context = max(map(len, prompts)) + max(out_lens) + 1
     pages_per_request = -(-context // args.page_size) + 1
     llm = LLM(model, page_size=args.page_size, num_pages=args.batch_size * pages_per_request + 1, provider=provider,
               max_batch_size=args.batch_size, max_context_len=context, enable_cuda_graph=graphs,
-              max_num_batched_tokens=args.max_num_batched_tokens, mixed_batching=args.mixed)
-    llm.generate([p[:8] for p in prompts[:2]], SamplingParams(max_tokens=4, ignore_eos=True))
+              max_num_batched_tokens=args.max_num_batched_tokens, mixed_batching=args.mixed,
+              profile_attention=profile)
+    # Warm-up on other tokens of the same lengths (no prefix-cache hits later), so every kernel
+    # specialisation the burst needs is compiled before the clock starts.
+    rng = random.Random(-1)
+    vocab = model.config.vocab_size
+    llm.generate([[rng.randrange(2, vocab) for _ in p] for p in prompts], SamplingParams(max_tokens=3, ignore_eos=True))
     llm.stats = type(llm.stats)()
     _sync(device)
     start = time.perf_counter()
@@ -127,7 +133,7 @@ def run_engine(model, prompts, out_lens, args, provider: str, graphs: bool) -> d
     s = llm.stats
     row = {"name": f"pagedmla {provider}" + (" +graphs" if graphs else ""), "tokens": [o.token_ids for o in outs],
            "tok_s": sum(out_lens) / wall, "wall": wall, "ttft": percentiles(ttft), "itl": percentiles(itl),
-           "step_ms": 1e3 * s.decode_seconds / max(1, s.decode_steps)}
+           "step_ms": 1e3 * s.decode_seconds / max(1, s.decode_steps), "stats": s}
     del llm
     gc.collect()
     if device.type == "cuda":
@@ -156,6 +162,23 @@ def run_hf(hf, prompts, out_lens, args, device: torch.device) -> dict:
             "ttft": None, "itl": None, "step_ms": None}
 
 
+def print_attention_profile(rows: list[dict], num_layers: int) -> None:
+    """Attention calls and time per step (synchronised around each call) next to the whole step's time."""
+    print("| provider | step kind | steps | attention calls / step | attention ms / step | step ms | attention share |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        s = r["stats"]
+        seconds = {"extend": (s.prefill_steps, s.prefill_seconds), "decode": (s.decode_steps, s.decode_seconds),
+                   "mixed": (s.mixed_steps, s.mixed_seconds)}
+        for kind, calls in s.attention_calls.items():
+            steps, step_s = seconds.get(kind, (0, 0.0))
+            if not steps:
+                continue
+            attn = s.attention_seconds[kind]
+            print(f"| {r['name']} | {kind} | {steps} | {calls / steps:.0f} ({num_layers} layers) | "
+                  f"{1e3 * attn / steps:.3f} | {1e3 * step_s / steps:.2f} | {attn / step_s:.0%} |")
+
+
 def _fmt(values) -> str:
     return " / ".join(f"{1e3 * v:.1f}" for v in values) if values else "-"
 
@@ -177,6 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cuda-graph", choices=("on", "off", "both"), default=None,
                         help="default: both on CUDA, off on CPU")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
+    parser.add_argument("--profile-attention", action="store_true",
+                        help="one more eager run per provider timing every attention call (after warm-up)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
@@ -216,6 +241,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         step = f"{r['step_ms']:.2f}" if r["step_ms"] is not None else "-"
         print(f"| {r['name']} | {r['tok_s']:.1f} | {r['wall']:.2f} | {_fmt(r['ttft'])} | {_fmt(r['itl'])} | "
               f"{step} | {match} |")
+    if args.profile_attention:
+        profiled = [run_engine(ours, prompts, out_lens, args, p, False, profile=True) for p in providers]
+        print_attention_profile(profiled, PRESETS[args.preset]["num_hidden_layers"])
     if hf is not None:
         best = max(r["tok_s"] for r in rows[:-1])
         print(f"best engine throughput / transformers: {best / rows[-1]['tok_s']:.1f}x")

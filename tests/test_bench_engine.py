@@ -28,6 +28,22 @@ def test_tiny_preset_runs_on_cpu_and_matches_transformers(capsys):
     assert "| transformers generate |" in out and "best engine throughput / transformers" in out
 
 
+def test_attention_profile_counts_one_call_per_layer_and_step(capsys):
+    bench = _bench()
+    assert bench.main(["--preset", "tiny", "--device", "cpu", "--num-requests", "3", "--prompt-len", "8:12",
+                       "--output-len", "3:5", "--batch-size", "4", "--page-size", "16", "--no-hf",
+                       "--profile-attention"]) == 0
+    out = capsys.readouterr().out
+    layers = bench.PRESETS["tiny"]["num_hidden_layers"]
+    for kind in ("extend", "decode"):
+        row = re.search(rf"\| pagedmla torch \| {kind} \| (\d+) \| (\d+) \((\d+) layers\) \| ([\d.]+) \| ([\d.]+) \| "
+                        rf"(\d+)% \|", out)
+        assert row, out
+        steps, calls, named, attn_ms, step_ms, share = row.groups()
+        assert int(steps) >= 1 and int(calls) == int(named) == layers
+        assert 0 < float(attn_ms) <= float(step_ms) and 0 < int(share) <= 100
+
+
 def test_percentiles_and_bad_arguments(capsys):
     bench = _bench()
     assert bench.percentiles([5.0, 1.0, 3.0, 2.0, 4.0]) == (3.0, 5.0, 5.0)
