@@ -268,33 +268,37 @@ def _parse_rope(raw: Mapping[str, Any], is_v3: bool) -> RopeConfig:
     )
 
 
+# The built-in ``tiny`` model's config.json fields (see tiny_config).
+TINY_CONFIG: dict[str, Any] = {
+    "model_type": "deepseek_v3",
+    "vocab_size": 512,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "q_lora_rank": 192,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 4,
+    "topk_group": 2,
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 2.5,
+    "max_position_embeddings": 1024,
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+                        "mscale_all_dim": 1.0, "original_max_position_embeddings": 256,
+                        "beta_fast": 32, "beta_slow": 1},
+    "eos_token_id": None,
+}
+
+
 def tiny_config() -> DeepseekConfig:
     """The built-in ``tiny`` model: DeepSeek-V3 layout with the real MLA dims (512/64/128/128), 3 layers
     (one dense, two MoE with 8 routed experts in 4 groups and a shared expert), YaRN rope (x4 over 256
     positions: 1024 context), vocab 512."""
-    return DeepseekConfig.from_dict({
-        "model_type": "deepseek_v3",
-        "vocab_size": 512,
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "moe_intermediate_size": 128,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "q_lora_rank": 192,
-        "kv_lora_rank": 512,
-        "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64,
-        "v_head_dim": 128,
-        "n_routed_experts": 8,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 2,
-        "n_group": 4,
-        "topk_group": 2,
-        "first_k_dense_replace": 1,
-        "routed_scaling_factor": 2.5,
-        "max_position_embeddings": 1024,
-        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
-                            "mscale_all_dim": 1.0, "original_max_position_embeddings": 256,
-                            "beta_fast": 32, "beta_slow": 1},
-        "eos_token_id": None,
-    })
+    return DeepseekConfig.from_dict(TINY_CONFIG)
