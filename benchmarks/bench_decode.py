@@ -167,12 +167,13 @@ def flashinfer_fn(inp: Inputs) -> tuple[Callable, Callable] | None:
 
 
 def _configs(block_m: int, specs: list[str]) -> list[tuple[DecodeConfig, int]]:
-    """(config, parts per SM) from specs 'n<block_n>w<warps>s<stages>c<chunks>[t][x2]' (t: TMA loads;
-    x2: schedule two parts per SM, for configs small enough that two CTAs share an SM)."""
+    """(config, parts per SM) from specs 'n<block_n>w<warps>s<stages>c<chunks>[t][x<k>]' (t: TMA loads;
+    x<k>: schedule k parts per SM, for configs small enough that k CTAs share an SM)."""
     out = []
     for spec in specs:
-        per_sm = 2 if spec.endswith("x2") else 1
-        n, rest = spec.removesuffix("x2")[1:].split("w")
+        spec, _, per_sm = spec.partition("x")
+        per_sm = int(per_sm or 1)
+        n, rest = spec[1:].split("w")
         w, rest = rest.split("s")
         st, rest = rest.split("c")
         out.append((DecodeConfig(block_m=block_m, block_n=int(n), num_warps=int(w), num_stages=int(st),
@@ -231,11 +232,11 @@ def _resource_report() -> None:
 
 
 def alternative(rows: int, sms: int) -> tuple[DecodeConfig, int] | None:
-    """The other tile plan for ``rows`` (64-row tiles one per SM <-> 16-row tiles two per SM), with its part
-    count, so that one run measures both plans on every cell (None where only one applies)."""
+    """The other tile plan for ``rows`` (32/64-row 8-warp tiles one per SM <-> 16-row tiles two per SM), with
+    its part count, so that one run measures both plans on every cell (None where only one applies)."""
     if rows <= 16:
         return None
-    if tile_plan(rows)[0] == 16:
+    if tile_plan(rows)[1] == 2:
         cfg = DecodeConfig(block_m=min(64, triton.next_power_of_2(rows)), block_n=64, num_warps=8, num_stages=2,
                            chunks=2, use_tma=True)
         return cfg, max(1, sms // triton.cdiv(rows, 64))

@@ -21,11 +21,11 @@ import torch
 
 BLOCK_N = 64
 BLOCK_M = 64
-# Up to this many query rows per request (q_len x heads) the decode kernel runs 16-row tiles, small
-# enough (registers, shared memory) for two programs per SM; above it, 32- or 64-row tiles, one per SM.
-# (16-row tiles for 32-64 rows, tried on the H200, ran 1.2-2x slower: benchmarks/NOTES.md.)
-SMALL_TILE_ROWS = 16
-SMALL_TILE_M = 16
+# Up to 32 query rows per request (q_len x heads) the decode kernel runs one 16- or 32-row tile per
+# request slice, small enough (4 warps, ~56-76 KB of shared memory) for two programs per SM; above it,
+# 64-row tiles, one per SM. (16-row tiles for 32-64 rows ran 1.2-2x slower on the H200, and 32-row tiles
+# two per SM beat one 8-warp 32-row tile per SM by 5-9%: benchmarks/NOTES.md.)
+SMALL_TILE_ROWS = 32
 FIXED_OVERHEAD_BLOCKS = 5
 METADATA_WIDTH = 8
 
@@ -33,8 +33,8 @@ METADATA_WIDTH = 8
 def tile_plan(rows: int) -> tuple[int, int]:
     """(rows per tile, programs per SM) the decode kernel uses for ``rows`` query rows per request."""
     if rows <= SMALL_TILE_ROWS:
-        return SMALL_TILE_M, 2
-    return (32 if rows <= 32 else BLOCK_M), 1
+        return (16 if rows <= 16 else 32), 2
+    return BLOCK_M, 1
 
 
 def num_sm_parts_for(device: torch.device, num_q_tokens_per_head_k: int, num_heads_k: int) -> int:
