@@ -182,12 +182,16 @@ def _configs(block_m: int, specs: list[str]) -> list[tuple[DecodeConfig, int]]:
 
 
 SWEEP_16 = _configs(16, ["n64w8s2c1", "n64w8s2c2", "n64w8s2c4", "n32w8s3c4", "n32w8s4c2", "n64w4s2c4",
-                         "n64w8s2c4t", "n32w8s4c4t", "n32w4s2c4x2", "n32w4s2c1x2", "n32w4s2c4tx2"])
-SWEEP_32 = _configs(32, ["n64w8s2c1", "n64w8s2c4", "n32w8s3c4", "n64w8s2c4t"]) + SWEEP_16[:1] + SWEEP_16[2:3]
+                         "n64w8s2c4t", "n32w8s4c4t", "n32w4s2c4x2", "n32w4s2c1x2", "n32w4s2c4tx2",
+                         "n32w4s3c4x2", "n32w4s2c4x3", "n32w4s2c2x2", "n16w4s4c4x2", "n16w4s3c4x3", "n16w4s2c4x4"])
+SWEEP_32 = _configs(32, ["n64w8s2c1", "n64w8s2c4", "n32w8s3c4", "n64w8s2c4t", "n64w8s2c2t", "n32w4s2c4x2",
+                         "n32w4s2c4tx2", "n32w4s2c2x2", "n32w8s2c4x2", "n16w4s3c4x2", "n16w4s4c4x2", "n16w4s2c4x3"])
+SWEEP_32 += SWEEP_16[:1] + SWEEP_16[2:3]
 SWEEP_64 = _configs(64, ["n64w8s2c1", "n64w8s2c2", "n64w8s2c4", "n64w8s2c2t", "n64w8s2c4t", "n32w8s3c4",
                          "n64w16s2c1"])
-SWEEP_CELLS = [Cell(128, 1, 16, 4096), Cell(32, 1, 16, 32768), Cell(128, 2, 16, 8192), Cell(128, 1, 64, 4096),
-               Cell(128, 1, 128, 4096), Cell(64, 4, 16, 4096), Cell(1, 1, 128, 4096)]
+SWEEP_CELLS = [Cell(128, 1, 16, 1024), Cell(128, 1, 16, 4096), Cell(32, 1, 16, 32768), Cell(128, 1, 32, 4096),
+               Cell(128, 2, 16, 8192), Cell(128, 1, 64, 4096), Cell(128, 1, 128, 4096), Cell(64, 4, 16, 4096),
+               Cell(1, 1, 128, 4096)]
 
 
 def sweep(l2: int) -> None:
