@@ -20,7 +20,7 @@ from pagedmla.backend import ForwardMode
 from pagedmla.engine import LLM, GraphRunner, SamplingParams
 from pagedmla.engine.cuda_graph import default_batch_sizes
 from pagedmla.model import load_model
-from pagedmla.model.moe import MoE, grouped_mm_supported
+from pagedmla.model.moe import Experts, MoE, grouped_mm_supported
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 # Requests of different lengths, so that the running batch grows and shrinks through every size.
@@ -153,6 +153,21 @@ def test_expert_paths_equal_the_definition(tiny):
             # forward() takes the sync-free grouped GEMM wherever this torch build supports it.
             chosen = "sorted" if grouped_mm_supported(x.device, dtype) else "grouped"
             assert torch.equal(experts(x, weights, ids), paths[chosen](x, weights, ids))
+
+
+def test_unaligned_expert_sizes_take_the_per_expert_path():
+    """Grouped GEMM kernels need hidden and intermediate sizes that are multiples of 8; other sizes run the
+    per-expert GEMMs (same function)."""
+    experts = Experts(4, 12, 6)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=gen))
+        experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=gen))
+    x = torch.randn(5, 12, generator=gen)
+    ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(5)])
+    weights = torch.rand(5, 2, generator=gen)
+    assert torch.equal(experts(x, weights, ids), experts.forward_grouped(x, weights, ids))
+    assert torch.all((experts(x, weights, ids).double() - _naive_experts(experts, x, weights, ids)).abs() <= 1e-4)
 
 
 # ---------------------------------------------------------------------------------------------- GPU

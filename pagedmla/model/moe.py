@@ -92,7 +92,9 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], weights float32 [T, k], ids [T, k] -> sum_k weight * expert(x), [T, hidden] in x's dtype."""
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        if grouped_mm_supported(x.device, x.dtype, probe=not capturing):
+        # Grouped GEMM kernels want 16-byte-aligned rows: hidden and intermediate sizes multiples of 8.
+        aligned = x.shape[1] % 8 == 0 and self.down_proj.shape[2] % 8 == 0
+        if aligned and grouped_mm_supported(x.device, x.dtype, probe=not capturing):
             return self.forward_sorted(x, weights, ids)
         if capturing:
             return self.forward_dense(x, weights, ids)
