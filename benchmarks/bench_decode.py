@@ -167,8 +167,9 @@ def flashinfer_fn(inp: Inputs) -> tuple[Callable, Callable] | None:
 
 
 def _configs(block_m: int, specs: list[str]) -> list[tuple[DecodeConfig, int]]:
-    """(config, parts per SM) from specs 'n<block_n>w<warps>s<stages>c<chunks>[t][x<k>]' (t: TMA loads;
-    x<k>: schedule k parts per SM, for configs small enough that k CTAs share an SM)."""
+    """(config, parts per SM) from specs 'n<block_n>w<warps>s<stages>c<chunks>[t][p][x<k>]' (t: TMA loads;
+    p: page ids carried one step ahead; x<k>: schedule k parts per SM, for configs small enough that k CTAs
+    share an SM)."""
     out = []
     for spec in specs:
         spec, _, per_sm = spec.partition("x")
@@ -177,18 +178,21 @@ def _configs(block_m: int, specs: list[str]) -> list[tuple[DecodeConfig, int]]:
         w, rest = rest.split("s")
         st, rest = rest.split("c")
         out.append((DecodeConfig(block_m=block_m, block_n=int(n), num_warps=int(w), num_stages=int(st),
-                                 chunks=int(rest.rstrip("t")), use_tma=rest.endswith("t")), per_sm))
+                                 chunks=int(rest.rstrip("tp")), use_tma="t" in rest, carry_pages="p" in rest),
+                    per_sm))
     return out
 
 
 SWEEP_16 = _configs(16, ["n64w8s2c1", "n64w8s2c2", "n64w8s2c4", "n32w8s3c4", "n32w8s4c2", "n64w4s2c4",
                          "n64w8s2c4t", "n32w8s4c4t", "n32w4s2c4x2", "n32w4s2c1x2", "n32w4s2c4tx2",
-                         "n32w4s3c4x2", "n32w4s2c4x3", "n32w4s2c2x2", "n16w4s4c4x2", "n16w4s3c4x3", "n16w4s2c4x4"])
+                         "n32w4s3c4x2", "n32w4s2c4x3", "n32w4s2c2x2", "n16w4s4c4x2", "n16w4s3c4x3", "n16w4s2c4x4",
+                         "n32w4s3c4px2", "n32w4s4c4px2", "n16w4s4c4px2"])
 SWEEP_32 = _configs(32, ["n64w8s2c1", "n64w8s2c4", "n32w8s3c4", "n64w8s2c4t", "n64w8s2c2t", "n32w4s2c4x2",
-                         "n32w4s2c4tx2", "n32w4s2c2x2", "n32w8s2c4x2", "n16w4s3c4x2", "n16w4s4c4x2", "n16w4s2c4x3"])
+                         "n32w4s2c4tx2", "n32w4s2c2x2", "n32w8s2c4x2", "n16w4s3c4x2", "n16w4s4c4x2", "n16w4s2c4x3",
+                         "n32w4s3c4px2", "n16w4s3c4px2"])
 SWEEP_32 += SWEEP_16[:1] + SWEEP_16[2:3]
 SWEEP_64 = _configs(64, ["n64w8s2c1", "n64w8s2c2", "n64w8s2c4", "n64w8s2c2t", "n64w8s2c4t", "n32w8s3c4",
-                         "n64w16s2c1"])
+                         "n64w16s2c1", "n64w8s2c2tp"])
 SWEEP_CELLS = [Cell(128, 1, 16, 1024), Cell(128, 1, 16, 4096), Cell(32, 1, 16, 32768), Cell(128, 1, 32, 4096),
                Cell(128, 2, 16, 8192), Cell(128, 1, 64, 4096), Cell(128, 1, 128, 4096), Cell(64, 4, 16, 4096),
                Cell(1, 1, 128, 4096)]
@@ -248,7 +252,8 @@ def alternative(rows: int, sms: int) -> tuple[DecodeConfig, int] | None:
 
 
 def _cfg_name(c: DecodeConfig) -> str:
-    return f"m{c.block_m}n{c.block_n}w{c.num_warps}s{c.num_stages}c{c.chunks}" + ("t" if c.use_tma else "")
+    return (f"m{c.block_m}n{c.block_n}w{c.num_warps}s{c.num_stages}c{c.chunks}" + ("t" if c.use_tma else "")
+            + ("p" if c.carry_pages else ""))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -121,6 +121,15 @@ def test_decode_configs(config):
     run_and_check([0, 1, 64, 97, 190], 1, 16, 16, True, parts=4, config=config, seed=5)
 
 
+@pytest.mark.parametrize("page,block_n,block_m", [(64, 32, 16), (16, 16, 16), (32, 32, 32), (128, 64, 64)])
+def test_decode_carried_page_ids(page, block_n, block_m):
+    """carry_pages reads each tile's page id one step ahead; lengths cross pages, parts start mid-request,
+    and the last step of a range must not read a page id past it."""
+    config = DecodeConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=3, chunks=4, carry_pages=True)
+    run_and_check([0, 1, page - 1, page, page + 1, 3 * page + 5], 2, 16, page, True, parts=5, config=config,
+                  seed=11)
+
+
 @pytest.mark.parametrize("d,dv", [(80, 64), (64, 64)])
 def test_decode_other_head_dims(d, dv):
     run_and_check([0, 40, 100], 2, 3, 16, True, parts=3, d=d, dv=dv)
@@ -212,6 +221,18 @@ def test_gpu_page_sizes(page, dtype):
     lens = [0, 1, 63, 64, 65, 1000, 3000, 2]
     run_and_check(lens, 2, 32, page, True, dtype=dtype, device="cuda", ref_dtype=torch.float32,
                   atol=1e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [
+    DecodeConfig(block_m=16, block_n=32, num_warps=4, num_stages=3, chunks=4, carry_pages=True),
+    DecodeConfig(block_m=32, block_n=32, num_warps=4, num_stages=3, chunks=4, carry_pages=True),
+    DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=2, chunks=2, use_tma=True, carry_pages=True),
+], ids=["m16", "m32", "m64-tma"])
+def test_gpu_carried_page_ids(config):
+    lens = varlen_lens(32, 2000, 2, seed=9) + [0, 1, 63, 64, 65]
+    run_and_check(lens, 2, 16, 64, True, config=config, dtype=torch.bfloat16, device="cuda", seed=9,
+                  ref_dtype=torch.float32, atol=1e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu

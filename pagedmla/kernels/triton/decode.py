@@ -43,7 +43,11 @@ class DecodeConfig:
     block_n: KV tokens per step (divides the schedule's 64-token block); num_warps, num_stages: Triton's;
     chunks: the value width is processed as this many column chunks (1, 2 or 4), each its own dot
     operand and accumulator, so that no operand spans all 512 columns;
-    use_tma: load KV tiles with tensor descriptors (CUDA, pages a multiple of block_n, contiguous cache).
+    use_tma: load KV tiles with tensor descriptors (CUDA, pages a multiple of block_n, contiguous cache);
+    carry_pages: read the next tile's page id one step ahead (a loop-carried value), so no KV load waits
+    on a load of its own step. Compiled for sm_90a, this turns the 16-row tile's single KV buffer with
+    ``cp.async.wait_group 0`` into two buffers with the next tile in flight (benchmarks/NOTES.md v5); its
+    speed is not yet measured, so no default uses it.
     """
 
     block_m: int
@@ -52,6 +56,7 @@ class DecodeConfig:
     num_stages: int = 2
     chunks: int = 1
     use_tma: bool = False
+    carry_pages: bool = False
 
 
 def default_config(rows: int) -> DecodeConfig:
@@ -91,25 +96,28 @@ def _kv_cols(kv_ptr, desc, tok, row, in_seq, col0,
 @triton.jit
 def _attend_tile(
     acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, q_pe,
-    kv_ptr, desc, desc_pe, bt_row, n0, seqlen, lim, stride_page, stride_tok, qk_scale,
+    kv_ptr, desc, desc_pe, bt_row, n0, seqlen, lim, stride_page, stride_tok, qk_scale, page_id,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DC: tl.constexpr, NC: tl.constexpr, DR: tl.constexpr,
-    HAS_PE: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_PE: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr, CARRY_PAGES: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """One online-softmax step over KV tokens n0 .. n0 + BLOCK_N - 1 (running max in log2 units).
 
     Each [BLOCK_N, 576] tile is loaded once, as NC value/key column chunks plus the rope-key part; the
-    chunks serve as K in Q K^T and as V in P V.
+    chunks serve as K in Q K^T and as V in P V. With CARRY_PAGES the caller passes the tile's page id
+    (pages of at least BLOCK_N tokens); otherwise it is read here.
     """
     offs_n = n0 + tl.arange(0, BLOCK_N)
     in_seq = offs_n < seqlen
     row = 0
+    if PAGE >= BLOCK_N and not CARRY_PAGES:
+        page_id = tl.load(bt_row + n0 // PAGE)
     if USE_TMA:
         # Pages hold a multiple of BLOCK_N tokens: the tile is BLOCK_N consecutive cache rows.
-        row = tl.load(bt_row + n0 // PAGE) * PAGE + n0 % PAGE
+        row = page_id * PAGE + n0 % PAGE
         tok = offs_n
     elif PAGE >= BLOCK_N:
-        page = tl.load(bt_row + n0 // PAGE).to(tl.int64)
-        tok = page * stride_page + (n0 % PAGE + tl.arange(0, BLOCK_N)) * stride_tok
+        tok = page_id.to(tl.int64) * stride_page + (n0 % PAGE + tl.arange(0, BLOCK_N)) * stride_tok
     else:
         # Several pages per tile: one page-id lookup per token; past the end read page 0 (never used).
         pages = tl.load(bt_row + offs_n // PAGE, mask=in_seq, other=0).to(tl.int64)
@@ -172,7 +180,8 @@ def _decode_split_kernel(
     stride_ob, stride_ot, stride_oh,
     CAUSAL: tl.constexpr, PAGE: tl.constexpr, SCHED_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DV: tl.constexpr, NC: tl.constexpr, DR: tl.constexpr,
-    HAS_PE: tl.constexpr, META_W: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_PE: tl.constexpr, META_W: tl.constexpr, USE_TMA: tl.constexpr, CARRY_PAGES: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     DC: tl.constexpr = DV // NC
     pid_m = tl.program_id(0)
@@ -230,16 +239,28 @@ def _decode_split_kernel(
             acc3 = acc0
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            carry: tl.constexpr = CARRY_PAGES and PAGE >= BLOCK_N
+            page_id = tok_lo * 0
+            if carry:
+                page_id = tl.load(bt_row + tok_lo // PAGE)
             for n0 in range(tok_lo, tok_mid, BLOCK_N):
+                next_id = page_id
+                if carry:
+                    next_id = tl.load(bt_row + (n0 + BLOCK_N) // PAGE, mask=n0 + BLOCK_N < tok_hi, other=0)
                 acc0, acc1, acc2, acc3, m_i, l_i = _attend_tile(
                     acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, q_pe,
-                    kv_ptr, desc, desc_pe, bt_row, n0, seqlen, lim, stride_page, stride_tok, qk_scale,
-                    PAGE, BLOCK_N, DC, NC, DR, HAS_PE, False, USE_TMA, PRECISION)
+                    kv_ptr, desc, desc_pe, bt_row, n0, seqlen, lim, stride_page, stride_tok, qk_scale, page_id,
+                    PAGE, BLOCK_N, DC, NC, DR, HAS_PE, False, USE_TMA, carry, PRECISION)
+                page_id = next_id
             for n0 in range(tok_mid, tok_hi, BLOCK_N):
+                next_id = page_id
+                if carry:
+                    next_id = tl.load(bt_row + (n0 + BLOCK_N) // PAGE, mask=n0 + BLOCK_N < tok_hi, other=0)
                 acc0, acc1, acc2, acc3, m_i, l_i = _attend_tile(
                     acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, q_pe,
-                    kv_ptr, desc, desc_pe, bt_row, n0, seqlen, lim, stride_page, stride_tok, qk_scale,
-                    PAGE, BLOCK_N, DC, NC, DR, HAS_PE, True, USE_TMA, PRECISION)
+                    kv_ptr, desc, desc_pe, bt_row, n0, seqlen, lim, stride_page, stride_tok, qk_scale, page_id,
+                    PAGE, BLOCK_N, DC, NC, DR, HAS_PE, True, USE_TMA, carry, PRECISION)
+                page_id = next_id
 
             has_key = l_i > 0.0
             inv_l = tl.where(has_key, 1.0 / tl.where(has_key, l_i, 1.0), 0.0)
@@ -410,7 +431,7 @@ def paged_decode_triton(
         out.stride(0), out.stride(1), out.stride(2),
         CAUSAL=bool(causal), PAGE=page, SCHED_N=SCHED_BLOCK_N,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DV=head_dim_v, NC=cfg.chunks, DR=max(dr, 16), HAS_PE=dr > 0,
-        META_W=METADATA_WIDTH, USE_TMA=use_tma, PRECISION=precision,
+        META_W=METADATA_WIDTH, USE_TMA=use_tma, CARRY_PAGES=cfg.carry_pages, PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     # Small combine tiles: at small batch one request has ~100 pieces, merged by many programs at once.

@@ -1,0 +1,141 @@
+"""What Triton emits for the decode main kernel on Hopper, without a GPU.
+
+Compiles ``_decode_split_kernel`` ahead of time for sm_90a (``triton.compile`` with the argument
+specialisation a real launch gets: 16-divisible pointers and strides, ``Q_LEN`` 1 as a constant, tensor
+descriptors where the config uses TMA) and reports, from the compiled artefacts: shared memory, registers
+and spills (the Triton wheel's ``ptxas -v``), the MMA instructions and their shapes, the wgmma wait depths,
+the KV buffers of the key loop (their leading dimension is the number of pipeline buffers) and the
+``cp.async`` wait depths. Triton-internal APIs (3.6); the numbers describe code, not speed.
+
+    python benchmarks/compile_report.py                          # the default configs for 16, 32, 128 rows
+    python benchmarks/compile_report.py --config m16n32w4s3c4p   # one config (bench_decode's spec syntax)
+
+Run it without ``TRITON_INTERPRET`` (the interpreter replaces the kernels it compiles).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDABackend
+
+from pagedmla.kernels.triton.decode import _LOG2E, DecodeConfig, _decode_split_kernel, default_config
+from pagedmla.ops.schedule import BLOCK_N as SCHED_N
+from pagedmla.ops.schedule import METADATA_WIDTH
+
+D, DV, PAGE = 576, 512, 64
+
+
+def parse_config(spec: str) -> DecodeConfig:
+    """'m<rows>n<block_n>w<warps>s<stages>c<chunks>[t][p]' (t: TMA loads, p: carried page ids)."""
+    m = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)c(\d+)(t?)(p?)", spec)
+    if not m:
+        raise ValueError(f"--config: expected m<rows>n<block_n>w<warps>s<stages>c<chunks>[t][p], got {spec!r}")
+    bm, bn, w, st, c, t, p = m.groups()
+    return DecodeConfig(block_m=int(bm), block_n=int(bn), num_warps=int(w), num_stages=int(st), chunks=int(c),
+                        use_tma=bool(t), carry_pages=bool(p))
+
+
+def compile_decode(cfg: DecodeConfig, heads: int, arch: int = 90):
+    """The compiled kernel (``.asm`` holds ttgir / ptx / cubin) for bf16, q_len 1, page 64, causal."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.runtime.jit import MockTensor
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    bf16, i32, f32 = torch.bfloat16, torch.int32, torch.float32
+    desc = desc_pe = None
+    if cfg.use_tma:
+        flat = torch.empty(16 * PAGE, D, dtype=bf16)  # only shape, dtype and block shape reach the type
+        desc = TensorDescriptor(flat, list(flat.shape), [D, 1], [cfg.block_n, DV // cfg.chunks])
+        desc_pe = TensorDescriptor(flat, list(flat.shape), [D, 1], [cfg.block_n, D - DV])
+    values = dict(
+        q_ptr=MockTensor(bf16), kv_ptr=MockTensor(bf16), bt_ptr=MockTensor(i32), seqlens_ptr=MockTensor(i32),
+        meta_ptr=MockTensor(i32), splits_ptr=MockTensor(i32), out_ptr=MockTensor(bf16), lse_ptr=MockTensor(f32),
+        po_ptr=MockTensor(f32), plse_ptr=MockTensor(f32), desc=desc, desc_pe=desc_pe,
+        H=heads, Q_LEN=1, ROWS=heads, qk_scale=D ** -0.5 * _LOG2E,
+        stride_qb=heads * D, stride_qt=heads * D, stride_qh=D, stride_page=PAGE * D, stride_tok=D, stride_btb=64,
+        stride_ob=heads * DV, stride_ot=heads * DV, stride_oh=DV,
+    )
+    constants = dict(CAUSAL=True, PAGE=PAGE, SCHED_N=SCHED_N, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DV=DV,
+                     NC=cfg.chunks, DR=D - DV, HAS_PE=True, META_W=METADATA_WIDTH, USE_TMA=cfg.use_tma,
+                     CARRY_PAGES=cfg.carry_pages, PRECISION="tf32")
+    target = GPUTarget("cuda", arch, 32)
+    backend = CUDABackend(target)
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(_decode_split_kernel.arg_names):
+        if name in constants:
+            signature[name], constexprs[name] = "constexpr", constants[name]
+            continue
+        ty, spec = native_specialize_impl(CUDABackend, values[name], False, True, True)
+        signature[name] = ty
+        if ty == "constexpr":
+            constexprs[name] = values[name]
+        elif isinstance(spec, str):
+            attrs[(i,)] = backend.parse_attr(spec)
+    src = triton.compiler.ASTSource(fn=_decode_split_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=target, options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+
+
+def report(kernel, arch: int = 90) -> dict:
+    """Counts read off the compiled artefacts (see the module docstring)."""
+    ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
+    out = {"shared_bytes": kernel.metadata.shared}
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        Path(path).write_text(ptx)
+        res = subprocess.run([str(ptxas), "-v", f"--gpu-name=sm_{arch}a", path, "-o", os.path.join(tmp, "k.o")],
+                             capture_output=True, text=True)
+    info = res.stderr
+    regs = re.search(r"Used (\d+) registers", info)
+    out["registers"] = int(regs.group(1)) if regs else None
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+    out["spill_store_load_bytes"] = (int(spill.group(1)), int(spill.group(2))) if spill else None
+    out["mma_sync"] = dict(collections.Counter(re.findall(r"mma\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)))
+    out["wgmma"] = dict(collections.Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)))
+    out["wgmma_wait_depths"] = sorted(set(map(int, re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx))))
+    out["kv_buffers"] = sorted(set(map(int, re.findall(
+        r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x\d+x\d+xbf16", ttgir))))
+    out["cp_async_wait_depths"] = sorted(set(map(int, re.findall(r"ttg\.async_wait .*?\{num = (\d+)", ttgir))))
+    out["cp_async"] = len(re.findall(r"cp\.async\.c[ag]\.shared\.global", ptx))
+    out["tma_loads"] = len(re.findall(r"cp\.async\.bulk\.tensor", ptx))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", action="append", help="a config spec (repeatable); default: the shipped ones")
+    ap.add_argument("--heads", type=int, default=None, help="query heads (default: the config's rows)")
+    ap.add_argument("--json", action="store_true", help="print one JSON list of the reports instead")
+    args = ap.parse_args(argv)
+    try:
+        configs = [parse_config(c) for c in args.config] if args.config else [default_config(r) for r in (16, 32, 128)]
+    except ValueError as exc:
+        ap.exit(2, f"compile_report: error: {exc}\n")
+    reports = []
+    for cfg in configs:
+        heads = args.heads or max(cfg.block_m, 16)
+        rep = report(compile_decode(cfg, heads))
+        reports.append(rep)
+        if not args.json:
+            print(f"{cfg} (heads {heads}, q_len 1, page {PAGE}, bf16, sm_90a)", flush=True)
+            for key, value in rep.items():
+                print(f"  {key}: {value}")
+    if args.json:
+        print(json.dumps(reports))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""The decode kernel compiled for sm_90a on the CPU (benchmarks/compile_report.py, no GPU needed): the
+code properties benchmarks/NOTES.md (v5) relies on, so that a Triton upgrade that changes them is noticed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _reports(*specs: str) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    args = [sys.executable, str(ROOT / "benchmarks" / "compile_report.py"), "--json"]
+    for spec in specs:
+        args += ["--config", spec]
+    res = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_carried_page_ids_double_buffer_the_small_tiles():
+    base16, carried16, carried32 = _reports("m16n32w4s3c4", "m16n32w4s3c4p", "m32n32w4s3c4p")
+    # Page id read in the same step: one KV buffer, every wait drains all copies (no prefetch).
+    assert base16["kv_buffers"] == [1] and base16["cp_async_wait_depths"] == [0]
+    for rep in (carried16, carried32):
+        assert rep["kv_buffers"] == [2] and max(rep["cp_async_wait_depths"]) > 0, rep
+        # Two CTAs per SM must still fit in the H100/H200's 228 KB (1 KB reserved per CTA).
+        assert 2 * (rep["shared_bytes"] + 1024) <= 228 * 1024, rep
+        assert rep["mma_sync"] and not rep["wgmma"], rep
