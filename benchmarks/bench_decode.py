@@ -28,7 +28,7 @@ import torch
 import triton
 
 from pagedmla.kernels.triton.decode import DecodeConfig, default_config, paged_decode_triton
-from pagedmla.ops.schedule import get_mla_metadata, num_sm_parts_for, tile_plan
+from pagedmla.ops.schedule import get_mla_metadata, tile_plan
 
 D, DV, PAGE = 576, 512, 64
 
@@ -207,10 +207,11 @@ def sweep(l2: int) -> None:
         ref_out = base[1]()[0] if base else None
         t_base = bench(base[0]) if base else float("nan")
         rows = cell.q_len * cell.heads
+        sms = torch.cuda.get_device_properties(inp.seqlens.device).multi_processor_count
         configs = SWEEP_16 if rows <= 16 else SWEEP_32 if rows <= 32 else SWEEP_64
         for cfg, per_sm in configs:
             try:
-                parts = per_sm * num_sm_parts_for(inp.seqlens.device, cell.q_len * cell.heads, 1)
+                parts = max(1, per_sm * sms // triton.cdiv(rows, cfg.block_m))
                 timed, once, _ = pagedmla_fn(inp, cfg, parts)
                 out = once()[0]
                 diff = cos_diff(out, ref_out) if ref_out is not None else float("nan")
@@ -264,7 +265,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--csv", help="write the table as CSV here")
     ap.add_argument("--plot", help="write a PNG bar chart of the ratios here")
     ap.add_argument("--sweep", action="store_true", help="time pagedmla kernel configs instead of the grid")
-    ap.add_argument("--alt", action="store_true", help="also time the other tile plan (16- vs 64-row tiles)")
+    ap.add_argument("--alt", action="store_true",
+                    help="also time the other tile plan (4-warp tiles two per SM vs 8-warp tiles one per SM)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_decode: needs a CUDA GPU")

@@ -120,12 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON list of the reports instead")
     args = ap.parse_args(argv)
     try:
-        configs = [parse_config(c) for c in args.config] if args.config else [default_config(r) for r in (16, 32, 128)]
+        if args.config:
+            cases = [(args.heads or max(cfg.block_m, 16), cfg) for cfg in map(parse_config, args.config)]
+        else:
+            cases = [(rows, default_config(rows)) for rows in (16, 32, 128)]
     except ValueError as exc:
         ap.exit(2, f"compile_report: error: {exc}\n")
     reports = []
-    for cfg in configs:
-        heads = args.heads or max(cfg.block_m, 16)
+    for heads, cfg in cases:
         rep = report(compile_decode(cfg, heads))
         reports.append(rep)
         if not args.json:

@@ -9,7 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import triton
+
 ROOT = Path(__file__).resolve().parents[1]
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+libtriton = pytest.importorskip("triton._C.libtriton")
+if not (hasattr(libtriton, "native_specialize_impl") and PTXAS.exists()):
+    pytest.skip("needs Triton 3.6's specialisation API and the wheel's ptxas", allow_module_level=True)
 
 
 def _reports(*specs: str) -> list[dict]:

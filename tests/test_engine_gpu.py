@@ -105,12 +105,13 @@ def test_free_running_greedy_tokens_agree_up_to_near_ties():
 
 def test_trained_tiny_model_greedy_tokens_identical_across_providers(tmp_path):
     """bf16, page size 16 (every prompt crosses pages): torch, Triton and Triton with CUDA graphs give the
-    same 32 greedy tokens for every prompt, and they continue the pattern (attention does the work)."""
+    same 32 greedy tokens for every prompt, and nearly all of them continue the pattern (attention does
+    the work). Prompt + output stay within the 160 positions the model was trained on."""
     hf, accuracy = train_tiny("cuda")
     assert accuracy > 0.99, f"training the tiny model on the periodic task reached only {accuracy:.3f}"
     hf.save_pretrained(tmp_path)
     gen = torch.Generator().manual_seed(1)
-    prompts = [periodic_batch(1, n, gen, "cpu")[0].tolist() for n in (PERIOD, 17, 40, 100, 130)]
+    prompts = [periodic_batch(1, n, gen, "cpu")[0].tolist() for n in (PERIOD, 17, 40, 100, 120)]
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
     streams = {}
     for provider, graphs in (("torch", False), ("triton", False), ("triton", True)):

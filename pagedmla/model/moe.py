@@ -122,7 +122,7 @@ class Experts(nn.Module):
         """Every expert over all T tokens as one batched GEMM per projection, combined with the routing
         weights (0 for unchosen experts)."""
         num_experts = self.gate_up_proj.shape[0]
-        # dense[e, t] = routing weight of expert e for token t (ids are distinct within a row).
+        # dense[t, e] = routing weight of expert e for token t (the router's ids are distinct within a row).
         dense = torch.zeros(x.shape[0], num_experts, dtype=weights.dtype, device=x.device)
         dense.scatter_(1, ids, weights)
         hidden = torch.bmm(x.expand(num_experts, -1, -1), self.gate_up_proj.transpose(1, 2))
@@ -157,19 +157,22 @@ def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-_GROUPED_MM: dict[tuple[str, torch.dtype], bool] = {}
+_GROUPED_MM: dict[tuple[str, int | None, torch.dtype], bool] = {}
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype, probe: bool = True) -> bool:
-    """Whether ``torch._grouped_mm`` runs for this device type and dtype in this torch build without the
-    host (it exists from torch 2.8; which devices, architectures and dtypes it accepts varies by build, and
-    on CUDA some dtypes take a fallback that copies offsets through the host). Probed with a tiny call the
+    """Whether ``torch._grouped_mm`` runs for this device and dtype in this torch build without the host
+    (it exists from torch 2.8; which devices, architectures and dtypes it accepts varies by build, and on
+    CUDA some dtypes take a fallback that copies offsets through the host). Probed with a tiny call the
     first time, on CUDA inside a graph capture; ``probe=False`` (during a capture) answers False until probed."""
-    key = (device.type, dtype)
+    index = device.index
+    if device.type == "cuda" and index is None:
+        index = torch.cuda.current_device()
+    key = (device.type, index, dtype)
     if key not in _GROUPED_MM:
         if not probe:
             return False
-        _GROUPED_MM[key] = _probe_grouped_mm(device, dtype)
+        _GROUPED_MM[key] = _probe_grouped_mm(torch.device(device.type, index), dtype)
     return _GROUPED_MM[key]
 
 
@@ -179,11 +182,17 @@ def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
     a = torch.ones(4, 16, dtype=dtype, device=device)
     b = torch.ones(2, 16, 16, dtype=dtype, device=device)
     offsets = torch.tensor([1, 4], dtype=torch.int32, device=device)
-    try:
-        if device.type != "cuda":
+    if device.type != "cuda":
+        try:
             out = torch._grouped_mm(a, b.transpose(1, 2), offs=offsets)
-        else:
-            # Captured, so a path that reads the offsets on the host fails here rather than mid-capture later.
+        except (RuntimeError, NotImplementedError, TypeError):
+            return False
+        return bool((out == 16).all())
+    # Captured, so a path that reads the offsets on the host fails here rather than mid-capture later. A
+    # failed capture can end before torch restores the caller's stream: restore it here.
+    caller_stream = torch.cuda.current_stream(device)
+    try:
+        with torch.cuda.device(device):
             torch._grouped_mm(a, b.transpose(1, 2), offs=offsets)
             graph = torch.cuda.CUDAGraph()
             with warnings.catch_warnings():
@@ -192,9 +201,11 @@ def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
                 with torch.cuda.graph(graph):
                     out = torch._grouped_mm(a, b.transpose(1, 2), offs=offsets)
             graph.replay()
+            return bool((out == 16).all())
     except (RuntimeError, NotImplementedError, TypeError):
         return False
-    return bool((out == 16).all())
+    finally:
+        torch.cuda.set_stream(caller_stream)
 
 
 class MoE(nn.Module):

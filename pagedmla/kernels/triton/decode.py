@@ -64,14 +64,13 @@ def default_config(rows: int) -> DecodeConfig:
 
     ``tile_plan`` (the schedule's) picks the tile height. Up to 32 rows (memory bound), 16- or 32-row
     tiles: 4 warps, 32-token steps and 4 column chunks keep one program within half an SM, so two share
-    each SM (the schedule makes two parts per SM for them); 16-row tiles pipeline three stages deep, 32-row
-    tiles two (shared memory). More rows: 64-row tiles, 8 warps, 64-token steps, two 256-column chunks,
-    TMA loads where the pages allow (page size a multiple of 64); 128 heads or q_len x heads > 64 take
-    several 64-row tiles per part, which read the same KV (the later from L2).
+    each SM (the schedule makes two parts per SM for them). More rows: 64-row tiles, 8 warps, 64-token
+    steps, two 256-column chunks, TMA loads where the pages allow (page size a multiple of 64); 128 heads
+    or q_len x heads > 64 take several 64-row tiles per part, which read the same KV (the later from L2).
     """
     block_m, _ = tile_plan(rows)
     if block_m <= 32:
-        return DecodeConfig(block_m=block_m, block_n=32, num_warps=4, num_stages=3 if block_m == 16 else 2, chunks=4)
+        return DecodeConfig(block_m=block_m, block_n=32, num_warps=4, num_stages=2, chunks=4)
     return DecodeConfig(block_m=block_m, block_n=64, num_warps=8, num_stages=2, chunks=2, use_tma=True)
 
 
