@@ -167,21 +167,13 @@ def flashinfer_fn(inp: Inputs) -> tuple[Callable, Callable] | None:
 
 
 def _configs(block_m: int, specs: list[str]) -> list[tuple[DecodeConfig, int]]:
-    """(config, parts per SM) from specs 'n<block_n>w<warps>s<stages>c<chunks>[t][p][x<k>]' (t: TMA loads;
-    p: page ids carried one step ahead; x<k>: schedule k parts per SM, for configs small enough that k CTAs
-    share an SM)."""
+    """(config, parts per SM) from specs 'n<block_n>w<warps>s<stages>c<chunks>[t][p][x<k>]' (``DecodeConfig.spec``
+    without the row count; x<k>: schedule k parts per SM, for configs small enough that k CTAs share an SM)."""
     out = []
     for spec in specs:
         spec, _, per_sm = spec.partition("x")
-        per_sm = int(per_sm or 1)
-        n, rest = spec[1:].split("w")
-        w, rest = rest.split("s")
-        st, rest = rest.split("c")
-        out.append((DecodeConfig(block_m=block_m, block_n=int(n), num_warps=int(w), num_stages=int(st),
-                                 chunks=int(rest.rstrip("tp")), use_tma="t" in rest, carry_pages="p" in rest),
-                    per_sm))
+        out.append((DecodeConfig.from_spec(f"m{block_m}{spec}"), int(per_sm or 1)))
     return out
-
 
 SWEEP_16 = _configs(16, ["n64w8s2c1", "n64w8s2c2", "n64w8s2c4", "n32w8s3c4", "n32w8s4c2", "n64w4s2c4",
                          "n64w8s2c4t", "n32w8s4c4t", "n32w4s2c4x2", "n32w4s2c1x2", "n32w4s2c4tx2",
@@ -217,9 +209,9 @@ def sweep(l2: int) -> None:
                 diff = cos_diff(out, ref_out) if ref_out is not None else float("nan")
                 t = bench(timed)
             except Exception as e:  # a config that does not compile (shared memory) is reported, not fatal
-                print(f"{cell},{_cfg_name(cfg)},FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
+                print(f"{cell},{cfg.spec},FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
                 continue
-            print(f"{cell.b}x{cell.q_len}x{cell.heads}x{cell.mean},{_cfg_name(cfg)}x{per_sm},{t:.1f},"
+            print(f"{cell.b}x{cell.q_len}x{cell.heads}x{cell.mean},{cfg.spec}x{per_sm},{t:.1f},"
                   f"{inp.flops / t / 1e6:.0f},{inp.bytes / t / 1e3:.0f},{t_base:.1f},{t_base / t:.3f},{diff:.2e}",
                   flush=True)
         del inp
@@ -250,11 +242,6 @@ def alternative(rows: int, sms: int) -> tuple[DecodeConfig, int] | None:
                            chunks=2, use_tma=True)
         return cfg, max(1, sms // triton.cdiv(rows, 64))
     return default_config(16), max(1, 2 * sms // triton.cdiv(rows, 16))
-
-
-def _cfg_name(c: DecodeConfig) -> str:
-    return (f"m{c.block_m}n{c.block_n}w{c.num_warps}s{c.num_stages}c{c.chunks}" + ("t" if c.use_tma else "")
-            + ("p" if c.carry_pages else ""))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -305,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
             if fi_diff > 1e-5:
                 print(f"# FlashInfer output differs: cos diff {fi_diff:.2e}", flush=True)
         cfg = default_config(cell.q_len * cell.heads)
-        row = [cell.b, cell.q_len, cell.heads, cell.mean, _cfg_name(cfg), round(t, 1),
+        row = [cell.b, cell.q_len, cell.heads, cell.mean, cfg.spec, round(t, 1),
                round(inp.flops / t / 1e6), round(inp.bytes / t / 1e3), round(t_fm, 1),
                round(inp.flops / t_fm / 1e6) if fm else "", round(t_fm / t, 3) if fm else "",
                round(t_fi, 1) if fi else "", round(t_fi / t, 3) if fi else "", f"{diff:.2e}", graph_note]
@@ -314,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
             a_timed, a_once, _ = pagedmla_fn(inp, alt[0], alt[1])
             a_diff = cos_diff(a_once()[0], out)
             t_alt = bench(a_timed)
-            row += [f"{_cfg_name(alt[0])}p{alt[1]}", round(t_alt, 1), round(t_fm / t_alt, 3) if fm else ""]
+            row += [f"{alt[0].spec} {alt[1]} parts", round(t_alt, 1), round(t_fm / t_alt, 3) if fm else ""]
             if a_diff > 1e-5:
                 print(f"# alternative plan output differs: cos diff {a_diff:.2e}", flush=True)
         else:

@@ -37,16 +37,6 @@ from pagedmla.ops.schedule import METADATA_WIDTH
 D, DV, PAGE = 576, 512, 64
 
 
-def parse_config(spec: str) -> DecodeConfig:
-    """'m<rows>n<block_n>w<warps>s<stages>c<chunks>[t][p]' (t: TMA loads, p: carried page ids)."""
-    m = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)c(\d+)(t?)(p?)", spec)
-    if not m:
-        raise ValueError(f"--config: expected m<rows>n<block_n>w<warps>s<stages>c<chunks>[t][p], got {spec!r}")
-    bm, bn, w, st, c, t, p = m.groups()
-    return DecodeConfig(block_m=int(bm), block_n=int(bn), num_warps=int(w), num_stages=int(st), chunks=int(c),
-                        use_tma=bool(t), carry_pages=bool(p))
-
-
 def compile_decode(cfg: DecodeConfig, heads: int, arch: int = 90):
     """The compiled kernel (``.asm`` holds ttgir / ptx / cubin) for bf16, q_len 1, page 64, causal."""
     from triton._C.libtriton import native_specialize_impl
@@ -121,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.config:
-            cases = [(args.heads or max(cfg.block_m, 16), cfg) for cfg in map(parse_config, args.config)]
+            cases = [(args.heads or max(cfg.block_m, 16), cfg) for cfg in map(DecodeConfig.from_spec, args.config)]
         else:
             cases = [(rows, default_config(rows)) for rows in (16, 32, 128)]
     except ValueError as exc:

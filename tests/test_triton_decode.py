@@ -121,6 +121,14 @@ def test_decode_configs(config):
     run_and_check([0, 1, 64, 97, 190], 1, 16, 16, True, parts=4, config=config, seed=5)
 
 
+def test_config_spec_round_trip_and_errors():
+    config = DecodeConfig(block_m=32, block_n=32, num_warps=4, num_stages=3, chunks=4, carry_pages=True)
+    assert config.spec == "m32n32w4s3c4p" and DecodeConfig.from_spec(config.spec) == config
+    assert DecodeConfig.from_spec("m64n64w8s2c2t").use_tma
+    with pytest.raises(ValueError, match="spec"):
+        DecodeConfig.from_spec("m64n64w8s2")
+
+
 @pytest.mark.parametrize("page,block_n,block_m", [(64, 32, 16), (16, 16, 16), (32, 32, 32), (128, 64, 64)])
 def test_decode_carried_page_ids(page, block_n, block_m):
     """carry_pages reads each tile's page id one step ahead; lengths cross pages, parts start mid-request,

@@ -22,6 +22,7 @@ metadata call, the main kernel and the combine kernel can be captured in a CUDA 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
 import triton
@@ -57,6 +58,22 @@ class DecodeConfig:
     chunks: int = 1
     use_tma: bool = False
     carry_pages: bool = False
+
+    @property
+    def spec(self) -> str:
+        """Short name, e.g. ``m16n32w4s2c4`` (+ ``t`` for TMA loads, ``p`` for carried page ids)."""
+        return (f"m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}c{self.chunks}"
+                + ("t" if self.use_tma else "") + ("p" if self.carry_pages else ""))
+
+    @classmethod
+    def from_spec(cls, spec: str) -> DecodeConfig:
+        """The config ``spec`` names (the inverse of ``DecodeConfig.spec``)."""
+        m = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)c(\d+)(t?)(p?)", spec)
+        if not m:
+            raise ValueError(f"spec: expected m<rows>n<block_n>w<warps>s<stages>c<chunks>[t][p], got {spec!r}")
+        bm, bn, w, st, c, t, p = m.groups()
+        return cls(block_m=int(bm), block_n=int(bn), num_warps=int(w), num_stages=int(st), chunks=int(c),
+                   use_tma=bool(t), carry_pages=bool(p))
 
 
 def default_config(rows: int) -> DecodeConfig:
