@@ -12,7 +12,7 @@ at most 8 are also timed as CUDA-graph replays (they are launch bound). Each cel
 output against FlashMLA's (cos diff column) and FlashInfer's.
 
     python3 benchmarks/bench_decode.py [--quick] [--flashinfer] [--alt] [--csv out.csv] [--plot out.png]
-    python3 benchmarks/bench_decode.py --sweep     # time pagedmla's kernel configs on representative cells
+    python3 benchmarks/bench_decode.py --sweep [SPECS]  # time kernel configs on representative cells
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from collections.abc import Callable
 import torch
 import triton
 
-from pagedmla.kernels.triton.decode import DecodeConfig, default_config, paged_decode_triton
+from pagedmla.kernels.triton.decode import DecodeConfig, default_config, paged_decode_triton, select_config
+from pagedmla.kernels.triton.decode_sm90 import sm90_supported
 from pagedmla.ops.schedule import get_mla_metadata, tile_plan
 
 D, DV, PAGE = 576, 512, 64
@@ -190,8 +191,12 @@ SWEEP_CELLS = [Cell(128, 1, 16, 1024), Cell(128, 1, 16, 4096), Cell(32, 1, 16, 3
                Cell(1, 1, 128, 4096)]
 
 
-def sweep(l2: int) -> None:
-    """Time each candidate config on representative cells (checked against FlashMLA or the default)."""
+def sweep(l2: int, only: list[str] | None = None) -> None:
+    """Time each candidate config on representative cells (checked against FlashMLA or the default).
+
+    ``only``: full specs with the part suffix (``m16n32w4s3c4px2``) replacing the built-in lists; each cell
+    runs those whose row tile matches its ``tile_plan``, and the Hopper kernel's (``h``) everywhere."""
+    chosen = [(DecodeConfig.from_spec(s.partition("x")[0]), int(s.partition("x")[2] or 1)) for s in only or []]
     print("cell,config,us,TFLOPs,GBps,flashmla_us,ratio,cos_diff")
     for n, cell in enumerate(SWEEP_CELLS):
         inp = Inputs(cell, 1000 + n, l2)
@@ -201,6 +206,10 @@ def sweep(l2: int) -> None:
         rows = cell.q_len * cell.heads
         sms = torch.cuda.get_device_properties(inp.seqlens.device).multi_processor_count
         configs = SWEEP_16 if rows <= 16 else SWEEP_32 if rows <= 32 else SWEEP_64
+        if only:
+            configs = [(cfg, k) for cfg, k in chosen if cfg.block_m == tile_plan(rows)[0] or cfg.use_sm90]
+            if not configs:
+                continue
         for cfg, per_sm in configs:
             try:
                 parts = max(1, per_sm * sms // triton.cdiv(rows, cfg.block_m))
@@ -232,16 +241,17 @@ def _resource_report() -> None:
         print(f"# resource report unavailable: {type(e).__name__}: {e}")
 
 
-def alternative(rows: int, sms: int) -> tuple[DecodeConfig, int] | None:
-    """The other tile plan for ``rows`` (32/64-row 8-warp tiles one per SM <-> 16-row tiles two per SM), with
-    its part count, so that one run measures both plans on every cell (None where only one applies)."""
-    if rows <= 16:
-        return None
-    if tile_plan(rows)[1] == 2:
-        cfg = DecodeConfig(block_m=min(64, triton.next_power_of_2(rows)), block_n=64, num_warps=8, num_stages=2,
-                           chunks=2, use_tma=True)
-        return cfg, max(1, sms // triton.cdiv(rows, 64))
-    return default_config(16), max(1, 2 * sms // triton.cdiv(rows, 16))
+def alternative(inp: Inputs, sms: int) -> tuple[DecodeConfig, int] | None:
+    """The other main kernel for this cell, with its part count, so that one run measures both on every cell:
+    where the Hopper kernel runs, the portable kernel's default tile; elsewhere the Hopper kernel (one
+    64-row program per SM) when the GPU supports it."""
+    rows = inp.cell.q_len * inp.cell.heads
+    if select_config(inp.q[0], inp.cache[0], DV).use_sm90:
+        tile_m, per_sm = tile_plan(rows)
+        return default_config(rows), max(1, per_sm * sms // triton.cdiv(rows, tile_m))
+    if sm90_supported(inp.q[0], inp.cache[0], DV):
+        return DecodeConfig(block_m=64, use_sm90=True), max(1, sms // triton.cdiv(rows, 64))
+    return None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -251,17 +261,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-flashmla", action="store_true", help="skip FlashMLA even when it is installed")
     ap.add_argument("--csv", help="write the table as CSV here")
     ap.add_argument("--plot", help="write a PNG bar chart of the ratios here")
-    ap.add_argument("--sweep", action="store_true", help="time pagedmla kernel configs instead of the grid")
+    ap.add_argument("--sweep", nargs="?", const="", metavar="SPECS",
+                    help="time pagedmla kernel configs instead of the grid: the built-in lists, or these "
+                         "comma-separated specs with parts per SM (e.g. m16n32w4s2c4x2,m16n32w4s3c4px2)")
     ap.add_argument("--alt", action="store_true",
-                    help="also time the other tile plan (4-warp tiles two per SM vs 8-warp tiles one per SM)")
+                    help="also time the other main kernel (Hopper kernel vs the portable kernel's default tile)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_decode: needs a CUDA GPU")
     props = torch.cuda.get_device_properties(0)
     l2 = getattr(props, "L2_cache_size", 50 << 20)
     print(f"# {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
-    if args.sweep:
-        sweep(l2)
+    if args.sweep is not None:
+        sweep(l2, [s for s in args.sweep.split(",") if s])
         return
     rows = []
     header = ["b", "q_len", "heads", "mean_seq", "config", "pagedmla_us", "TFLOPs", "GBps", "flashmla_us",
@@ -291,12 +303,12 @@ def main(argv: list[str] | None = None) -> None:
             fi_diff = cos_diff(out, fi[1]()[0])
             if fi_diff > 1e-5:
                 print(f"# FlashInfer output differs: cos diff {fi_diff:.2e}", flush=True)
-        cfg = default_config(cell.q_len * cell.heads)
+        cfg = select_config(inp.q[0], inp.cache[0], DV)
         row = [cell.b, cell.q_len, cell.heads, cell.mean, cfg.spec, round(t, 1),
                round(inp.flops / t / 1e6), round(inp.bytes / t / 1e3), round(t_fm, 1),
                round(inp.flops / t_fm / 1e6) if fm else "", round(t_fm / t, 3) if fm else "",
                round(t_fi, 1) if fi else "", round(t_fi / t, 3) if fi else "", f"{diff:.2e}", graph_note]
-        alt = alternative(cell.q_len * cell.heads, props.multi_processor_count) if args.alt else None
+        alt = alternative(inp, props.multi_processor_count) if args.alt else None
         if alt:
             a_timed, a_once, _ = pagedmla_fn(inp, alt[0], alt[1])
             a_diff = cos_diff(a_once()[0], out)

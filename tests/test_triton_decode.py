@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from pagedmla.kernels.triton.decode import DecodeConfig, paged_decode_triton
+from pagedmla.kernels.triton.decode_sm90 import sm90_supported
 from pagedmla.ops import flash_mla_with_kvcache, get_mla_metadata
 from pagedmla.ops.schedule import BLOCK_N as SCHED_N
 from pagedmla.reference import paged_mla_attention
@@ -125,6 +126,7 @@ def test_config_spec_round_trip_and_errors():
     config = DecodeConfig(block_m=32, block_n=32, num_warps=4, num_stages=3, chunks=4, carry_pages=True)
     assert config.spec == "m32n32w4s3c4p" and DecodeConfig.from_spec(config.spec) == config
     assert DecodeConfig.from_spec("m64n64w8s2c2t").use_tma
+    assert DecodeConfig.from_spec("m64n64w8s2c1h").use_sm90 and DecodeConfig(64, use_sm90=True).spec.endswith("h")
     with pytest.raises(ValueError, match="spec"):
         DecodeConfig.from_spec("m64n64w8s2")
 
@@ -241,6 +243,41 @@ def test_gpu_carried_page_ids(config):
     lens = varlen_lens(32, 2000, 2, seed=9) + [0, 1, 63, 64, 65]
     run_and_check(lens, 2, 16, 64, True, config=config, dtype=torch.bfloat16, device="cuda", seed=9,
                   ref_dtype=torch.float32, atol=1e-2, rtol=2e-2)
+
+
+SM90 = DecodeConfig(block_m=64, use_sm90=True)
+
+
+def _sm90_or_skip():
+    if not sm90_supported(torch.empty(1, 1, 1, 576, dtype=torch.bfloat16, device="cuda"),
+                          torch.empty(1, 64, 1, 576, dtype=torch.bfloat16, device="cuda"), 512):
+        pytest.skip("the Hopper kernel needs an sm_90 GPU and Triton's Gluon")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,q_len", [(128, 1), (16, 1), (3, 4), (64, 2)])
+@pytest.mark.parametrize("page", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_sm90_kernel(heads, q_len, page, dtype):
+    """The Hopper main kernel forced on every shape it takes: padded row tiles (16, 12 rows), pages of 64-256
+    tokens, empty and one-token requests, sequence ends inside a tile (NaN slots behind them), parts cut
+    mid-request and parts holding many requests."""
+    _sm90_or_skip()
+    lens = [0, 1, 63, 64, 65, q_len - 1 if q_len > 1 else 2, 1000, 3001] + varlen_lens(12, 700, q_len, seed=heads)
+    for parts in (3, 19, 132):
+        run_and_check(lens, q_len, heads, page, True, parts=parts, config=SM90, dtype=dtype, device="cuda",
+                      seed=heads + page + parts, ref_dtype=torch.float32, atol=1e-2, rtol=2e-2)
+    run_and_check(lens, q_len, heads, page, False, config=SM90, dtype=dtype, device="cuda", seed=page,
+                  ref_dtype=torch.float32, atol=1e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_sm90_kernel_rejects_what_it_cannot_run():
+    _sm90_or_skip()
+    q, cache, table, seqlens = make_case([10, 40], 1, 16, 16, dtype=torch.bfloat16, device="cuda")
+    meta, splits = get_mla_metadata(seqlens, 16, 1)
+    with pytest.raises(ValueError, match="use_sm90"):
+        paged_decode_triton(q, cache, table, seqlens, 512, meta, splits, 0.1, True, SM90)
 
 
 @pytest.mark.gpu

@@ -21,20 +21,34 @@ import torch
 
 BLOCK_N = 64
 BLOCK_M = 64
-# Up to 32 query rows per request (q_len x heads) the decode kernel runs one 16- or 32-row tile per
-# request slice, small enough (4 warps, ~56-76 KB of shared memory) for two programs per SM; above it,
+# Up to 32 query rows per request (q_len x heads) the portable decode kernel runs one 16- or 32-row tile
+# per request slice, small enough (4 warps, ~56-113 KB of shared memory) for two programs per SM; above it,
 # 64-row tiles, one per SM. (16-row tiles for 32-64 rows ran 1.2-2x slower on the H200, and 32-row tiles
-# two per SM beat one 8-warp 32-row tile per SM by 5-9%: benchmarks/NOTES.md.)
+# two per SM beat one 8-warp 32-row tile per SM by 5-9%: benchmarks/NOTES.md.) On sm_90 the Hopper kernel
+# takes every request of more than 16 rows in 64-row tiles, one per SM (it beat the 32-row tile by 30%).
 SMALL_TILE_ROWS = 32
+HOPPER_MIN_ROWS = 17
 FIXED_OVERHEAD_BLOCKS = 5
 METADATA_WIDTH = 8
 
 
-def tile_plan(rows: int) -> tuple[int, int]:
-    """(rows per tile, programs per SM) the decode kernel uses for ``rows`` query rows per request."""
+def tile_plan(rows: int, hopper: bool = False) -> tuple[int, int]:
+    """(rows per tile, programs per SM) the decode kernels use for ``rows`` query rows per request;
+    ``hopper``: the Hopper kernel is available (``hopper_decode_available``)."""
+    if hopper and rows >= HOPPER_MIN_ROWS:
+        return BLOCK_M, 1
     if rows <= SMALL_TILE_ROWS:
         return (16 if rows <= 16 else 32), 2
     return BLOCK_M, 1
+
+
+def hopper_decode_available(device: torch.device) -> bool:
+    """Whether ``device`` runs the Hopper (sm_90) decode kernel: an sm_90 GPU and Triton's Gluon."""
+    if device.type != "cuda":
+        return False
+    from pagedmla.kernels.triton.decode_sm90 import HAVE_GLUON  # late: the kernels import this module
+
+    return HAVE_GLUON and torch.cuda.get_device_capability(device) == (9, 0)
 
 
 def num_sm_parts_for(device: torch.device, num_q_tokens_per_head_k: int, num_heads_k: int) -> int:
@@ -44,7 +58,7 @@ def num_sm_parts_for(device: torch.device, num_q_tokens_per_head_k: int, num_hea
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     else:
         sms = 8
-    tile_m, per_sm = tile_plan(num_q_tokens_per_head_k)
+    tile_m, per_sm = tile_plan(num_q_tokens_per_head_k, hopper_decode_available(device))
     m_tiles = -(-num_q_tokens_per_head_k // tile_m)
     return max(1, sms * per_sm // max(1, num_heads_k) // max(1, m_tiles))
 

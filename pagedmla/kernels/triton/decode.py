@@ -28,9 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedmla.kernels.triton.decode_sm90 import decode_sm90_main, sm90_supported
 from pagedmla.ops.providers import register_impl
 from pagedmla.ops.schedule import BLOCK_N as SCHED_BLOCK_N
-from pagedmla.ops.schedule import METADATA_WIDTH, tile_plan
+from pagedmla.ops.schedule import HOPPER_MIN_ROWS, METADATA_WIDTH, tile_plan
 
 _LOG2E = 1.4426950408889634
 _LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -46,9 +47,12 @@ class DecodeConfig:
     operand and accumulator, so that no operand spans all 512 columns;
     use_tma: load KV tiles with tensor descriptors (CUDA, pages a multiple of block_n, contiguous cache);
     carry_pages: read the next tile's page id one step ahead (a loop-carried value), so no KV load waits
-    on a load of its own step. Compiled for sm_90a, this turns the 16-row tile's single KV buffer with
-    ``cp.async.wait_group 0`` into two buffers with the next tile in flight (benchmarks/NOTES.md v5); its
-    speed is not yet measured, so no default uses it.
+    on a load of its own step. Compiled for sm_90a with 3 stages, this turns the small tiles' single KV
+    buffer with ``cp.async.wait_group 0`` into two buffers with the next tile in flight (benchmarks/NOTES.md
+    v5); on the H200 it made 16-row tiles 6-13% and 32-row tiles 14-16% faster;
+    use_sm90: run the Hopper Gluon main kernel (``decode_sm90.py``: 64-row tiles, warp-specialised, wgmma)
+    instead; the other fields do not apply to it. Without a config, requests of more than 16 query rows
+    use it wherever ``sm90_supported`` holds.
     """
 
     block_m: int
@@ -58,37 +62,42 @@ class DecodeConfig:
     chunks: int = 1
     use_tma: bool = False
     carry_pages: bool = False
+    use_sm90: bool = False
 
     @property
     def spec(self) -> str:
-        """Short name, e.g. ``m16n32w4s2c4`` (+ ``t`` for TMA loads, ``p`` for carried page ids)."""
+        """Short name, e.g. ``m16n32w4s2c4`` (+ ``t`` for TMA loads, ``p`` for carried page ids, ``h`` for
+        the Hopper kernel)."""
         return (f"m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}c{self.chunks}"
-                + ("t" if self.use_tma else "") + ("p" if self.carry_pages else ""))
+                + ("t" if self.use_tma else "") + ("p" if self.carry_pages else "") + ("h" if self.use_sm90 else ""))
 
     @classmethod
     def from_spec(cls, spec: str) -> DecodeConfig:
         """The config ``spec`` names (the inverse of ``DecodeConfig.spec``)."""
-        m = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)c(\d+)(t?)(p?)", spec)
+        m = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)c(\d+)(t?)(p?)(h?)", spec)
         if not m:
-            raise ValueError(f"spec: expected m<rows>n<block_n>w<warps>s<stages>c<chunks>[t][p], got {spec!r}")
-        bm, bn, w, st, c, t, p = m.groups()
+            raise ValueError(f"spec: expected m<rows>n<block_n>w<warps>s<stages>c<chunks>[t][p][h], got {spec!r}")
+        bm, bn, w, st, c, t, p, hop = m.groups()
         return cls(block_m=int(bm), block_n=int(bn), num_warps=int(w), num_stages=int(st), chunks=int(c),
-                   use_tma=bool(t), carry_pages=bool(p))
+                   use_tma=bool(t), carry_pages=bool(p), use_sm90=bool(hop))
 
 
 def default_config(rows: int) -> DecodeConfig:
-    """Config for ``rows`` = q_len * heads query rows per request (measured on the H200: benchmarks/NOTES.md).
+    """Portable-kernel config for ``rows`` = q_len * heads query rows per request (measured on the H200:
+    benchmarks/NOTES.md); ``select_config`` picks the Hopper kernel instead where it applies.
 
     ``tile_plan`` (the schedule's) picks the tile height. Up to 32 rows (memory bound), 16- or 32-row
     tiles: 4 warps, 32-token steps and 4 column chunks keep one program within half an SM, so two share
-    each SM (the schedule makes two parts per SM for them). More rows: 64-row tiles, 8 warps, 64-token
-    steps, two 256-column chunks, TMA loads where the pages allow (page size a multiple of 64); 128 heads
-    or q_len x heads > 64 take several 64-row tiles per part, which read the same KV (the later from L2).
+    each SM (the schedule makes two parts per SM for them); carried page ids and 3 stages give them a
+    second KV buffer. More rows: 64-row tiles, 8 warps, 64-token steps, two 256-column chunks, TMA loads
+    where the pages allow (page size a multiple of 64); 128 heads or q_len x heads > 64 take several 64-row
+    tiles per part, which read the same KV (the later from L2).
     """
     block_m, _ = tile_plan(rows)
     if block_m <= 32:
-        return DecodeConfig(block_m=block_m, block_n=32, num_warps=4, num_stages=2, chunks=4)
-    return DecodeConfig(block_m=block_m, block_n=64, num_warps=8, num_stages=2, chunks=2, use_tma=True)
+        return DecodeConfig(block_m=block_m, block_n=32, num_warps=4, num_stages=3, chunks=4, carry_pages=True)
+    return DecodeConfig(block_m=block_m, block_n=64, num_warps=8, num_stages=2, chunks=2, use_tma=True,
+                        carry_pages=True)
 
 
 @triton.jit
@@ -373,6 +382,38 @@ def _tma_ok(cfg: DecodeConfig, k_cache: torch.Tensor, d: int) -> bool:
             and (d * k_cache.element_size()) % 16 == 0)
 
 
+def _launch_main(q, k_cache, block_table, cache_seqlens, metadata, num_splits, softmax_scale, causal, cfg,
+                 out, lse, po, plse) -> None:
+    b, q_len, h, d = q.shape
+    rows = q_len * h
+    head_dim_v = out.shape[-1]
+    dr = d - head_dim_v
+    page = k_cache.shape[1]
+    parts = metadata.shape[0]
+    m_tiles = triton.cdiv(rows, cfg.block_m)
+    use_tma = _tma_ok(cfg, k_cache, d)
+    desc = desc_pe = None
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        flat = k_cache.view(-1, d)
+        desc = TensorDescriptor(flat, list(flat.shape), [d, 1], [cfg.block_n, head_dim_v // cfg.chunks])
+        desc_pe = TensorDescriptor(flat, list(flat.shape), [d, 1], [cfg.block_n, max(dr, 16)])
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    _decode_split_kernel[(m_tiles, parts)](
+        q, k_cache, block_table, cache_seqlens, metadata, num_splits,
+        out, lse, po, plse, desc, desc_pe,
+        h, q_len, rows, softmax_scale * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
+        out.stride(0), out.stride(1), out.stride(2),
+        CAUSAL=bool(causal), PAGE=page, SCHED_N=SCHED_BLOCK_N,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DV=head_dim_v, NC=cfg.chunks, DR=max(dr, 16), HAS_PE=dr > 0,
+        META_W=METADATA_WIDTH, USE_TMA=use_tma, CARRY_PAGES=cfg.carry_pages, PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
 def paged_decode_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -396,18 +437,14 @@ def paged_decode_triton(
     Returns out [b, q_len, h, head_dim_v] in q's dtype and lse [b, h, q_len] float32 (natural log); a row
     with no visible key gets output 0 and LSE -inf. The value is the first head_dim_v columns of each row.
     ``out`` / ``lse`` (contiguous, those shapes and dtypes) receive the results when given, e.g. a CUDA
-    graph's static buffers; ``config`` overrides the tile shape (benchmarks sweep it). No host
-    synchronisation: capturable in a CUDA graph.
+    graph's static buffers; ``config`` overrides the tile shape (benchmarks sweep it). On sm_90 GPUs,
+    bf16/fp16 with pages a multiple of 64, requests of more than 16 query rows run the Hopper main kernel
+    (``decode_sm90.py``). No host synchronisation: capturable in a CUDA graph.
     """
     b, q_len, h, d = q.shape
-    dr = _check_dims(d, head_dim_v)
+    _check_dims(d, head_dim_v)
     rows = q_len * h
-    page = k_cache.shape[1]
-    cfg = config or default_config(rows)
-    if (SCHED_BLOCK_N % cfg.block_n or cfg.block_m not in (16, 32, 64) or cfg.chunks not in (1, 2, 4)
-            or head_dim_v // cfg.chunks < 16):
-        raise ValueError(f"config: block_n must divide {SCHED_BLOCK_N}, block_m be 16, 32 or 64, chunks 1, 2 or 4 "
-                         f"of >= 16 columns; got {cfg}")
+    cfg = select_config(q, k_cache, head_dim_v, config)
     out = _result_buffer(out, "out", (b, q_len, h, head_dim_v), q.dtype, q.device)
     lse = _result_buffer(lse, "lse", (b, h, q_len), torch.float32, q.device)
     if b == 0:
@@ -428,28 +465,12 @@ def paged_decode_triton(
     # Each part boundary cuts at most one request in two: at most b + parts - 1 pieces in all.
     po = torch.empty(b + parts, rows, head_dim_v, dtype=torch.float32, device=q.device)
     plse = torch.empty(b + parts, rows, dtype=torch.float32, device=q.device)
-    m_tiles = triton.cdiv(rows, cfg.block_m)
-    use_tma = _tma_ok(cfg, k_cache, d)
-    desc = desc_pe = None
-    if use_tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        flat = k_cache.view(-1, d)
-        desc = TensorDescriptor(flat, list(flat.shape), [d, 1], [cfg.block_n, head_dim_v // cfg.chunks])
-        desc_pe = TensorDescriptor(flat, list(flat.shape), [d, 1], [cfg.block_n, max(dr, 16)])
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    _decode_split_kernel[(m_tiles, parts)](
-        q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
-        out, lse, po, plse, desc, desc_pe,
-        h, q_len, rows, softmax_scale * _LOG2E,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
-        out.stride(0), out.stride(1), out.stride(2),
-        CAUSAL=bool(causal), PAGE=page, SCHED_N=SCHED_BLOCK_N,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DV=head_dim_v, NC=cfg.chunks, DR=max(dr, 16), HAS_PE=dr > 0,
-        META_W=METADATA_WIDTH, USE_TMA=use_tma, CARRY_PAGES=cfg.carry_pages, PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    if cfg.use_sm90:
+        decode_sm90_main(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
+                         softmax_scale, causal, out, lse, po, plse)
+    else:
+        _launch_main(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits, softmax_scale,
+                     causal, cfg, out, lse, po, plse)
     # Small combine tiles: at small batch one request has ~100 pieces, merged by many programs at once.
     block_r = min(4, triton.next_power_of_2(rows))
     block_d = min(128, head_dim_v)
@@ -459,6 +480,26 @@ def paged_decode_triton(
         DV=head_dim_v, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4, num_stages=3,
     )
     return out, lse
+
+
+def select_config(q: torch.Tensor, k_cache: torch.Tensor, head_dim_v: int,
+                  config: DecodeConfig | None = None) -> DecodeConfig:
+    """The main-kernel config ``paged_decode_triton`` runs for these inputs: ``config`` (checked), else the
+    Hopper kernel for more than 16 query rows where ``sm90_supported`` holds, else ``default_config``."""
+    rows = q.shape[1] * q.shape[2]
+    if config is None:
+        if rows >= HOPPER_MIN_ROWS and sm90_supported(q, k_cache, head_dim_v):
+            return DecodeConfig(block_m=64, use_sm90=True)
+        return default_config(rows)
+    if config.use_sm90:
+        if not sm90_supported(q, k_cache, head_dim_v):
+            raise ValueError("config: use_sm90 needs an sm_90 GPU, Triton's Gluon, bf16/fp16 q and cache, head "
+                             "dims 576/512, pages a multiple of 64 and a contiguous cache")
+    elif (SCHED_BLOCK_N % config.block_n or config.block_m not in (16, 32, 64) or config.chunks not in (1, 2, 4)
+            or head_dim_v // config.chunks < 16):
+        raise ValueError(f"config: block_n must divide {SCHED_BLOCK_N}, block_m be 16, 32 or 64, chunks 1, 2 or 4 "
+                         f"of >= 16 columns; got {config}")
+    return config
 
 
 def _paged_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,

@@ -1,0 +1,362 @@
+"""Hopper (sm_90a) MLA decode main kernel in Gluon: TMA loads, warp specialisation, warpgroup MMAs.
+
+Same contract, metadata, work split and partial format as the portable kernel in ``decode.py`` (whose
+combine kernel finishes the split requests); this one replaces its main kernel on sm_90 GPUs for 64-row
+tiles, where the portable kernel reaches only 30-38% of the tensor-core peak (benchmarks/NOTES.md).
+
+Structure per program (64 query rows x one SM part), FlashMLA's:
+- a loader warp streams each request's Q tile and its [64, 576] KV tiles through a two-stage shared-memory
+  ring (TMA; block shapes must be powers of two, so each tile is a [64, 512] and a [64, 64] copy, which
+  Gluon splits into 64-column boxes);
+- warpgroup 0 computes S = Q K^T for the whole 64 x 64 tile (36 wgmma k-steps), the online softmax, writes
+  P (bf16/fp16) and the per-row rescale factor to shared memory, and accumulates O[:, :256] += P V[:, :256];
+- warpgroup 1 accumulates O[:, 256:] += P V[:, 256:] from the same shared P, so S is computed once and
+  warpgroup 1's MMAs run while warpgroup 0 computes the next S and softmax.
+Each KV tile is the key (576 columns) and the value (its first 512) of one load. The last tile of a
+sequence may hold unused cache slots (NaN-poisoned in the tests): their scores are masked and their value
+rows are zeroed in shared memory before P V (0 * NaN would poison the output).
+
+Requirements (``sm90_supported`` checks them): CUDA capability 9.0, Triton with Gluon, q and cache bf16 or
+fp16, head dims 576 / 512, page size a multiple of 64, a contiguous cache, 64-row tiles.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from pagedmla.ops.schedule import BLOCK_N as SCHED_BLOCK_N
+from pagedmla.ops.schedule import METADATA_WIDTH
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    HAVE_GLUON = True
+except ImportError:  # an older or newer Triton without this Gluon API: the portable kernel runs instead
+    HAVE_GLUON = False
+
+D_QK, D_V = 576, 512
+BLOCK_M = 64
+BLOCK_N = SCHED_BLOCK_N  # one KV tile per schedule block (64 tokens)
+STAGES = 2
+_LOG2E = 1.4426950408889634
+if HAVE_GLUON:  # the same values as compile-time constants for the kernels
+    _DV = gl.constexpr(D_V)
+    _BM = gl.constexpr(BLOCK_M)
+    _BN = gl.constexpr(BLOCK_N)
+    _STAGES = gl.constexpr(STAGES)
+
+
+def sm90_supported(q: torch.Tensor, k_cache: torch.Tensor, head_dim_v: int) -> bool:
+    """Whether the Gluon kernel can run this call (see the module docstring)."""
+    if not (HAVE_GLUON and q.is_cuda and k_cache.is_cuda):
+        return False
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    page = k_cache.shape[1]
+    return (q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == q.dtype
+            and q.shape[-1] == D_QK and head_dim_v == D_V and k_cache.shape[2] == 1
+            and page % BLOCK_N == 0 and k_cache.is_contiguous() and k_cache.data_ptr() % 16 == 0)
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _part_bounds(meta_ptr, part, META_W: gl.constexpr):
+        begin_req = gl.load(meta_ptr + part * META_W + 0)
+        begin_blk = gl.load(meta_ptr + part * META_W + 1)
+        end_req = gl.load(meta_ptr + part * META_W + 2)
+        end_blk = gl.load(meta_ptr + part * META_W + 3)
+        begin_split = gl.load(meta_ptr + part * META_W + 4)
+        return begin_req, begin_blk, end_req, end_blk, begin_split
+
+    @gluon.jit
+    def _request_tokens(seqlens_ptr, b, begin_req, begin_blk, end_req, end_blk, SCHED_N: gl.constexpr):
+        """(seqlen, first token, end token) of request b's slice in this part."""
+        seqlen = gl.load(seqlens_ptr + b)
+        blk_lo = gl.where(b == begin_req, begin_blk, 0)
+        blk_hi = gl.where(b == end_req, end_blk, gl.cdiv(seqlen, SCHED_N))
+        return seqlen, blk_lo * SCHED_N, gl.minimum(blk_hi * SCHED_N, seqlen)
+
+    @gluon.jit
+    def _zero_tail_rows(kv, col0, valid, num_warps: gl.constexpr):
+        """Zero value rows valid .. 63 of columns col0 .. col0 + 255 of one KV tile in shared memory."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        rows = gl.arange(0, _BN, layout=gl.SliceLayout(1, layout))
+        for c in gl.static_range(4):
+            part = kv.slice(col0 + 64 * c, 64, dim=1)
+            x = part.load(layout)
+            part.store(gl.where(rows[:, None] < valid, x, gl.zeros_like(x)))
+        fence_async_shared()
+
+    @gluon.jit
+    def _store_half(o, scale, lse2, col0, is_direct, out_ptr, lse_ptr, po_ptr, plse_ptr, b, piece, pid_m,
+                    H, Q_LEN, ROWS, stride_ob, stride_ot, stride_oh, WRITE_LSE: gl.constexpr,
+                    layout: gl.constexpr):
+        """Columns col0 .. col0 + 255 of the tile's result: normalised into ``out`` (and LSE, natural log)
+        when the request is in one piece, else into the fp32 partial row ``piece`` (and log2 LSE)."""
+        rows = pid_m * _BM + gl.arange(0, _BM, layout=gl.SliceLayout(1, layout))
+        cols = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, layout))
+        row_ok = rows < ROWS
+        o = o * scale[:, None]
+        if is_direct:
+            t = rows // H
+            h = rows % H
+            o_row = b.to(gl.int64) * stride_ob + t.to(gl.int64) * stride_ot + h * stride_oh
+            gl.store(out_ptr + o_row[:, None] + cols[None, :], o.to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None])
+            if WRITE_LSE:
+                gl.store(lse_ptr + b.to(gl.int64) * ROWS + h * Q_LEN + t, lse2 * 0.6931471805599453, mask=row_ok)
+        else:
+            p_row = piece.to(gl.int64) * ROWS + rows
+            gl.store(po_ptr + p_row[:, None] * _DV + cols[None, :], o, mask=row_ok[:, None])
+            if WRITE_LSE:
+                gl.store(plse_ptr + p_row, lse2, mask=row_ok)
+
+    @gluon.jit
+    def _loader(q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, seqlens_ptr, meta_ptr, ROWS,
+                q_smem, q_pe_smem, kv_ring, kv_pe_ring, q_ready, q_free, kv_ready, kv_empty,
+                PAGE: gl.constexpr, META_W: gl.constexpr):
+        pid_m = gl.program_id(0)
+        begin_req, begin_blk, end_req, end_blk, _ = _part_bounds(meta_ptr, gl.program_id(1), META_W)
+        it = 0
+        nq = 0
+        for b in range(begin_req, end_req + 1):
+            seqlen, tok_lo, tok_hi = _request_tokens(seqlens_ptr, b, begin_req, begin_blk, end_req, end_blk,
+                                                     _BN)
+            if tok_lo < tok_hi:
+                # Q of the previous request stays until warpgroup 0's last S of it is done.
+                mbarrier.wait(q_free, (nq & 1) ^ 1)
+                q_row = b * ROWS + pid_m * _BM
+                mbarrier.expect(q_ready, q_desc.block_type.nbytes + q_pe_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_ready, q_smem)
+                tma.async_copy_global_to_shared(q_pe_desc, [q_row, _DV], q_ready, q_pe_smem)
+                nq += 1
+                bt_row = bt_ptr + b.to(gl.int64) * stride_btb
+                for n0 in range(tok_lo, tok_hi, _BN):
+                    s = it % _STAGES
+                    mbarrier.wait(kv_empty.index(s), ((it // _STAGES) & 1) ^ 1)
+                    page_id = gl.load(bt_row + n0 // PAGE)
+                    row = page_id * PAGE + n0 % PAGE
+                    ready = kv_ready.index(s)
+                    mbarrier.expect(ready, kv_desc.block_type.nbytes + kv_pe_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(kv_desc, [row, 0], ready, kv_ring.index(s))
+                    tma.async_copy_global_to_shared(kv_pe_desc, [row, _DV], ready, kv_pe_ring.index(s))
+                    it += 1
+
+    @gluon.jit
+    def _softmax_warpgroup(
+        q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, kv_ready, kv_empty,
+        p_ready, p_free, seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr,
+        H, Q_LEN, ROWS, qk_scale, stride_ob, stride_ot, stride_oh,
+        CAUSAL: gl.constexpr, META_W: gl.constexpr,
+    ):
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, _BN, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, 256, 16])
+        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+        pid_m = gl.program_id(0)
+        begin_req, begin_blk, end_req, end_blk, begin_split = _part_bounds(meta_ptr, gl.program_id(1), META_W)
+        rows = pid_m * _BM + gl.arange(0, _BM, layout=row_l)
+        t = rows // H
+        zero_s = gl.zeros([_BM, _BN], dtype=gl.float32, layout=s_layout)
+        it = 0
+        nq = 0
+        npm = 0
+        for b in range(begin_req, end_req + 1):
+            seqlen, tok_lo, tok_hi = _request_tokens(seqlens_ptr, b, begin_req, begin_blk, end_req, end_blk,
+                                                     _BN)
+            if tok_lo < tok_hi:
+                # Keys row r may see: [0, lim); with causal, query t of Q_LEN sees keys 0 .. seqlen - Q_LEN + t.
+                if CAUSAL:
+                    first_masked = seqlen - Q_LEN + 1
+                    lim = gl.minimum(first_masked + t, seqlen)
+                else:
+                    first_masked = seqlen
+                    lim = gl.zeros([_BM], dtype=gl.int32, layout=row_l) + seqlen
+                m_i = gl.full([_BM], float("-inf"), dtype=gl.float32, layout=row_l)
+                l_i = gl.zeros([_BM], dtype=gl.float32, layout=row_l)
+                o = gl.zeros([_BM, 256], dtype=gl.float32, layout=o_layout)
+                mbarrier.wait(q_ready, nq & 1)
+                for n0 in range(tok_lo, tok_hi, _BN):
+                    s = it % _STAGES
+                    kv = kv_ring.index(s)
+                    kv_pe = kv_pe_ring.index(s)
+                    mbarrier.wait(kv_ready.index(s), (it // _STAGES) & 1)
+                    acc = warpgroup_mma(q_smem, kv.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                    acc = warpgroup_mma(q_pe_smem, kv_pe.permute((1, 0)), acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, q_smem, q_pe_smem, kv, kv_pe))[0]
+                    if n0 + _BN >= tok_hi:
+                        mbarrier.arrive(q_free, count=1)
+                    sc = acc * qk_scale
+                    if n0 + _BN > first_masked:
+                        cols = n0 + gl.arange(0, _BN, layout=gl.SliceLayout(0, s_layout))
+                        sc = gl.where(cols[None, :] < lim[:, None], sc, float("-inf"))
+                    if n0 + _BN > seqlen:
+                        _zero_tail_rows(kv, 0, seqlen - n0, 4)
+                    m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+                    # A row with no visible key yet keeps max -inf: subtract 0 instead so exp2 gives 0, not NaN.
+                    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = gl.exp2(m_i - m_safe)
+                    p = gl.exp2(sc - m_safe[:, None])
+                    l_i = l_i * alpha + gl.sum(p, axis=1)
+                    m_i = m_new
+                    # Warpgroup 1 has finished reading the previous P and scale.
+                    mbarrier.wait(p_free, (npm & 1) ^ 1)
+                    p_smem.store(p.to(p_smem.dtype))
+                    scale_smem.store(alpha)
+                    fence_async_shared()
+                    mbarrier.arrive(p_ready, count=1)
+                    npm += 1
+                    o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                    o = warpgroup_mma(p_smem, kv.slice(0, 256, dim=1), o, is_async=True)
+                    o = warpgroup_mma_wait(num_outstanding=0, deps=(o, p_smem, kv))[0]
+                    mbarrier.arrive(kv_empty.index(s), count=1)
+                    it += 1
+                has_key = l_i > 0.0
+                inv_l = gl.where(has_key, 1.0 / gl.where(has_key, l_i, 1.0), 0.0)
+                lse2 = gl.where(has_key, m_i + gl.log2(gl.where(has_key, l_i, 1.0)), float("-inf"))
+                # The final message to warpgroup 1 carries 1 / l instead of a rescale factor.
+                mbarrier.wait(p_free, (npm & 1) ^ 1)
+                scale_smem.store(inv_l)
+                mbarrier.arrive(p_ready, count=1)
+                npm += 1
+                nq += 1
+                s_lo = gl.load(splits_ptr + b)
+                is_direct = gl.load(splits_ptr + b + 1) - s_lo == 1
+                piece = s_lo + gl.where(b == begin_req, begin_split, 0)
+                _store_half(o, gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)),
+                            gl.convert_layout(lse2, gl.SliceLayout(1, o_layout)), 0, is_direct,
+                            out_ptr, lse_ptr, po_ptr, plse_ptr, b, piece, pid_m, H, Q_LEN, ROWS,
+                            stride_ob, stride_ot, stride_oh, True, o_layout)
+
+    @gluon.jit
+    def _value_warpgroup(
+        kv_ring, p_smem, scale_smem, kv_ready, kv_empty, p_ready, p_free,
+        seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr,
+        H, Q_LEN, ROWS, stride_ob, stride_ot, stride_oh, META_W: gl.constexpr,
+    ):
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, 256, 16])
+        scale_l: gl.constexpr = gl.SliceLayout(1, o_layout)
+        pid_m = gl.program_id(0)
+        begin_req, begin_blk, end_req, end_blk, begin_split = _part_bounds(meta_ptr, gl.program_id(1), META_W)
+        it = 0
+        npm = 0
+        for b in range(begin_req, end_req + 1):
+            seqlen, tok_lo, tok_hi = _request_tokens(seqlens_ptr, b, begin_req, begin_blk, end_req, end_blk,
+                                                     _BN)
+            if tok_lo < tok_hi:
+                o = gl.zeros([_BM, 256], dtype=gl.float32, layout=o_layout)
+                for n0 in range(tok_lo, tok_hi, _BN):
+                    s = it % _STAGES
+                    kv = kv_ring.index(s)
+                    mbarrier.wait(kv_ready.index(s), (it // _STAGES) & 1)
+                    if n0 + _BN > seqlen:
+                        _zero_tail_rows(kv, 256, seqlen - n0, 4)
+                    mbarrier.wait(p_ready, npm & 1)
+                    o = o * scale_smem.load(scale_l)[:, None]
+                    o = warpgroup_mma(p_smem, kv.slice(256, 256, dim=1), o, is_async=True)
+                    o = warpgroup_mma_wait(num_outstanding=0, deps=(o, p_smem, kv))[0]
+                    mbarrier.arrive(p_free, count=1)
+                    mbarrier.arrive(kv_empty.index(s), count=1)
+                    npm += 1
+                    it += 1
+                mbarrier.wait(p_ready, npm & 1)
+                inv_l = scale_smem.load(scale_l)
+                mbarrier.arrive(p_free, count=1)
+                npm += 1
+                s_lo = gl.load(splits_ptr + b)
+                is_direct = gl.load(splits_ptr + b + 1) - s_lo == 1
+                piece = s_lo + gl.where(b == begin_req, begin_split, 0)
+                _store_half(o, inv_l, inv_l, 256, is_direct, out_ptr, lse_ptr, po_ptr, plse_ptr, b, piece, pid_m,
+                            H, Q_LEN, ROWS, stride_ob, stride_ot, stride_oh, False, o_layout)
+
+    @gluon.jit
+    def _decode_sm90_kernel(
+        q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, seqlens_ptr, meta_ptr, splits_ptr,
+        out_ptr, lse_ptr, po_ptr, plse_ptr,
+        H, Q_LEN, ROWS, qk_scale, stride_btb, stride_ob, stride_ot, stride_oh,
+        CAUSAL: gl.constexpr, PAGE: gl.constexpr, META_W: gl.constexpr,
+    ):
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+        q_pe_smem = gl.allocate_shared_memory(dtype, q_pe_desc.block_type.shape, q_pe_desc.layout)
+        kv_ring = gl.allocate_shared_memory(dtype, [_STAGES] + kv_desc.block_type.shape, kv_desc.layout)
+        kv_pe_ring = gl.allocate_shared_memory(dtype, [_STAGES] + kv_pe_desc.block_type.shape, kv_pe_desc.layout)
+        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BM, _BN], dtype)
+        p_smem = gl.allocate_shared_memory(dtype, [_BM, _BN], p_layout)
+        scale_smem = gl.allocate_shared_memory(gl.float32, [_BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+        q_free = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+        p_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+        p_free = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+        kv_ready = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], bar_layout)
+        kv_empty = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], bar_layout)
+        mbarrier.init(q_ready, count=1)
+        mbarrier.init(q_free, count=1)
+        mbarrier.init(p_ready, count=1)
+        mbarrier.init(p_free, count=1)
+        for i in gl.static_range(_STAGES):
+            mbarrier.init(kv_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=2)  # one arrive per warpgroup
+        gl.warp_specialize(
+            [(_softmax_warpgroup, (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free,
+                                   kv_ready, kv_empty, p_ready, p_free, seqlens_ptr, meta_ptr, splits_ptr,
+                                   out_ptr, lse_ptr, po_ptr, plse_ptr, H, Q_LEN, ROWS, qk_scale, stride_ob,
+                                   stride_ot, stride_oh, CAUSAL, META_W)),
+             (_value_warpgroup, (kv_ring, p_smem, scale_smem, kv_ready, kv_empty, p_ready, p_free, seqlens_ptr,
+                                 meta_ptr, splits_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, H, Q_LEN, ROWS,
+                                 stride_ob, stride_ot, stride_oh, META_W)),
+             (_loader, (q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, seqlens_ptr, meta_ptr, ROWS,
+                        q_smem, q_pe_smem, kv_ring, kv_pe_ring, q_ready, q_free, kv_ready, kv_empty, PAGE,
+                        META_W))],
+            worker_num_warps=[4, 1],
+            worker_num_regs=[232, 24],
+        )
+
+
+def _gl_dtype(dtype: torch.dtype):
+    return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+
+
+def _tile_layout(width: int, dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for([BLOCK_M, width], _gl_dtype(dtype))
+
+
+def decode_sm90_main(q, k_cache, block_table, cache_seqlens, metadata, num_splits, softmax_scale, causal,
+                     out, lse, po, plse) -> None:
+    """Launch the main kernel: results of one-piece requests into out / lse, the rest into po / plse (the
+    portable launcher allocates all four and runs the combine kernel afterwards)."""
+    b, q_len, h, d = q.shape
+    rows = q_len * h
+    page = k_cache.shape[1]
+    nope, pe = _tile_layout(D_V, q.dtype), _tile_layout(D_QK - D_V, q.dtype)
+    q_flat = q.reshape(b * rows, d)
+    if q_flat.data_ptr() % 16 or q_flat.stride(0) != d:
+        q_flat = q_flat.contiguous()
+    kv_flat = k_cache.view(-1, d)
+    q_desc = TensorDescriptor.from_tensor(q_flat, [BLOCK_M, D_V], nope)
+    q_pe_desc = TensorDescriptor.from_tensor(q_flat, [BLOCK_M, D_QK - D_V], pe)
+    kv_desc = TensorDescriptor.from_tensor(kv_flat, [BLOCK_N, D_V], nope)
+    kv_pe_desc = TensorDescriptor.from_tensor(kv_flat, [BLOCK_N, D_QK - D_V], pe)
+    _decode_sm90_kernel[(triton.cdiv(rows, BLOCK_M), metadata.shape[0])](
+        q_desc, q_pe_desc, kv_desc, kv_pe_desc, block_table, cache_seqlens, metadata, num_splits,
+        out, lse, po, plse,
+        h, q_len, rows, softmax_scale * _LOG2E, block_table.stride(0),
+        out.stride(0), out.stride(1), out.stride(2),
+        CAUSAL=bool(causal), PAGE=page, META_W=METADATA_WIDTH,
+        num_warps=4,
+    )
+
