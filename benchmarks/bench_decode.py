@@ -8,10 +8,11 @@ FLOPs = 2 q_len sum(seq) H (576 + 512); bytes = 2 (sum(seq) 576 + b q_len H (576
 Times: ``triton.testing.do_bench`` median of the whole call (main + combine kernels and launches);
 each library's schedule is computed once per cell and reused, as an engine does across layers. Inputs
 smaller than a few L2s are rotated among copies so that repeated calls do not run from L2. Batches of
-at most 8 are also timed as CUDA-graph replays (they are launch bound). Each cell checks pagedmla's
-output against FlashMLA's (cos diff column) and FlashInfer's.
+at most 8 (every cell with ``--graphs``) are also timed as CUDA-graph replays, which leave out the host's
+launch cost (pagedmla's Python wrapper costs more host time than FlashMLA's C++ one). Each cell checks
+pagedmla's output against FlashMLA's (cos diff column) and FlashInfer's.
 
-    python3 benchmarks/bench_decode.py [--quick] [--flashinfer] [--alt] [--csv out.csv] [--plot out.png]
+    python3 benchmarks/bench_decode.py [--quick] [--flashinfer] [--alt] [--graphs] [--csv out.csv] [--plot out.png]
     python3 benchmarks/bench_decode.py --sweep [SPECS]  # time kernel configs on representative cells
 """
 
@@ -264,6 +265,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sweep", nargs="?", const="", metavar="SPECS",
                     help="time pagedmla kernel configs instead of the grid: the built-in lists, or these "
                          "comma-separated specs with parts per SM (e.g. m16n32w4s2c4x2,m16n32w4s3c4px2)")
+    ap.add_argument("--graphs", action="store_true",
+                    help="time every cell as CUDA-graph replays too (no host launch cost), both libraries")
     ap.add_argument("--alt", action="store_true",
                     help="also time the other main kernel (Hopper kernel vs the portable kernel's default tile)")
     args = ap.parse_args(argv)
@@ -278,7 +281,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     header = ["b", "q_len", "heads", "mean_seq", "config", "pagedmla_us", "TFLOPs", "GBps", "flashmla_us",
               "flashmla_TFLOPs", "ratio_flashmla", "flashinfer_us", "ratio_flashinfer", "cos_diff_vs_flashmla",
-              "cuda_graph_note", "alt_config", "alt_us", "alt_ratio_flashmla"]
+              "cuda_graph_note", "alt_config", "alt_us", "alt_ratio_flashmla", "graph_us", "flashmla_graph_us",
+              "ratio_flashmla_graph"]
     print(",".join(header), flush=True)
     for n, cell in enumerate(grid(args.quick)):
         inp = Inputs(cell, n, l2)
@@ -286,14 +290,16 @@ def main(argv: list[str] | None = None) -> None:
         out = once()[0]
         t = bench(timed)
         graph_note = ""
+        graph_cols = ["", "", ""]
         fm = None if args.no_flashmla else _guarded("FlashMLA", flashmla_fn, inp)
         t_fm = bench(fm[0]) if fm else float("nan")
         diff = cos_diff(out, fm[1]()[0]) if fm else float("nan")
-        if cell.b <= 8:  # small batches are launch bound: also time both under CUDA graphs
+        if cell.b <= 8 or args.graphs:  # small batches are launch bound: time both under CUDA graphs too
             try:
                 tg = bench_graph(indexed, len(inp.q))
                 tg_fm = bench_graph(fm[2], len(inp.q)) if fm else float("nan")
                 graph_note = f"graph: pagedmla {tg:.1f} us; FlashMLA {tg_fm:.1f} us; ratio {tg_fm / tg:.3f}"
+                graph_cols = [round(tg, 1), round(tg_fm, 1) if fm else "", round(tg_fm / tg, 3) if fm else ""]
             except Exception as e:
                 graph_note = f"graph timing failed: {type(e).__name__}"
             print(f"# b={cell.b} h={cell.heads} {graph_note}", flush=True)
@@ -318,6 +324,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"# alternative plan output differs: cos diff {a_diff:.2e}", flush=True)
         else:
             row += ["", "", ""]
+        row += graph_cols
         rows.append(row)
         print(",".join(str(x) for x in row), flush=True)
         del inp
@@ -346,19 +353,21 @@ def _guarded(name: str, make: Callable, inp: Inputs):
 
 def _summary(rows: list[list]) -> None:
     print("\n| b | q_len | heads | mean seq | config | pagedmla µs | TFLOP/s | GB/s | FlashMLA µs | FlashMLA/pagedmla "
-          "| FlashInfer µs | FlashInfer/pagedmla | cos diff | other plan | its µs | FlashMLA/it |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| FlashInfer µs | FlashInfer/pagedmla | cos diff | other plan | its µs | FlashMLA/it | graph µs "
+          "| FlashMLA graph µs | FlashMLA/pagedmla (graphs) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]} | {r[6]} | {r[7]} | {r[8]} | {r[10]} "
-              f"| {r[11]} | {r[12]} | {r[13]} | {r[15]} | {r[16]} | {r[17]} |")
-    ratios = [r[10] for r in rows if r[0] == 128 and r[10] != ""]
-    if ratios:
-        geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
-        print(f"\nbatch-128 grid: geometric mean FlashMLA/pagedmla {geo:.3f}, min {min(ratios):.3f} "
-              f"over {len(ratios)} cells")
-    mem = [r[10] for r in rows if r[1] * r[2] <= 32 and r[10] != ""]
-    if mem:
-        print(f"memory-bound cells (heads x q_len <= 32): min FlashMLA/pagedmla {min(mem):.3f}")
+              f"| {r[11]} | {r[12]} | {r[13]} | {r[15]} | {r[16]} | {r[17]} | {r[18]} | {r[19]} | {r[20]} |")
+    for label, col in (("eager calls", 10), ("CUDA graphs", 20)):
+        ratios = [r[col] for r in rows if r[0] == 128 and r[col] != ""]
+        if ratios:
+            geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+            print(f"\nbatch-128 grid, {label}: geometric mean FlashMLA/pagedmla {geo:.3f}, min {min(ratios):.3f} "
+                  f"over {len(ratios)} cells")
+        mem = [r[col] for r in rows if r[1] * r[2] <= 32 and r[col] != ""]
+        if mem:
+            print(f"memory-bound cells (heads x q_len <= 32), {label}: min FlashMLA/pagedmla {min(mem):.3f}")
 
 
 def _plot(rows: list[list], path: str) -> None:

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from pagedmla.kernels.triton.decode_sm90 import decode_sm90_main, sm90_supported
+from pagedmla.kernels.triton.launch import CachedKernel
 from pagedmla.ops.providers import register_impl
 from pagedmla.ops.schedule import BLOCK_N as SCHED_BLOCK_N
 from pagedmla.ops.schedule import HOPPER_MIN_ROWS, METADATA_WIDTH, tile_plan
@@ -349,6 +350,10 @@ def _decode_combine_kernel(
             tl.store(lse_ptr + tl.cast(b, tl.int64) * ROWS + h * Q_LEN + t, lse2 * _LN2, mask=row_ok)
 
 
+_SPLIT = CachedKernel(_decode_split_kernel)
+_COMBINE = CachedKernel(_decode_combine_kernel)
+
+
 def _is_pow2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
 
@@ -400,8 +405,8 @@ def _launch_main(q, k_cache, block_table, cache_seqlens, metadata, num_splits, s
         desc = TensorDescriptor(flat, list(flat.shape), [d, 1], [cfg.block_n, head_dim_v // cfg.chunks])
         desc_pe = TensorDescriptor(flat, list(flat.shape), [d, 1], [cfg.block_n, max(dr, 16)])
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    _decode_split_kernel[(m_tiles, parts)](
-        q, k_cache, block_table, cache_seqlens, metadata, num_splits,
+    _SPLIT.launch(
+        q.device, (m_tiles, parts), q, k_cache, block_table, cache_seqlens, metadata, num_splits,
         out, lse, po, plse, desc, desc_pe,
         h, q_len, rows, softmax_scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
@@ -474,7 +479,8 @@ def paged_decode_triton(
     # Small combine tiles: at small batch one request has ~100 pieces, merged by many programs at once.
     block_r = min(4, triton.next_power_of_2(rows))
     block_d = min(128, head_dim_v)
-    _decode_combine_kernel[(b, triton.cdiv(rows, block_r), head_dim_v // block_d)](
+    _COMBINE.launch(
+        q.device, (b, triton.cdiv(rows, block_r), head_dim_v // block_d),
         out, lse, po, plse, num_splits, h, q_len, rows,
         out.stride(0), out.stride(1), out.stride(2),
         DV=head_dim_v, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4, num_stages=3,

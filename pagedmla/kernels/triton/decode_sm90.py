@@ -22,9 +22,12 @@ fp16, head dims 576 / 512, page size a multiple of 64, a contiguous cache, 64-ro
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
+from pagedmla.kernels.triton.launch import CachedKernel
 from pagedmla.ops.schedule import BLOCK_N as SCHED_BLOCK_N
 from pagedmla.ops.schedule import METADATA_WIDTH
 
@@ -56,11 +59,16 @@ if HAVE_GLUON:  # the same values as compile-time constants for the kernels
     _STAGES = gl.constexpr(STAGES)
 
 
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def sm90_supported(q: torch.Tensor, k_cache: torch.Tensor, head_dim_v: int) -> bool:
     """Whether the Gluon kernel can run this call (see the module docstring)."""
     if not (HAVE_GLUON and q.is_cuda and k_cache.is_cuda):
         return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
+    if _capability(q.device.index if q.device.index is not None else torch.cuda.current_device()) != (9, 0):
         return False
     page = k_cache.shape[1]
     return (q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == q.dtype
@@ -327,10 +335,14 @@ if HAVE_GLUON:
         )
 
 
+_MAIN = CachedKernel(_decode_sm90_kernel) if HAVE_GLUON else None
+
+
 def _gl_dtype(dtype: torch.dtype):
     return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
 
 
+@functools.cache
 def _tile_layout(width: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([BLOCK_M, width], _gl_dtype(dtype))
 
@@ -351,7 +363,8 @@ def decode_sm90_main(q, k_cache, block_table, cache_seqlens, metadata, num_split
     q_pe_desc = TensorDescriptor.from_tensor(q_flat, [BLOCK_M, D_QK - D_V], pe)
     kv_desc = TensorDescriptor.from_tensor(kv_flat, [BLOCK_N, D_V], nope)
     kv_pe_desc = TensorDescriptor.from_tensor(kv_flat, [BLOCK_N, D_QK - D_V], pe)
-    _decode_sm90_kernel[(triton.cdiv(rows, BLOCK_M), metadata.shape[0])](
+    _MAIN.launch(
+        q.device, (triton.cdiv(rows, BLOCK_M), metadata.shape[0]),
         q_desc, q_pe_desc, kv_desc, kv_pe_desc, block_table, cache_seqlens, metadata, num_splits,
         out, lse, po, plse,
         h, q_len, rows, softmax_scale * _LOG2E, block_table.stride(0),

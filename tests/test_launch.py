@@ -1,0 +1,53 @@
+"""CachedKernel: launches through the compiled handle must never reuse a kernel specialised differently."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from pagedmla.kernels.triton.launch import CachedKernel, _spec
+
+
+def test_spec_separates_what_triton_specialises_on():
+    x = torch.zeros(64, dtype=torch.float16)
+    assert _spec(x) == _spec(torch.zeros(8, dtype=torch.float16))
+    assert _spec(x) != _spec(x[1:]), "16-byte alignment"
+    assert _spec(x) != _spec(x.float())
+    assert _spec(1) != _spec(2) and _spec(16) != _spec(17) and _spec(17) == _spec(19)
+    assert _spec(2 ** 31 + 1) != _spec(17), "int64 values"
+    assert _spec(True) != _spec(1) and _spec(0.5) == _spec(2.0) and _spec(None) is None
+    assert _spec("ieee") != _spec("tf32")
+
+
+def test_constexpr_parameters_are_keyed_by_value():
+    kernel = CachedKernel(_scaled_copy)
+    x = torch.zeros(64)
+    assert kernel.specialisation([x, x, 64, 1.0, 128]) != kernel.specialisation([x, x, 64, 1.0, 256])
+    assert kernel.specialisation([x, x, 64, 1.0, 128]) == kernel.specialisation([x, x, 80, 2.0, 128])
+
+
+@triton.jit
+def _scaled_copy(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * scale, mask=offs < n)
+
+
+@pytest.mark.gpu
+def test_cached_launches_match_the_jit_and_respecialise():
+    kernel = CachedKernel(_scaled_copy)
+    dev = torch.device("cuda")
+    base = torch.randn(4099, device=dev)
+    for x, n in ((base[:4096], 4096), (base[1:4096], 4095), (base[:4096], 4096), (base[3:4099], 4096)):
+        y = torch.full_like(x, float("nan"))
+        for scale in (2.0, -0.5):
+            kernel.launch(dev, (triton.cdiv(n, 256),), x, y, n, scale, BLOCK=256, num_warps=4)
+            torch.testing.assert_close(y, x * scale)
+    # aligned/n % 16 == 0, unaligned/n odd, unaligned/n % 16 == 0: three specialisations, each compiled once.
+    assert len(kernel.compiled) == 3
+    for block in (128, 512):  # a constexpr compiles its own kernel
+        y = torch.full_like(base, float("nan"))
+        kernel.launch(dev, (triton.cdiv(4099, block),), base, y, 4099, 3.0, BLOCK=block, num_warps=4)
+        torch.testing.assert_close(y, base * 3.0)
+    assert len(kernel.compiled) == 5
