@@ -2,13 +2,15 @@
 
 Compiles ``_decode_split_kernel`` ahead of time for sm_90a (``triton.compile`` with the argument
 specialisation a real launch gets: 16-divisible pointers and strides, ``Q_LEN`` 1 as a constant, tensor
-descriptors where the config uses TMA) and reports, from the compiled artefacts: shared memory, registers
-and spills (the Triton wheel's ``ptxas -v``), the MMA instructions and their shapes, the wgmma wait depths,
-the KV buffers of the key loop (their leading dimension is the number of pipeline buffers) and the
-``cp.async`` wait depths. Triton-internal APIs (3.6); the numbers describe code, not speed.
+descriptors where the config uses TMA), or the Hopper Gluon kernel for configs ending in ``h``, and
+reports, from the compiled artefacts: shared memory, registers and spills (the Triton wheel's ``ptxas
+-v``), the MMA instructions and their shapes, the wgmma wait depths, the KV buffers of the key loop (their
+leading dimension is the number of pipeline buffers), the ``cp.async`` wait depths and the register
+budgets (``setmaxnreg``) of warp-specialised kernels. Triton-internal APIs (3.6); the numbers describe code, not speed.
 
     python benchmarks/compile_report.py                          # the default configs for 16, 32, 128 rows
     python benchmarks/compile_report.py --config m16n32w4s3c4p   # one config (bench_decode's spec syntax)
+    python benchmarks/compile_report.py --config m64n64w8s2c1h   # the Hopper kernel
 
 Run it without ``TRITON_INTERPRET`` (the interpreter replaces the kernels it compiles).
 """
@@ -37,8 +39,32 @@ from pagedmla.ops.schedule import METADATA_WIDTH
 D, DV, PAGE = 576, 512, 64
 
 
+def compile_sm90(arch: int = 90):
+    """The Hopper Gluon main kernel compiled for bf16, page 64, causal."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from pagedmla.kernels.triton.decode_sm90 import _decode_sm90_kernel
+
+    def desc(width: int) -> str:
+        layout = gl.NVMMASharedLayout.get_default_for([64, width], gl.bfloat16)
+        return f"tensordesc<bf16[64, {width}],{layout!r}>"
+
+    signature = {"q_desc": desc(DV), "q_pe_desc": desc(D - DV), "kv_desc": desc(DV), "kv_pe_desc": desc(D - DV)}
+    signature.update({name: "*i32" for name in ("bt_ptr", "seqlens_ptr", "meta_ptr", "splits_ptr")})
+    signature.update(out_ptr="*bf16", lse_ptr="*fp32", po_ptr="*fp32", plse_ptr="*fp32")
+    signature.update({name: "i32" for name in ("H", "Q_LEN", "ROWS")}, qk_scale="fp32")
+    signature.update({name: "i32" for name in ("stride_btb", "stride_ob", "stride_ot", "stride_oh")})
+    constexprs = dict(CAUSAL=True, PAGE=PAGE, META_W=METADATA_WIDTH)
+    signature.update({name: "constexpr" for name in constexprs})
+    src = GluonASTSource(_decode_sm90_kernel, signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
+
+
 def compile_decode(cfg: DecodeConfig, heads: int, arch: int = 90):
     """The compiled kernel (``.asm`` holds ttgir / ptx / cubin) for bf16, q_len 1, page 64, causal."""
+    if cfg.use_sm90:
+        return compile_sm90(arch)
     from triton._C.libtriton import native_specialize_impl
     from triton.runtime.jit import MockTensor
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -100,6 +126,7 @@ def report(kernel, arch: int = 90) -> dict:
     out["cp_async_wait_depths"] = sorted(set(map(int, re.findall(r"ttg\.async_wait .*?\{num = (\d+)", ttgir))))
     out["cp_async"] = len(re.findall(r"cp\.async\.c[ag]\.shared\.global", ptx))
     out["tma_loads"] = len(re.findall(r"cp\.async\.bulk\.tensor", ptx))
+    out["setmaxnreg"] = sorted(set(map(int, re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx))))
     return out
 
 
@@ -114,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             cases = [(args.heads or max(cfg.block_m, 16), cfg) for cfg in map(DecodeConfig.from_spec, args.config)]
         else:
             cases = [(rows, default_config(rows)) for rows in (16, 32, 128)]
+            cases.append((128, DecodeConfig(block_m=64, use_sm90=True)))
     except ValueError as exc:
         ap.exit(2, f"compile_report: error: {exc}\n")
     reports = []

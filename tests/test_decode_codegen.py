@@ -39,3 +39,15 @@ def test_carried_page_ids_double_buffer_the_small_tiles():
         # Two CTAs per SM must still fit in the H100/H200's 228 KB (1 KB reserved per CTA).
         assert 2 * (rep["shared_bytes"] + 1024) <= 228 * 1024, rep
         assert rep["mma_sync"] and not rep["wgmma"], rep
+
+
+def test_hopper_kernel_structure():
+    """The Gluon kernel's plan (decode_sm90.py): S computed once (36 m64n64k16 MMAs per tile), P V split in
+    two warpgroups (4 m64n256k16 each), a two-stage KV ring loaded by TMA, register budgets set per
+    partition, nothing spilled, within the 227 KB of shared memory one CTA may use."""
+    pytest.importorskip("triton.experimental.gluon")
+    (rep,) = _reports("m64n64w8s2c1h")
+    assert rep["wgmma"] == {"m64n64k16": 36, "m64n256k16": 8}, rep
+    assert rep["kv_buffers"] == [2] and rep["tma_loads"] > 0 and not rep["mma_sync"], rep
+    assert rep["spill_store_load_bytes"] == [0, 0], rep
+    assert rep["shared_bytes"] <= 227 * 1024 and 24 in rep["setmaxnreg"], rep
