@@ -7,7 +7,7 @@ with --variants) against torch SDPA and, with --flashinfer, FlashInfer fa3 ragge
 torch picks is printed. Causal FLOPs = 2·b·H·L(L+1)/2·(192+128).
 Paged absorbed prefill: requests of n new tokens over p cached ones (page size 64, permuted pages),
 576/512, one KV head, against FlashInfer's ``BatchMLAPagedAttentionWrapper(backend="fa3")`` with
-qo_indptr. FLOPs = 2·H·Σ_rows(visible keys)·(576+512).
+qo_indptr; on sm_90 also the opt-in Hopper kernel (``triton_hopper``). FLOPs = 2·H·Σ_rows(visible keys)·(576+512).
 merge_state: GB/s (bytes read + written) against a device-to-device copy measured in the same run.
 
 Timing: ``triton.testing.do_bench`` median on random data (randn/10 clamped). Every input set is several
@@ -29,6 +29,7 @@ import triton
 from pagedmla.kernels.triton import merge as tmerge
 from pagedmla.kernels.triton import paged_prefill as tpaged
 from pagedmla.kernels.triton import varlen as tvarlen
+from pagedmla.kernels.triton.decode_sm90 import sm90_supported
 
 RAGGED_GRID = [(1, 8192, 128), (4, 4096, 128), (16, 1024, 128), (8, 4096, 16), (1, 32768, 16)]
 RAGGED_VARIANTS = {
@@ -178,6 +179,10 @@ def paged_cell(b, new, cached, h, variants, fi_workspace):
         try_variant("paged", cell, name, functools.partial(
             tpaged.paged_varlen_attention, q, cache, block_table, lens, qo, 512, scale, True, new, config=cfg),
             flops, lambda o: rel(o[0], base))
+    if sm90_supported(q, cache, 512):
+        try_variant("paged", cell, "triton_hopper", functools.partial(
+            tpaged.paged_varlen_attention, q, cache, block_table, lens, qo, 512, scale, True, new,
+            config={"HOPPER": True}), flops, lambda o: rel(o[0], base))
 
 
 def bench_merge():

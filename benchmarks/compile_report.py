@@ -11,6 +11,7 @@ budgets (``setmaxnreg``) of warp-specialised kernels. Triton-internal APIs (3.6)
     python benchmarks/compile_report.py                          # the default configs for 16, 32, 128 rows
     python benchmarks/compile_report.py --config m16n32w4s3c4p   # one config (bench_decode's spec syntax)
     python benchmarks/compile_report.py --config m64n64w8s2c1h   # the Hopper kernel
+    python benchmarks/compile_report.py --prefill-sm90           # the Hopper paged-prefill kernel
 
 Run it without ``TRITON_INTERPRET`` (the interpreter replaces the kernels it compiles).
 """
@@ -39,18 +40,40 @@ from pagedmla.ops.schedule import METADATA_WIDTH
 D, DV, PAGE = 576, 512, 64
 
 
+def _gluon_desc(width: int) -> str:
+    from triton.experimental.gluon import language as gl
+
+    layout = gl.NVMMASharedLayout.get_default_for([64, width], gl.bfloat16)
+    return f"tensordesc<bf16[64, {width}],{layout!r}>"
+
+
+def _gluon_descs() -> dict[str, str]:
+    return {"q_desc": _gluon_desc(DV), "q_pe_desc": _gluon_desc(D - DV), "kv_desc": _gluon_desc(DV),
+            "kv_pe_desc": _gluon_desc(D - DV)}
+
+
+def compile_sm90_prefill(arch: int = 90):
+    """The Hopper Gluon paged-prefill kernel (``paged_prefill_sm90.py``) for bf16, page 64, causal."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from pagedmla.kernels.triton.paged_prefill_sm90 import _paged_prefill_sm90_kernel
+
+    signature = _gluon_descs()
+    signature.update({name: "*i32" for name in ("bt_ptr", "seqlens_ptr", "qo_ptr")})
+    signature.update(out_ptr="*bf16", lse_ptr="*fp32", H="i32", batch="i32", qk_scale="fp32", stride_btb="i32")
+    constexprs = dict(CAUSAL=True, PAGE=PAGE, SEARCH_STEPS=4)
+    signature.update({name: "constexpr" for name in constexprs})
+    src = GluonASTSource(_paged_prefill_sm90_kernel, signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
+
+
 def compile_sm90(arch: int = 90):
     """The Hopper Gluon main kernel compiled for bf16, page 64, causal."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from pagedmla.kernels.triton.decode_sm90 import _decode_sm90_kernel
 
-    def desc(width: int) -> str:
-        layout = gl.NVMMASharedLayout.get_default_for([64, width], gl.bfloat16)
-        return f"tensordesc<bf16[64, {width}],{layout!r}>"
-
-    signature = {"q_desc": desc(DV), "q_pe_desc": desc(D - DV), "kv_desc": desc(DV), "kv_pe_desc": desc(D - DV)}
+    signature = _gluon_descs()
     signature.update({name: "*i32" for name in ("bt_ptr", "seqlens_ptr", "meta_ptr", "splits_ptr")})
     signature.update(out_ptr="*bf16", lse_ptr="*fp32", po_ptr="*fp32", plse_ptr="*fp32")
     signature.update({name: "i32" for name in ("H", "Q_LEN", "ROWS")}, qk_scale="fp32")
@@ -135,7 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", action="append", help="a config spec (repeatable); default: the shipped ones")
     ap.add_argument("--heads", type=int, default=None, help="query heads (default: the config's rows)")
     ap.add_argument("--json", action="store_true", help="print one JSON list of the reports instead")
+    ap.add_argument("--prefill-sm90", action="store_true", help="report the Hopper paged-prefill kernel instead")
     args = ap.parse_args(argv)
+    if args.prefill_sm90:
+        rep = report(compile_sm90_prefill())
+        print(json.dumps([rep]) if args.json else "\n".join(f"  {k}: {v}" for k, v in rep.items()))
+        return 0
     try:
         if args.config:
             cases = [(args.heads or max(cfg.block_m, 16), cfg) for cfg in map(DecodeConfig.from_spec, args.config)]

@@ -19,10 +19,10 @@ if not (hasattr(libtriton, "native_specialize_impl") and PTXAS.exists()):
     pytest.skip("needs Triton 3.6's specialisation API and the wheel's ptxas", allow_module_level=True)
 
 
-def _reports(*specs: str) -> list[dict]:
+def _reports(*specs: str, extra: tuple[str, ...] = ()) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    args = [sys.executable, str(ROOT / "benchmarks" / "compile_report.py"), "--json"]
+    args = [sys.executable, str(ROOT / "benchmarks" / "compile_report.py"), "--json", *extra]
     for spec in specs:
         args += ["--config", spec]
     res = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
@@ -50,4 +50,13 @@ def test_hopper_kernel_structure():
     assert rep["wgmma"] == {"m64n64k16": 36, "m64n256k16": 8}, rep
     assert rep["kv_buffers"] == [2] and rep["tma_loads"] > 0 and not rep["mma_sync"], rep
     assert rep["spill_store_load_bytes"] == [0, 0], rep
+    assert rep["shared_bytes"] <= 227 * 1024 and 24 in rep["setmaxnreg"], rep
+
+
+def test_hopper_prefill_kernel_structure():
+    """The paged-prefill Hopper kernel reuses the decode kernel's steps: the same MMAs, ring and budgets."""
+    pytest.importorskip("triton.experimental.gluon")
+    (rep,) = _reports(extra=("--prefill-sm90",))
+    assert rep["wgmma"] == {"m64n64k16": 36, "m64n256k16": 8}, rep
+    assert rep["kv_buffers"] == [2] and rep["tma_loads"] > 0 and rep["spill_store_load_bytes"] == [0, 0], rep
     assert rep["shared_bytes"] <= 227 * 1024 and 24 in rep["setmaxnreg"], rep

@@ -16,6 +16,7 @@ from pagedmla import reference
 from pagedmla.kernels.triton import merge as tmerge
 from pagedmla.kernels.triton import paged_prefill as tpaged
 from pagedmla.kernels.triton import varlen as tvarlen
+from pagedmla.kernels.triton.decode_sm90 import sm90_supported
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -294,6 +295,31 @@ def test_gpu_paged_prefill_bf16(h):
     assert torch.isfinite(out).all()
     assert _rel(out, ref) < 1e-2 and _cos(out, ref) > 0.9999
     assert (lse - ref_lse).abs().max().item() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", [128, 16, 3])
+@pytest.mark.parametrize("page", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_paged_prefill_hopper_kernel(h, page, dtype, causal):
+    """The Hopper paged-prefill kernel (opt-in until measured): requests with 0, 1, 15, 16, 17 and hundreds of
+    new tokens over cached prefixes, queries longer than the keys (causal rows that see nothing), an empty
+    KV, NaN in every slot a request does not own, pages in random order."""
+    cache_ok = torch.empty(1, 64, 1, 576, dtype=dtype, device="cuda")
+    if not sm90_supported(cache_ok[0, :1], cache_ok, 512):
+        pytest.skip("the Hopper kernel needs an sm_90 GPU and Triton's Gluon")
+    q_lens = [0, 1, 15, 16, 17, 300, 6, 3, 130]
+    kv_lens = [40, 1000, 15, 80, 17, 2300, 2, 0, 700]
+    q, cache, bt, lens, qo = _paged_case(q_lens, kv_lens, h, page, dtype, seed=h + page)
+    q = (q.float() / 4).to(dtype)
+    out, lse = tpaged.paged_varlen_attention(q, cache, bt, lens, qo, 512, 576 ** -0.5, causal, None,
+                                             config={"HOPPER": True})
+    ref, ref_lse = reference.paged_mla_attention(q.float(), cache.float(), bt, lens, qo, 576 ** -0.5, causal, 512,
+                                                 page)
+    _check_lse(lse, ref_lse, 1e-2)
+    _check_out(out, ref, ref_lse, 1e-2)
+    assert _cos(out, ref) > 0.9999
 
 
 @pytest.mark.gpu

@@ -131,6 +131,103 @@ if HAVE_GLUON:
                 gl.store(plse_ptr + p_row, lse2, mask=row_ok)
 
     @gluon.jit
+    def _load_q(q_desc, q_pe_desc, q_row, q_smem, q_pe_smem, q_ready):
+        mbarrier.expect(q_ready, q_desc.block_type.nbytes + q_pe_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_ready, q_smem)
+        tma.async_copy_global_to_shared(q_pe_desc, [q_row, _DV], q_ready, q_pe_smem)
+
+    @gluon.jit
+    def _load_kv_tile(kv_desc, kv_pe_desc, bt_row, n0, it, kv_ring, kv_pe_ring, kv_ready, kv_empty,
+                      PAGE: gl.constexpr):
+        """Loader step: KV tokens n0 .. n0 + 63 of one request into ring slot it % STAGES."""
+        s = it % _STAGES
+        mbarrier.wait(kv_empty.index(s), ((it // _STAGES) & 1) ^ 1)
+        page_id = gl.load(bt_row + n0 // PAGE)
+        row = page_id * PAGE + n0 % PAGE
+        ready = kv_ready.index(s)
+        mbarrier.expect(ready, kv_desc.block_type.nbytes + kv_pe_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(kv_desc, [row, 0], ready, kv_ring.index(s))
+        tma.async_copy_global_to_shared(kv_pe_desc, [row, _DV], ready, kv_pe_ring.index(s))
+
+    @gluon.jit
+    def _softmax_tile(o, m_i, l_i, it, npm, n0, first_masked, lim, seqlen, release_q, qk_scale,
+                      q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_free, kv_ready, kv_empty,
+                      p_ready, p_free, s_layout: gl.constexpr, o_layout: gl.constexpr):
+        """Warpgroup 0's step over KV tokens n0 .. n0 + 63 (ring slot it, P message npm): S = Q K^T, the
+        online softmax (scores of keys >= lim masked once the tile reaches first_masked), P and the rescale
+        factor to shared memory for warpgroup 1, O[:, :256] += P V[:, :256]. Returns (o, m_i, l_i)."""
+        s = it % _STAGES
+        kv = kv_ring.index(s)
+        kv_pe = kv_pe_ring.index(s)
+        mbarrier.wait(kv_ready.index(s), (it // _STAGES) & 1)
+        zero_s = gl.zeros([_BM, _BN], dtype=gl.float32, layout=s_layout)
+        acc = warpgroup_mma(q_smem, kv.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        acc = warpgroup_mma(q_pe_smem, kv_pe.permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, q_smem, q_pe_smem, kv, kv_pe))[0]
+        if release_q:
+            mbarrier.arrive(q_free, count=1)
+        sc = acc * qk_scale
+        if n0 + _BN > first_masked:
+            cols = n0 + gl.arange(0, _BN, layout=gl.SliceLayout(0, s_layout))
+            sc = gl.where(cols[None, :] < lim[:, None], sc, float("-inf"))
+        if n0 + _BN > seqlen:
+            _zero_tail_rows(kv, 0, seqlen - n0, 4)
+        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+        # A row with no visible key yet keeps max -inf: subtract 0 instead so exp2 gives 0, not NaN.
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(sc - m_safe[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        # Warpgroup 1 has finished reading the previous P and scale.
+        mbarrier.wait(p_free, (npm & 1) ^ 1)
+        p_smem.store(p.to(p_smem.dtype))
+        scale_smem.store(alpha)
+        fence_async_shared()
+        mbarrier.arrive(p_ready, count=1)
+        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        o = warpgroup_mma(p_smem, kv.slice(0, 256, dim=1), o, is_async=True)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=(o, p_smem, kv))[0]
+        mbarrier.arrive(kv_empty.index(s), count=1)
+        return o, m_new, l_i
+
+    @gluon.jit
+    def _softmax_finish(m_i, l_i, npm, scale_smem, p_ready, p_free):
+        """(1 / l, log2 LSE) of warpgroup 0's rows; sends 1 / l to warpgroup 1 as message npm."""
+        has_key = l_i > 0.0
+        inv_l = gl.where(has_key, 1.0 / gl.where(has_key, l_i, 1.0), 0.0)
+        lse2 = gl.where(has_key, m_i + gl.log2(gl.where(has_key, l_i, 1.0)), float("-inf"))
+        # The final message to warpgroup 1 carries 1 / l instead of a rescale factor.
+        mbarrier.wait(p_free, (npm & 1) ^ 1)
+        scale_smem.store(inv_l)
+        mbarrier.arrive(p_ready, count=1)
+        return inv_l, lse2
+
+    @gluon.jit
+    def _value_tile(o, it, npm, n0, seqlen, kv_ring, p_smem, scale_smem, kv_ready, kv_empty, p_ready, p_free,
+                    o_layout: gl.constexpr):
+        """Warpgroup 1's step: O[:, 256:] = O[:, 256:] * rescale + P V[:, 256:] for ring slot it."""
+        s = it % _STAGES
+        kv = kv_ring.index(s)
+        mbarrier.wait(kv_ready.index(s), (it // _STAGES) & 1)
+        if n0 + _BN > seqlen:
+            _zero_tail_rows(kv, 256, seqlen - n0, 4)
+        mbarrier.wait(p_ready, npm & 1)
+        o = o * scale_smem.load(gl.SliceLayout(1, o_layout))[:, None]
+        o = warpgroup_mma(p_smem, kv.slice(256, 256, dim=1), o, is_async=True)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=(o, p_smem, kv))[0]
+        mbarrier.arrive(p_free, count=1)
+        mbarrier.arrive(kv_empty.index(s), count=1)
+        return o
+
+    @gluon.jit
+    def _value_finish(npm, scale_smem, p_ready, p_free, o_layout: gl.constexpr):
+        """Warpgroup 1 receives 1 / l (message npm)."""
+        mbarrier.wait(p_ready, npm & 1)
+        inv_l = scale_smem.load(gl.SliceLayout(1, o_layout))
+        mbarrier.arrive(p_free, count=1)
+        return inv_l
+
+    @gluon.jit
     def _loader(q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, seqlens_ptr, meta_ptr, ROWS,
                 q_smem, q_pe_smem, kv_ring, kv_pe_ring, q_ready, q_free, kv_ready, kv_empty,
                 PAGE: gl.constexpr, META_W: gl.constexpr):
@@ -144,21 +241,11 @@ if HAVE_GLUON:
             if tok_lo < tok_hi:
                 # Q of the previous request stays until warpgroup 0's last S of it is done.
                 mbarrier.wait(q_free, (nq & 1) ^ 1)
-                q_row = b * ROWS + pid_m * _BM
-                mbarrier.expect(q_ready, q_desc.block_type.nbytes + q_pe_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_ready, q_smem)
-                tma.async_copy_global_to_shared(q_pe_desc, [q_row, _DV], q_ready, q_pe_smem)
+                _load_q(q_desc, q_pe_desc, b * ROWS + pid_m * _BM, q_smem, q_pe_smem, q_ready)
                 nq += 1
                 bt_row = bt_ptr + b.to(gl.int64) * stride_btb
                 for n0 in range(tok_lo, tok_hi, _BN):
-                    s = it % _STAGES
-                    mbarrier.wait(kv_empty.index(s), ((it // _STAGES) & 1) ^ 1)
-                    page_id = gl.load(bt_row + n0 // PAGE)
-                    row = page_id * PAGE + n0 % PAGE
-                    ready = kv_ready.index(s)
-                    mbarrier.expect(ready, kv_desc.block_type.nbytes + kv_pe_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(kv_desc, [row, 0], ready, kv_ring.index(s))
-                    tma.async_copy_global_to_shared(kv_pe_desc, [row, _DV], ready, kv_pe_ring.index(s))
+                    _load_kv_tile(kv_desc, kv_pe_desc, bt_row, n0, it, kv_ring, kv_pe_ring, kv_ready, kv_empty, PAGE)
                     it += 1
 
     @gluon.jit
@@ -177,7 +264,6 @@ if HAVE_GLUON:
         begin_req, begin_blk, end_req, end_blk, begin_split = _part_bounds(meta_ptr, gl.program_id(1), META_W)
         rows = pid_m * _BM + gl.arange(0, _BM, layout=row_l)
         t = rows // H
-        zero_s = gl.zeros([_BM, _BN], dtype=gl.float32, layout=s_layout)
         it = 0
         nq = 0
         npm = 0
@@ -197,47 +283,13 @@ if HAVE_GLUON:
                 o = gl.zeros([_BM, 256], dtype=gl.float32, layout=o_layout)
                 mbarrier.wait(q_ready, nq & 1)
                 for n0 in range(tok_lo, tok_hi, _BN):
-                    s = it % _STAGES
-                    kv = kv_ring.index(s)
-                    kv_pe = kv_pe_ring.index(s)
-                    mbarrier.wait(kv_ready.index(s), (it // _STAGES) & 1)
-                    acc = warpgroup_mma(q_smem, kv.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                    acc = warpgroup_mma(q_pe_smem, kv_pe.permute((1, 0)), acc, is_async=True)
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, q_smem, q_pe_smem, kv, kv_pe))[0]
-                    if n0 + _BN >= tok_hi:
-                        mbarrier.arrive(q_free, count=1)
-                    sc = acc * qk_scale
-                    if n0 + _BN > first_masked:
-                        cols = n0 + gl.arange(0, _BN, layout=gl.SliceLayout(0, s_layout))
-                        sc = gl.where(cols[None, :] < lim[:, None], sc, float("-inf"))
-                    if n0 + _BN > seqlen:
-                        _zero_tail_rows(kv, 0, seqlen - n0, 4)
-                    m_new = gl.maximum(m_i, gl.max(sc, axis=1))
-                    # A row with no visible key yet keeps max -inf: subtract 0 instead so exp2 gives 0, not NaN.
-                    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-                    alpha = gl.exp2(m_i - m_safe)
-                    p = gl.exp2(sc - m_safe[:, None])
-                    l_i = l_i * alpha + gl.sum(p, axis=1)
-                    m_i = m_new
-                    # Warpgroup 1 has finished reading the previous P and scale.
-                    mbarrier.wait(p_free, (npm & 1) ^ 1)
-                    p_smem.store(p.to(p_smem.dtype))
-                    scale_smem.store(alpha)
-                    fence_async_shared()
-                    mbarrier.arrive(p_ready, count=1)
+                    o, m_i, l_i = _softmax_tile(o, m_i, l_i, it, npm, n0, first_masked, lim, seqlen,
+                                                n0 + _BN >= tok_hi, qk_scale, q_smem, q_pe_smem, kv_ring,
+                                                kv_pe_ring, p_smem, scale_smem, q_free, kv_ready, kv_empty,
+                                                p_ready, p_free, s_layout, o_layout)
                     npm += 1
-                    o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-                    o = warpgroup_mma(p_smem, kv.slice(0, 256, dim=1), o, is_async=True)
-                    o = warpgroup_mma_wait(num_outstanding=0, deps=(o, p_smem, kv))[0]
-                    mbarrier.arrive(kv_empty.index(s), count=1)
                     it += 1
-                has_key = l_i > 0.0
-                inv_l = gl.where(has_key, 1.0 / gl.where(has_key, l_i, 1.0), 0.0)
-                lse2 = gl.where(has_key, m_i + gl.log2(gl.where(has_key, l_i, 1.0)), float("-inf"))
-                # The final message to warpgroup 1 carries 1 / l instead of a rescale factor.
-                mbarrier.wait(p_free, (npm & 1) ^ 1)
-                scale_smem.store(inv_l)
-                mbarrier.arrive(p_ready, count=1)
+                inv_l, lse2 = _softmax_finish(m_i, l_i, npm, scale_smem, p_ready, p_free)
                 npm += 1
                 nq += 1
                 s_lo = gl.load(splits_ptr + b)
@@ -256,7 +308,6 @@ if HAVE_GLUON:
     ):
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 256, 16])
-        scale_l: gl.constexpr = gl.SliceLayout(1, o_layout)
         pid_m = gl.program_id(0)
         begin_req, begin_blk, end_req, end_blk, begin_split = _part_bounds(meta_ptr, gl.program_id(1), META_W)
         it = 0
@@ -267,22 +318,11 @@ if HAVE_GLUON:
             if tok_lo < tok_hi:
                 o = gl.zeros([_BM, 256], dtype=gl.float32, layout=o_layout)
                 for n0 in range(tok_lo, tok_hi, _BN):
-                    s = it % _STAGES
-                    kv = kv_ring.index(s)
-                    mbarrier.wait(kv_ready.index(s), (it // _STAGES) & 1)
-                    if n0 + _BN > seqlen:
-                        _zero_tail_rows(kv, 256, seqlen - n0, 4)
-                    mbarrier.wait(p_ready, npm & 1)
-                    o = o * scale_smem.load(scale_l)[:, None]
-                    o = warpgroup_mma(p_smem, kv.slice(256, 256, dim=1), o, is_async=True)
-                    o = warpgroup_mma_wait(num_outstanding=0, deps=(o, p_smem, kv))[0]
-                    mbarrier.arrive(p_free, count=1)
-                    mbarrier.arrive(kv_empty.index(s), count=1)
+                    o = _value_tile(o, it, npm, n0, seqlen, kv_ring, p_smem, scale_smem, kv_ready, kv_empty,
+                                    p_ready, p_free, o_layout)
                     npm += 1
                     it += 1
-                mbarrier.wait(p_ready, npm & 1)
-                inv_l = scale_smem.load(scale_l)
-                mbarrier.arrive(p_free, count=1)
+                inv_l = _value_finish(npm, scale_smem, p_ready, p_free, o_layout)
                 npm += 1
                 s_lo = gl.load(splits_ptr + b)
                 is_direct = gl.load(splits_ptr + b + 1) - s_lo == 1

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedmla.kernels.triton.paged_prefill_sm90 import paged_prefill_sm90
 from pagedmla.kernels.triton.varlen import LOG2E, check_dtype, last_dim_contiguous, split_head_dim
 from pagedmla.ops.providers import register_impl, triton_interpreting
 
@@ -179,8 +180,10 @@ def paged_varlen_attention(
     including the new tokens; qo_indptr: int32 [b + 1]; head_dim_v: the value width, the first columns of
     each latent row (512; at most the power-of-two part of D). causal: bottom-right per token. max_q_len is not
     needed: the grid is sized from T, so nothing is read back from the device. ``config`` overrides the
-    tile shape (benchmarks). Returns out [T, H, head_dim_v] q.dtype and lse [T, H] float32 (natural log;
-    rows that see no key give 0 and -inf).
+    tile shape (benchmarks); ``config={"HOPPER": True}`` runs the Hopper kernel (``paged_prefill_sm90.py``;
+    sm_90, bf16/fp16, 576/512, pages a multiple of 64; not yet measured, so never chosen by default).
+    Returns out [T, H, head_dim_v] q.dtype and lse [T, H] float32 (natural log; rows that see no key give 0
+    and -inf).
     """
     check_dtype(q, "q")
     if k_cache.dtype != q.dtype:
@@ -215,6 +218,10 @@ def paged_varlen_attention(
     cfg = default_config(q.dtype)
     if config:
         cfg.update(config)
+    if cfg.get("HOPPER"):
+        paged_prefill_sm90(q.contiguous(), k_cache, block_table, cache_seqlens, qo_indptr, softmax_scale, causal,
+                           out, lse)
+        return out, lse
     grid = ((t * h) // cfg["BLOCK_M"] + batch,)
     _paged_prefill_kernel[grid](
         q, kv, out, lse, block_table, cache_seqlens, qo_indptr,
