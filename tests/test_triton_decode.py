@@ -334,3 +334,27 @@ def test_gpu_cuda_graph_replay(heads, q_len):
         assert torch.equal(g_lse, e_lse)
         ref_out, _ = reference(static_q, cache, static_table, static_lens, 512, 576 ** -0.5, True, torch.float32)
         assert cos_diff(g_out, ref_out) < 1e-5
+
+
+def test_hopper_descriptors_and_row_alignment():
+    """The Hopper launchers build TMA descriptors without the dataclass's per-call checks: the object must
+    equal ``from_tensor``'s, and ``tma_rows`` must hand them an aligned row-major tensor."""
+    from pagedmla.kernels.triton import decode_sm90
+
+    if not decode_sm90.HAVE_GLUON:
+        pytest.skip("needs Triton's Gluon")
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    x = torch.randn(130, 576).to(torch.bfloat16)
+    layout = decode_sm90._tile_layout(512, torch.bfloat16)
+    fast, ref = decode_sm90.descriptor(x, [64, 512], layout), TensorDescriptor.from_tensor(x, [64, 512], layout)
+    for field in ("shape", "strides", "block_shape", "layout", "padding"):
+        assert getattr(fast, field) == getattr(ref, field), field
+    assert fast.base is ref.base
+    assert decode_sm90.tma_rows(x) is x
+    misaligned = torch.randn(131 * 576 + 1).to(torch.bfloat16)[1:].view(131, 576)
+    assert misaligned.data_ptr() % 16
+    fixed = decode_sm90.tma_rows(misaligned)
+    assert fixed.data_ptr() % 16 == 0 and fixed.stride() == (576, 1) and torch.equal(fixed, misaligned)
+    strided = torch.randn(4, 130, 576).to(torch.bfloat16)[:, 0]
+    assert decode_sm90.tma_rows(strided).stride() == (576, 1)

@@ -395,7 +395,7 @@ def _launch_main(q, k_cache, block_table, cache_seqlens, metadata, num_splits, s
     dr = d - head_dim_v
     page = k_cache.shape[1]
     parts = metadata.shape[0]
-    m_tiles = triton.cdiv(rows, cfg.block_m)
+    m_tiles = -(-rows // cfg.block_m)  # plain arithmetic: triton.cdiv costs microseconds of host time per call
     use_tma = _tma_ok(cfg, k_cache, d)
     desc = desc_pe = None
     if use_tma:
@@ -477,10 +477,10 @@ def paged_decode_triton(
         _launch_main(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits, softmax_scale,
                      causal, cfg, out, lse, po, plse)
     # Small combine tiles: at small batch one request has ~100 pieces, merged by many programs at once.
-    block_r = min(4, triton.next_power_of_2(rows))
+    block_r = 4 if rows >= 4 else 1 << (rows - 1).bit_length()
     block_d = min(128, head_dim_v)
     _COMBINE.launch(
-        q.device, (b, triton.cdiv(rows, block_r), head_dim_v // block_d),
+        q.device, (b, -(-rows // block_r), head_dim_v // block_d),
         out, lse, po, plse, num_splits, h, q_len, rows,
         out.stride(0), out.stride(1), out.stride(2),
         DV=head_dim_v, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4, num_stages=3,

@@ -19,19 +19,19 @@ from triton import knobs
 
 
 def _spec(v: Any) -> Any:
-    if isinstance(v, torch.Tensor):
-        return (v.dtype, v.data_ptr() % 16 == 0)
     if isinstance(v, bool):
         return ("b", v)
     if isinstance(v, int):
         return ("i", v == 1, v % 16 == 0, -(2 ** 31) <= v < 2 ** 31)
     if isinstance(v, float):
         return "f"
+    if isinstance(v, torch.Tensor):
+        return (v.dtype, v.data_ptr() % 16 == 0)
     if v is None:
         return None
     base = getattr(v, "base", None)
-    if isinstance(base, torch.Tensor):  # a host tensor descriptor
-        return ("d", base.dtype, tuple(v.block_shape), repr(getattr(v, "layout", None)))
+    if isinstance(base, torch.Tensor):  # a host tensor descriptor (layouts are hashable dataclasses)
+        return ("d", base.dtype, tuple(v.block_shape), getattr(v, "layout", None))
     return ("c", v)
 
 

@@ -219,7 +219,7 @@ def paged_varlen_attention(
     if config:
         cfg.update(config)
     if cfg.get("HOPPER"):
-        paged_prefill_sm90(q.contiguous(), k_cache, block_table, cache_seqlens, qo_indptr, softmax_scale, causal,
+        paged_prefill_sm90(q, k_cache, block_table, cache_seqlens, qo_indptr, softmax_scale, causal,
                            out, lse)
         return out, lse
     grid = ((t * h) // cfg["BLOCK_M"] + batch,)

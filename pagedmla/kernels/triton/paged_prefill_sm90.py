@@ -16,14 +16,22 @@ from __future__ import annotations
 
 import torch
 
-from pagedmla.kernels.triton.decode_sm90 import BLOCK_M, BLOCK_N, D_QK, D_V, HAVE_GLUON, sm90_supported
+from pagedmla.kernels.triton.decode_sm90 import (
+    BLOCK_M,
+    BLOCK_N,
+    D_QK,
+    D_V,
+    HAVE_GLUON,
+    descriptor,
+    sm90_supported,
+    tma_rows,
+)
 from pagedmla.kernels.triton.launch import CachedKernel
 
 if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from pagedmla.kernels.triton.decode_sm90 import (
         _BM,
@@ -193,7 +201,7 @@ if HAVE_GLUON:
 def paged_prefill_sm90(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
                        cache_seqlens: torch.Tensor, qo_indptr: torch.Tensor, softmax_scale: float, causal: bool,
                        out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Launch on checked inputs (``paged_varlen_attention`` checks them): q [T, H, 576] and out [T, H, 512]
+    """Launch on checked inputs (``paged_varlen_attention`` checks them): q [T, H, 576], out [T, H, 512]
     contiguous, lse [T, H] float32; requires ``sm90_supported(q, k_cache, 512)``."""
     if not sm90_supported(q, k_cache, D_V):
         raise ValueError("config: HOPPER needs an sm_90 GPU, Triton's Gluon, bf16/fp16 q and cache, head dims "
@@ -201,15 +209,13 @@ def paged_prefill_sm90(q: torch.Tensor, k_cache: torch.Tensor, block_table: torc
     t, h, d = q.shape
     batch = qo_indptr.shape[0] - 1
     nope, pe = _tile_layout(D_V, q.dtype), _tile_layout(D_QK - D_V, q.dtype)
-    q_flat = q.reshape(t * h, d)
+    q_flat = tma_rows(q.reshape(t * h, d))
     kv_flat = k_cache.view(-1, d)
-    q_desc = TensorDescriptor.from_tensor(q_flat, [BLOCK_M, D_V], nope)
-    q_pe_desc = TensorDescriptor.from_tensor(q_flat, [BLOCK_M, D_QK - D_V], pe)
-    kv_desc = TensorDescriptor.from_tensor(kv_flat, [BLOCK_N, D_V], nope)
-    kv_pe_desc = TensorDescriptor.from_tensor(kv_flat, [BLOCK_N, D_QK - D_V], pe)
     _MAIN.launch(
         q.device, ((t * h) // BLOCK_M + batch,),
-        q_desc, q_pe_desc, kv_desc, kv_pe_desc, block_table, cache_seqlens, qo_indptr, out, lse,
+        descriptor(q_flat, [BLOCK_M, D_V], nope), descriptor(q_flat, [BLOCK_M, D_QK - D_V], pe),
+        descriptor(kv_flat, [BLOCK_N, D_V], nope), descriptor(kv_flat, [BLOCK_N, D_QK - D_V], pe),
+        block_table, cache_seqlens, qo_indptr, out, lse,
         h, batch, softmax_scale * _LOG2E, block_table.stride(0),
         CAUSAL=bool(causal), PAGE=k_cache.shape[1], SEARCH_STEPS=max(1, batch.bit_length()),
         num_warps=4,
