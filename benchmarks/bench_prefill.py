@@ -1,13 +1,14 @@
 """Prefill benchmarks: ragged MHA (192/128), paged absorbed prefill, merge_state, with baselines in one run.
 
 Ragged grid (ANCHORS): causal, q/k 192, v 128, bf16; pagedmla's Triton kernel (several tile variants
-with --variants) against torch SDPA and, with --flashinfer, FlashInfer fa3 ragged prefill
-(``BatchPrefillWithRaggedKVCacheWrapper(..., backend="fa3")``). SDPA gets the equal-length batch as
-[b, H, L, D] views of the same packed tensors (no copies), q/k 192 and v 128 as they are; the backend
-torch picks is printed. Causal FLOPs = 2·b·H·L(L+1)/2·(192+128).
+with --variants; on sm_90 also the opt-in Hopper kernel, ``triton_hopper``) against torch SDPA and, with
+--flashinfer, FlashInfer fa3 ragged prefill (``BatchPrefillWithRaggedKVCacheWrapper(..., backend="fa3")``).
+SDPA gets the equal-length batch as [b, H, L, D] views of the same packed tensors (no copies), q/k 192 and
+v 128 as they are; the backend torch picks is printed. Causal FLOPs = 2·b·H·L(L+1)/2·(192+128).
 Paged absorbed prefill: requests of n new tokens over p cached ones (page size 64, permuted pages),
 576/512, one KV head, against FlashInfer's ``BatchMLAPagedAttentionWrapper(backend="fa3")`` with
-qo_indptr; on sm_90 also the opt-in Hopper kernel (``triton_hopper``). FLOPs = 2·H·Σ_rows(visible keys)·(576+512).
+qo_indptr; on sm_90 also the opt-in Hopper kernel (``triton_hopper``).
+FLOPs = 2·H·Σ_rows(visible keys)·(576+512).
 merge_state: GB/s (bytes read + written) against a device-to-device copy measured in the same run.
 
 Timing: ``triton.testing.do_bench`` median on random data (randn/10 clamped). Every input set is several
@@ -30,6 +31,7 @@ from pagedmla.kernels.triton import merge as tmerge
 from pagedmla.kernels.triton import paged_prefill as tpaged
 from pagedmla.kernels.triton import varlen as tvarlen
 from pagedmla.kernels.triton.decode_sm90 import sm90_supported
+from pagedmla.kernels.triton.varlen_sm90 import varlen_sm90_supported
 
 RAGGED_GRID = [(1, 8192, 128), (4, 4096, 128), (16, 1024, 128), (8, 4096, 16), (1, 32768, 16)]
 RAGGED_VARIANTS = {
@@ -131,6 +133,10 @@ def ragged_cell(b, seqlen, h, variants, fi_workspace):
     for name, cfg in variants.items():
         try_variant("ragged", cell, name, functools.partial(
             tvarlen.varlen_attention, q, k, v, cu, cu, seqlen, seqlen, scale, True, out, config=cfg),
+            flops, lambda o: rel(o[0], ref))
+    if varlen_sm90_supported(q, k, v):
+        try_variant("ragged", cell, "triton_hopper", functools.partial(
+            tvarlen.varlen_attention, q, k, v, cu, cu, seqlen, seqlen, scale, True, out, config={"HOPPER": True}),
             flops, lambda o: rel(o[0], ref))
     if fi_workspace is not None:
         import flashinfer

@@ -12,6 +12,7 @@ budgets (``setmaxnreg``) of warp-specialised kernels. Triton-internal APIs (3.6)
     python benchmarks/compile_report.py --config m16n32w4s3c4p   # one config (bench_decode's spec syntax)
     python benchmarks/compile_report.py --config m64n64w8s2c1h   # the Hopper kernel
     python benchmarks/compile_report.py --prefill-sm90           # the Hopper paged-prefill kernel
+    python benchmarks/compile_report.py --varlen-sm90            # the Hopper ragged kernel, 192/128
 
 Run it without ``TRITON_INTERPRET`` (the interpreter replaces the kernels it compiles).
 """
@@ -64,6 +65,29 @@ def compile_sm90_prefill(arch: int = 90):
     constexprs = dict(CAUSAL=True, PAGE=PAGE, SEARCH_STEPS=4)
     signature.update({name: "constexpr" for name in constexprs})
     src = GluonASTSource(_paged_prefill_sm90_kernel, signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
+
+
+def compile_varlen_sm90(arch: int = 90, dk: int = 192, dv: int = 128):
+    """The Hopper Gluon ragged-attention kernel (``varlen_sm90.py``) for bf16, causal."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from pagedmla.kernels.triton.varlen_sm90 import BLOCK_N, _varlen_sm90_kernel
+
+    def desc(rows: int, width: int) -> str:
+        layout = gl.NVMMASharedLayout.get_default_for([rows, width], gl.bfloat16)
+        return f"tensordesc<bf16[{rows}, {width}],{layout!r}>"
+
+    dk1 = 128 if dk == 192 else dk
+    pe = (dk - dk1) or 64
+    signature = {"q_desc": desc(64, dk1), "q_pe_desc": desc(64, pe), "k_desc": desc(BLOCK_N, dk1),
+                 "k_pe_desc": desc(BLOCK_N, pe), "v_desc": desc(BLOCK_N, dv), "out_ptr": "*bf16", "lse_ptr": "*fp32",
+                 "cu_q": "*i32", "cu_k": "*i32", "H": "i32", "GROUP": "i32", "qk_scale": "fp32",
+                 "stride_ot": "i32", "stride_oh": "i32"}
+    constexprs = dict(DK1=dk1, DK2=dk - dk1, DV=dv, CAUSAL=True)
+    signature.update({name: "constexpr" for name in constexprs})
+    src = GluonASTSource(_varlen_sm90_kernel, signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
 
 
@@ -159,9 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", type=int, default=None, help="query heads (default: the config's rows)")
     ap.add_argument("--json", action="store_true", help="print one JSON list of the reports instead")
     ap.add_argument("--prefill-sm90", action="store_true", help="report the Hopper paged-prefill kernel instead")
+    ap.add_argument("--varlen-sm90", action="store_true", help="report the Hopper ragged kernel (192/128) instead")
     args = ap.parse_args(argv)
-    if args.prefill_sm90:
-        rep = report(compile_sm90_prefill())
+    if args.prefill_sm90 or args.varlen_sm90:
+        rep = report(compile_sm90_prefill() if args.prefill_sm90 else compile_varlen_sm90())
         print(json.dumps([rep]) if args.json else "\n".join(f"  {k}: {v}" for k, v in rep.items()))
         return 0
     try:

@@ -60,3 +60,13 @@ def test_hopper_prefill_kernel_structure():
     assert rep["wgmma"] == {"m64n64k16": 36, "m64n256k16": 8}, rep
     assert rep["kv_buffers"] == [2] and rep["tma_loads"] > 0 and rep["spill_store_load_bytes"] == [0, 0], rep
     assert rep["shared_bytes"] <= 227 * 1024 and 24 in rep["setmaxnreg"], rep
+
+
+def test_hopper_varlen_kernel_structure():
+    """The ragged Hopper kernel for 192/128: per consumer warpgroup 12 S and 8 P V MMAs of m64n128k16 per
+    128-key tile (24 + 16 in the two partitions' code), a two-stage TMA ring, nothing spilled."""
+    pytest.importorskip("triton.experimental.gluon")
+    (rep,) = _reports(extra=("--varlen-sm90",))
+    assert rep["wgmma"] == {"m64n128k16": 40}, rep
+    assert rep["kv_buffers"] == [2] and rep["tma_loads"] > 0 and rep["spill_store_load_bytes"] == [0, 0], rep
+    assert rep["shared_bytes"] <= 227 * 1024 and 24 in rep["setmaxnreg"], rep

@@ -17,6 +17,7 @@ from pagedmla.kernels.triton import merge as tmerge
 from pagedmla.kernels.triton import paged_prefill as tpaged
 from pagedmla.kernels.triton import varlen as tvarlen
 from pagedmla.kernels.triton.decode_sm90 import sm90_supported
+from pagedmla.kernels.triton.varlen_sm90 import varlen_sm90_supported
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -295,6 +296,37 @@ def test_gpu_paged_prefill_bf16(h):
     assert torch.isfinite(out).all()
     assert _rel(out, ref) < 1e-2 and _cos(out, ref) > 0.9999
     assert (lse - ref_lse).abs().max().item() < 1e-2
+
+
+HOPPER_VARLEN_CASES = [
+    # (q lengths, k lengths, H, Hk, Dqk, Dv): ragged tails around the 64-row warpgroup and 128-row program
+    # tiles, q shorter and longer than k, GQA 1, 2, 8
+    ([0, 1, 15, 16, 17, 64, 65, 127, 128, 129, 1000], None, 4, 4, 192, 128),
+    ([300, 5, 190], [700, 2, 190], 16, 2, 192, 128),
+    ([33, 5, 260], [70, 2, 100], 8, 1, 128, 128),
+    ([20, 200, 0], [7, 500, 9], 4, 2, 64, 64),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", range(len(HOPPER_VARLEN_CASES)))
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_varlen_hopper_kernel(case, causal, dtype):
+    """The Hopper ragged kernel (opt-in until measured) against the reference."""
+    lq, lk, h, hk, dk, dv = HOPPER_VARLEN_CASES[case]
+    lk = lk or lq
+    q, k, v, cu_q, cu_k = _varlen_case(lq, lk, h, hk, dk, dv, dtype, causal, seed=case + 40)
+    if not varlen_sm90_supported(q, k, v):
+        pytest.skip("the Hopper kernel needs an sm_90 GPU and Triton's Gluon")
+    q = (q.float() / 2).to(dtype)
+    out = torch.full((q.shape[0], h, dv), float("nan"), dtype=dtype, device="cuda")
+    o, lse = tvarlen.varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), dk ** -0.5, causal, out,
+                                      config={"HOPPER": True})
+    ref, ref_lse = reference.varlen_attention(q.float(), k.float(), v.float(), cu_q, cu_k, dk ** -0.5, causal)
+    assert o.data_ptr() == out.data_ptr()
+    _check_lse(lse, ref_lse, 1e-2)
+    _check_out(o, ref, ref_lse, 1e-2)
 
 
 @pytest.mark.gpu

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedmla.kernels.triton.varlen_sm90 import varlen_sm90
 from pagedmla.ops.providers import register_impl, triton_interpreting
 
 LOG2E = 1.4426950408889634
@@ -210,8 +211,10 @@ def varlen_attention(
     cu_seqlens_q/k: int32 [b + 1] on q's device; max_seqlen_q bounds every q length (sizes the grid;
     max_seqlen_k is not needed by the kernel). causal: bottom-right aligned when lengths differ.
     ``out`` [Tq, H, Dv] (q's dtype) receives the output when given. ``config`` overrides the tile shape
-    (keys BLOCK_M, BLOCK_N, num_warps, num_stages; benchmarks use it). Returns (out [Tq, H, Dv] q.dtype,
-    lse [Tq, H] float32, natural log; rows that see no key give 0 and -inf). No host synchronisation.
+    (keys BLOCK_M, BLOCK_N, num_warps, num_stages; benchmarks use it); ``config={"HOPPER": True}`` runs the
+    Hopper kernel (``varlen_sm90.py``; sm_90, bf16/fp16, head dims 64/128/192 and 64/128; not yet measured,
+    so never chosen by default). Returns (out [Tq, H, Dv] q.dtype, lse [Tq, H] float32, natural log; rows
+    that see no key give 0 and -inf). No host synchronisation.
     """
     check_dtype(q, "q")
     for name, t in (("k", k), ("v", v)):
@@ -249,6 +252,9 @@ def varlen_attention(
     cfg = dict(default_config(dk, dv, q.dtype))
     if config:
         cfg.update(config)
+    if cfg.get("HOPPER"):
+        varlen_sm90(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal, out, lse)
+        return out, lse
     d1, d2 = split_head_dim(dk)
     grid = (triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), h, batch)
     _varlen_fwd_kernel[grid](

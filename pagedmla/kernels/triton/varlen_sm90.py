@@ -1,0 +1,255 @@
+"""Hopper (sm_90a) ragged attention in Gluon: FlashAttention-3's warp-specialised structure for packed
+variable-length batches (the ``varlen`` op), written for q/k head dim 192 (128 + 64) or 64/128 and value
+head dim 64/128.
+
+Per program (128 query rows of one sequence and one head, the portable kernel's grid, heaviest tiles
+first): a 1-warp loader partition streams Q once and the sequence's K and V in 128-key tiles through a
+two-stage shared-memory ring with TMA; two consumer warpgroups each own 64 query rows (their S = Q K^T,
+online softmax, P kept in registers as the A operand of O += P V). The warpgroups share every K/V tile
+but are otherwise independent, so one's softmax overlaps the other's MMAs. Rows past a sequence's end
+read the next sequence's keys and values (finite data, masked or multiplied by P = 0) or TMA's zero fill.
+
+Not used by default: ``varlen_attention(..., config={"HOPPER": True})`` runs it; it becomes the default on
+sm_90 once measured on the device (benchmarks/NOTES.md, Prefill).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from pagedmla.kernels.triton.decode_sm90 import HAVE_GLUON, _capability, descriptor
+from pagedmla.kernels.triton.launch import CachedKernel
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+BLOCK_M = 128  # query rows per program: two warpgroups of 64
+BLOCK_N = 128  # keys per tile
+_LOG2E = 1.4426950408889634
+if HAVE_GLUON:
+    _WM = gl.constexpr(64)
+    _BN = gl.constexpr(BLOCK_N)
+    _STAGES = gl.constexpr(2)
+
+
+def varlen_sm90_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the Gluon kernel can run this call: an sm_90 GPU, bf16/fp16, q/k head dim 64, 128 or 192,
+    value head dim 64 or 128, 16-byte aligned bases (the row strides of 3-D [T, H, D] tensors are then too)."""
+    if not (HAVE_GLUON and q.is_cuda):
+        return False
+    if _capability(q.device.index if q.device.index is not None else torch.cuda.current_device()) != (9, 0):
+        return False
+    return (q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype and v.dtype == q.dtype
+            and q.shape[-1] in (64, 128, 192) and v.shape[-1] in (64, 128)
+            and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)))
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _tile_bounds(cu_q, cu_k, CAUSAL: gl.constexpr):
+        """(q_start, lq, m0, k_start, lk, diagonal offset lk - lq, end of the keys any row of the tile sees)."""
+        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
+        b = gl.program_id(2)
+        q_start = gl.load(cu_q + b)
+        lq = gl.load(cu_q + b + 1) - q_start
+        k_start = gl.load(cu_k + b)
+        lk = gl.load(cu_k + b + 1) - k_start
+        m0 = pid_m * (2 * _WM)
+        diag = lk - lq
+        if CAUSAL:
+            hi = gl.maximum(gl.minimum(lk, gl.minimum(m0 + 2 * _WM, lq) + diag), 0)
+        else:
+            hi = lk
+        return q_start, lq, m0, k_start, lk, diag, hi
+
+    @gluon.jit
+    def _varlen_loader(q_desc, q_pe_desc, k_desc, k_pe_desc, v_desc, cu_q, cu_k, GROUP, q_smem, q_pe_smem,
+                       k_ring, k_pe_ring, v_ring, q_ready, kv_ready, kv_empty,
+                       DK1: gl.constexpr, DK2: gl.constexpr, CAUSAL: gl.constexpr):
+        h = gl.program_id(1)
+        q_start, lq, m0, k_start, _, _, hi = _tile_bounds(cu_q, cu_k, CAUSAL)
+        if m0 < lq:
+            q_col = h * (DK1 + DK2)
+            q_bytes: gl.constexpr = 2 * (q_desc.block_type.nbytes + (q_pe_desc.block_type.nbytes if DK2 > 0 else 0))
+            mbarrier.expect(q_ready, q_bytes)
+            for w in gl.static_range(2):
+                row = q_start + m0 + w * _WM
+                tma.async_copy_global_to_shared(q_desc, [row, q_col], q_ready, q_smem.index(w))
+                if DK2 > 0:
+                    tma.async_copy_global_to_shared(q_pe_desc, [row, q_col + DK1], q_ready, q_pe_smem.index(w))
+            kh = h // GROUP
+            k_col = kh * (DK1 + DK2)
+            v_col = kh * v_desc.block_type.shape[1]
+            kv_bytes: gl.constexpr = (k_desc.block_type.nbytes + v_desc.block_type.nbytes
+                                      + (k_pe_desc.block_type.nbytes if DK2 > 0 else 0))
+            for n0 in range(0, hi, _BN):
+                it = n0 // _BN
+                s = it % _STAGES
+                mbarrier.wait(kv_empty.index(s), ((it // _STAGES) & 1) ^ 1)
+                ready = kv_ready.index(s)
+                mbarrier.expect(ready, kv_bytes)
+                tma.async_copy_global_to_shared(k_desc, [k_start + n0, k_col], ready, k_ring.index(s))
+                if DK2 > 0:
+                    tma.async_copy_global_to_shared(k_pe_desc, [k_start + n0, k_col + DK1], ready,
+                                                    k_pe_ring.index(s))
+                tma.async_copy_global_to_shared(v_desc, [k_start + n0, v_col], ready, v_ring.index(s))
+
+    @gluon.jit
+    def _varlen_consumer(q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, q_ready, kv_ready, kv_empty,
+                         out_ptr, lse_ptr, cu_q, cu_k, H, qk_scale, stride_ot, stride_oh,
+                         W: gl.constexpr, DK2: gl.constexpr, DV: gl.constexpr, CAUSAL: gl.constexpr):
+        """Warpgroup W: query rows m0 + 64 W .. m0 + 64 W + 63 of the program's tile."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, _BN, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, DV, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+        h = gl.program_id(1)
+        q_start, lq, m0, _, lk, diag, hi = _tile_bounds(cu_q, cu_k, CAUSAL)
+        mw = m0 + W * _WM
+        if m0 < lq:
+            rows = mw + gl.arange(0, _WM, layout=row_l)
+            # Keys row r sees: [0, lim) (bottom-right causal: query r of lq sees keys 0 .. r + lk - lq).
+            if CAUSAL:
+                lim = gl.maximum(gl.minimum(rows + diag + 1, lk), 0)
+                first_masked = gl.maximum(gl.minimum(mw + diag + 1, lk), 0)
+                my_end = gl.maximum(gl.minimum(gl.minimum(mw + _WM, lq) + diag, lk), 0)
+            else:
+                lim = gl.zeros([_WM], dtype=gl.int32, layout=row_l) + lk
+                first_masked = lk
+                my_end = lk
+            my_end = gl.where(mw < lq, my_end, 0)
+            q = q_smem.index(W)
+            q_pe = q_pe_smem.index(W)
+            m_i = gl.full([_WM], float("-inf"), dtype=gl.float32, layout=row_l)
+            l_i = gl.zeros([_WM], dtype=gl.float32, layout=row_l)
+            o = gl.zeros([_WM, DV], dtype=gl.float32, layout=o_layout)
+            zero_s = gl.zeros([_WM, _BN], dtype=gl.float32, layout=s_layout)
+            mbarrier.wait(q_ready, 0)
+            for n0 in range(0, hi, _BN):
+                it = n0 // _BN
+                s = it % _STAGES
+                mbarrier.wait(kv_ready.index(s), (it // _STAGES) & 1)
+                # Tiles past this warpgroup's last visible key are only released (the other one needs them).
+                if n0 < my_end:
+                    k = k_ring.index(s)
+                    acc = warpgroup_mma(q, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                    if DK2 > 0:
+                        k_pe = k_pe_ring.index(s)
+                        acc = warpgroup_mma(q_pe, k_pe.permute((1, 0)), acc, is_async=True)
+                        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, q, q_pe, k, k_pe))[0]
+                    else:
+                        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, q, k))[0]
+                    sc = acc * qk_scale
+                    if n0 + _BN > first_masked:
+                        cols = n0 + gl.arange(0, _BN, layout=gl.SliceLayout(0, s_layout))
+                        sc = gl.where(cols[None, :] < lim[:, None], sc, float("-inf"))
+                    m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+                    # A row with no visible key yet keeps max -inf: subtract 0 so exp2 gives 0, not NaN.
+                    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = gl.exp2(m_i - m_safe)
+                    p = gl.exp2(sc - m_safe[:, None])
+                    l_i = l_i * alpha + gl.sum(p, axis=1)
+                    m_i = m_new
+                    o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                    p_op = gl.convert_layout(p.to(q.dtype), p_layout)
+                    v = v_ring.index(s)
+                    o = warpgroup_mma(p_op, v, o, is_async=True)
+                    o = warpgroup_mma_wait(num_outstanding=0, deps=(o, v))[0]
+                mbarrier.arrive(kv_empty.index(s), count=1)
+            has_key = l_i > 0.0
+            inv_l = gl.where(has_key, 1.0 / gl.where(has_key, l_i, 1.0), 0.0)
+            lse = gl.where(has_key, (m_i + gl.log2(gl.where(has_key, l_i, 1.0))) * 0.6931471805599453,
+                           float("-inf"))
+            r = mw + gl.arange(0, _WM, layout=gl.SliceLayout(1, o_layout))
+            ok = r < lq
+            tok = q_start.to(gl.int64) + r
+            cols = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
+            o = o * gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))[:, None]
+            gl.store(out_ptr + (tok * stride_ot + h * stride_oh)[:, None] + cols[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=ok[:, None])
+            gl.store(lse_ptr + tok * H + h, gl.convert_layout(lse, gl.SliceLayout(1, o_layout)), mask=ok)
+
+    @gluon.jit
+    def _varlen_sm90_kernel(
+        q_desc, q_pe_desc, k_desc, k_pe_desc, v_desc, out_ptr, lse_ptr, cu_q, cu_k,
+        H, GROUP, qk_scale, stride_ot, stride_oh,
+        DK1: gl.constexpr, DK2: gl.constexpr, DV: gl.constexpr, CAUSAL: gl.constexpr,
+    ):
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        q_pe_smem = gl.allocate_shared_memory(dtype, [2] + q_pe_desc.block_type.shape, q_pe_desc.layout)
+        k_ring = gl.allocate_shared_memory(dtype, [_STAGES] + k_desc.block_type.shape, k_desc.layout)
+        k_pe_ring = gl.allocate_shared_memory(dtype, [_STAGES] + k_pe_desc.block_type.shape, k_pe_desc.layout)
+        v_ring = gl.allocate_shared_memory(dtype, [_STAGES] + v_desc.block_type.shape, v_desc.layout)
+        bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+        kv_ready = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], bar_layout)
+        kv_empty = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], bar_layout)
+        mbarrier.init(q_ready, count=1)
+        for i in gl.static_range(_STAGES):
+            mbarrier.init(kv_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=2)  # one arrive per consumer warpgroup
+        gl.warp_specialize(
+            [(_varlen_consumer, (q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, q_ready, kv_ready, kv_empty,
+                                 out_ptr, lse_ptr, cu_q, cu_k, H, qk_scale, stride_ot, stride_oh, 0, DK2, DV,
+                                 CAUSAL)),
+             (_varlen_consumer, (q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, q_ready, kv_ready, kv_empty,
+                                 out_ptr, lse_ptr, cu_q, cu_k, H, qk_scale, stride_ot, stride_oh, 1, DK2, DV,
+                                 CAUSAL)),
+             (_varlen_loader, (q_desc, q_pe_desc, k_desc, k_pe_desc, v_desc, cu_q, cu_k, GROUP, q_smem, q_pe_smem,
+                               k_ring, k_pe_ring, v_ring, q_ready, kv_ready, kv_empty, DK1, DK2, CAUSAL))],
+            worker_num_warps=[4, 1],
+            worker_num_regs=[232, 24],
+        )
+
+    _MAIN = CachedKernel(_varlen_sm90_kernel)
+
+
+def _gl_dtype(dtype: torch.dtype):
+    return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+
+
+@functools.cache
+def _layout(rows: int, width: int, dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for([rows, width], _gl_dtype(dtype))
+
+
+def varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                cu_seqlens_k: torch.Tensor, max_seqlen_q: int, softmax_scale: float, causal: bool,
+                out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Launch on checked inputs (``varlen_attention`` checks them and allocates out [Tq, H, Dv] and lse
+    [Tq, H] float32); requires ``varlen_sm90_supported(q, k, v)``."""
+    if not varlen_sm90_supported(q, k, v):
+        raise ValueError("config: HOPPER needs an sm_90 GPU, Triton's Gluon, contiguous 16-byte aligned bf16/fp16 "
+                         "q/k/v, q/k head dim 64, 128 or 192 and value head dim 64 or 128")
+    tq, h, dk = q.shape
+    tk, hk, dv = v.shape
+    dk1 = 128 if dk == 192 else dk
+    dk2 = dk - dk1
+    q2, k2, v2 = q.view(tq, h * dk), k.view(tk, hk * dk), v.view(tk, hk * dv)
+    pe_width = dk2 or 64  # without a rope part the pe descriptors are passed but never used
+    batch = cu_seqlens_q.shape[0] - 1
+    _MAIN.launch(
+        q.device, (-(-max_seqlen_q // BLOCK_M), h, batch),
+        descriptor(q2, [64, dk1], _layout(64, dk1, q.dtype)),
+        descriptor(q2, [64, pe_width], _layout(64, pe_width, q.dtype)),
+        descriptor(k2, [BLOCK_N, dk1], _layout(BLOCK_N, dk1, q.dtype)),
+        descriptor(k2, [BLOCK_N, pe_width], _layout(BLOCK_N, pe_width, q.dtype)),
+        descriptor(v2, [BLOCK_N, dv], _layout(BLOCK_N, dv, q.dtype)),
+        out, lse, cu_seqlens_q, cu_seqlens_k,
+        h, h // hk, softmax_scale * _LOG2E, out.stride(0), out.stride(1),
+        DK1=dk1, DK2=dk2, DV=dv, CAUSAL=bool(causal),
+        num_warps=4,
+    )
