@@ -21,6 +21,21 @@ def test_spec_separates_what_triton_specialises_on():
     assert _spec("ieee") != _spec("tf32")
 
 
+def test_spec_classes_match_triton():
+    """Two values share a key exactly when Triton's own specialiser gives them the same type and attribute."""
+    native = pytest.importorskip("triton._C.libtriton").native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    base = torch.zeros(64, dtype=torch.float16)
+    values = [0, 1, 2, 15, 16, 17, -1, -16, 2 ** 31 - 16, 2 ** 31, -(2 ** 31), -(2 ** 31) - 1, 2 ** 63 - 16,
+              2 ** 63, 2 ** 63 + 16, base, base[1:], base[8:], base.float()]
+    for a in values:
+        for b in values:
+            same_triton = native(BaseBackend, a, False, True, True) == native(BaseBackend, b, False, True, True)
+            assert (_spec(a) == _spec(b)) == same_triton, (a if not isinstance(a, torch.Tensor) else "tensor", b
+                                                            if not isinstance(b, torch.Tensor) else "tensor")
+
+
 def test_constexpr_parameters_are_keyed_by_value():
     kernel = CachedKernel(_scaled_copy)
     x = torch.zeros(64)

@@ -192,6 +192,12 @@ def test_paged_prefill_random(seed):
     _check_lse(lse, ref_lse, 1e-4)
 
 
+def test_paged_prefill_hopper_kernel_rejects_other_value_widths():
+    q, cache, bt, lens, qo = _paged_case([4, 1], [9, 30], 4, 64, torch.float16, seed=3)
+    with pytest.raises(ValueError, match="head_dim_v 256"):
+        tpaged.paged_varlen_attention(q, cache, bt, lens, qo, 256, 0.1, True, None, config={"HOPPER": True})
+
+
 def test_paged_prefill_public_api_and_bad_input():
     q, cache, bt, lens, qo = _paged_case([4, 1], [9, 30], 4, 16, torch.float16, seed=3)
     out, lse = pagedmla.flash_mla_varlen_with_kvcache(q, cache, bt, lens, qo, 512, causal=True, provider="triton")
@@ -345,6 +351,10 @@ def test_gpu_paged_prefill_hopper_kernel(h, page, dtype, causal):
     kv_lens = [40, 1000, 15, 80, 17, 2300, 2, 0, 700]
     q, cache, bt, lens, qo = _paged_case(q_lens, kv_lens, h, page, dtype, seed=h + page)
     q = (q.float() / 4).to(dtype)
+    # The op allocates its output: leave a NaN-filled block of that size for the caching allocator to hand
+    # back, so that a row the kernel does not write cannot pass as 0.
+    del cache_ok
+    torch.full((q.shape[0], h, 512), float("nan"), dtype=dtype, device="cuda")
     out, lse = tpaged.paged_varlen_attention(q, cache, bt, lens, qo, 512, 576 ** -0.5, causal, None,
                                              config={"HOPPER": True})
     ref, ref_lse = reference.paged_mla_attention(q.float(), cache.float(), bt, lens, qo, 576 ** -0.5, causal, 512,

@@ -53,7 +53,9 @@ def hopper_decode_available(device: torch.device) -> bool:
 
 def num_sm_parts_for(device: torch.device, num_q_tokens_per_head_k: int, num_heads_k: int) -> int:
     """How many parts the batch is cut into: the programs that fit on the GPU at once (SMs times programs
-    per SM), divided by the row tiles each part launches."""
+    per SM), divided by the row tiles each part launches. On sm_90 the plan assumes the Hopper kernel for
+    more than 16 rows; calls it cannot take (fp32, pages not a multiple of 64) run the portable kernel
+    with that part count: correct, with half the small tiles' two-per-SM slots unused."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     else:

@@ -209,6 +209,8 @@ if HAVE_GLUON:
         kv = kv_ring.index(s)
         mbarrier.wait(kv_ready.index(s), (it // _STAGES) & 1)
         if n0 + _BN > seqlen:
+            # Warpgroup 0's S may still be reading these bytes as keys: only scores of keys past seqlen
+            # change, and those are replaced by -inf (a select, not a multiply).
             _zero_tail_rows(kv, 256, seqlen - n0, 4)
         mbarrier.wait(p_ready, npm & 1)
         o = o * scale_smem.load(gl.SliceLayout(1, o_layout))[:, None]

@@ -4,9 +4,11 @@ A decode step is a few microseconds of GPU work at small batch, and ``JITFunctio
 microseconds per launch binding and specialising every argument. ``CachedKernel`` goes through Triton's
 JIT on the first call with a given specialisation and launches the compiled kernel directly afterwards.
 Its key reproduces what Triton specialises on: constexpr parameters by value, tensor dtypes and 16-byte
-alignment, integers equal to 1, divisible by 16 or outside int32, booleans, tensor descriptors' dtype,
-block shape and layout (descriptors themselves are re-encoded on every launch by Triton's launcher), and
-the launch options. CUDA-graph capture works as with the JIT path: the launch goes to the current stream.
+alignment, integers equal to 1, divisible by 16 and their type (i32 / i64 / u64), booleans, tensor
+descriptors' dtype, block shape and layout (descriptors themselves are re-encoded on every launch by
+Triton's launcher), every launch option, and the runtime debug / instrumentation knobs. CUDA-graph capture
+works as with the JIT path: the launch goes to the current stream of the tensors' device. It relies on
+Triton 3.6's compiled-kernel interface; with a Triton without ``triton.knobs`` every call goes through the JIT.
 """
 
 from __future__ import annotations
@@ -15,14 +17,19 @@ import inspect
 from typing import Any
 
 import torch
-from triton import knobs
+
+try:
+    from triton import knobs
+except ImportError:  # Triton < 3.4
+    knobs = None
 
 
 def _spec(v: Any) -> Any:
     if isinstance(v, bool):
         return ("b", v)
     if isinstance(v, int):
-        return ("i", v == 1, v % 16 == 0, -(2 ** 31) <= v < 2 ** 31)
+        width = "i32" if -(2 ** 31) <= v < 2 ** 31 else "i64" if -(2 ** 63) <= v < 2 ** 63 else "u64"
+        return (width, v == 1, v % 16 == 0)
     if isinstance(v, float):
         return "f"
     if isinstance(v, torch.Tensor):
@@ -38,16 +45,15 @@ def _spec(v: Any) -> Any:
 class CachedKernel:
     """Wraps a ``@triton.jit`` or ``@gluon.jit`` function: ``kernel.launch(device, grid, *args, **kwargs)`` with
     every kernel parameter given (positionally, then by name) and launch options (``num_warps``,
-    ``num_stages``) as keywords. Off CUDA (the interpreter) every call goes through the JIT."""
-
-    _OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+    ``num_stages``, ...) as keywords. Off CUDA (the interpreter) every call goes through the JIT."""
 
     def __init__(self, fn) -> None:
         self.fn = fn
-        self.names = list(fn.arg_names)
+        params = inspect.signature(fn.fn).parameters
+        self.names = list(params)
         # Triton's own test (KernelParam.is_constexpr); read from the signature so that it also works on the
         # interpreter's function objects.
-        self.constexpr = ["constexpr" in str(p.annotation) for p in inspect.signature(fn.fn).parameters.values()]
+        self.constexpr = ["constexpr" in str(p.annotation) for p in params.values()]
         self.compiled: dict[tuple, Any] = {}
 
     def specialisation(self, values: list[Any]) -> tuple:
@@ -55,20 +61,25 @@ class CachedKernel:
         return tuple(("c", v) if const else _spec(v) for v, const in zip(values, self.constexpr, strict=True))
 
     def launch(self, device: torch.device, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
-        if device.type != "cuda":
+        if device.type != "cuda" or knobs is None:
             self.fn[grid](*args, **kwargs)
             return
-        options = tuple((k, kwargs[k]) for k in self._OPTIONS if k in kwargs)
+        current = torch.cuda.current_device()
+        if device.index is not None and device.index != current:
+            with torch.cuda.device(device.index):  # launch where the tensors are, as a device guard would
+                self.launch(device, grid, *args, **kwargs)
+            return
         values = list(args) + [kwargs[n] for n in self.names[len(args):]]
-        device = torch.cuda.current_device()
-        key = (device, options, self.specialisation(values))
+        options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in self.names))
+        key = (current, options, knobs.runtime.debug, knobs.compilation.instrumentation_mode,
+               self.specialisation(values))
         kernel = self.compiled.get(key)
         if kernel is None:
             kernel = self.fn[grid](*args, **kwargs)
             self.compiled[key] = kernel
             return
         g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
-        stream = torch.cuda.current_stream(device).cuda_stream
+        stream = torch.cuda.current_stream(current).cuda_stream
         enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-        metadata = kernel.launch_metadata(grid, stream, *values) if enter is not None else None
-        kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, metadata, enter, exit_, *values)
+        kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata,
+                   kernel.launch_metadata(grid, stream, *values), enter, exit_, *values)

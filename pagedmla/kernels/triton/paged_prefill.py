@@ -219,6 +219,8 @@ def paged_varlen_attention(
     if config:
         cfg.update(config)
     if cfg.get("HOPPER"):
+        if d != 576 or head_dim_v != 512:
+            raise ValueError(f"config: HOPPER needs head dims 576 / 512, got {d} / head_dim_v {head_dim_v}")
         paged_prefill_sm90(q, k_cache, block_table, cache_seqlens, qo_indptr, softmax_scale, causal,
                            out, lse)
         return out, lse
