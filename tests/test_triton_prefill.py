@@ -326,6 +326,9 @@ def test_gpu_varlen_hopper_kernel(case, causal, dtype):
     if not varlen_sm90_supported(q, k, v):
         pytest.skip("the Hopper kernel needs an sm_90 GPU and Triton's Gluon")
     q = (q.float() / 2).to(dtype)
+    # Spare rows after the last sequence (an engine's buffers have capacity) hold NaN: never to be used.
+    k = torch.cat([k, torch.full((70, hk, dk), float("nan"), dtype=dtype, device="cuda")])
+    v = torch.cat([v, torch.full((70, hk, dv), float("nan"), dtype=dtype, device="cuda")])
     out = torch.full((q.shape[0], h, dv), float("nan"), dtype=dtype, device="cuda")
     o, lse = tvarlen.varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), dk ** -0.5, causal, out,
                                       config={"HOPPER": True})
@@ -333,6 +336,15 @@ def test_gpu_varlen_hopper_kernel(case, causal, dtype):
     assert o.data_ptr() == out.data_ptr()
     _check_lse(lse, ref_lse, 1e-2)
     _check_out(o, ref, ref_lse, 1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_hopper_kernel_without_keys():
+    q, k, v, cu_q, cu_k = _varlen_case([5, 3], [0, 0], 4, 4, 192, 128, torch.bfloat16, True, seed=1)
+    if not varlen_sm90_supported(q, k, v):
+        pytest.skip("the Hopper kernel needs an sm_90 GPU and Triton's Gluon")
+    o, lse = tvarlen.varlen_attention(q, k, v, cu_q, cu_k, 5, 0, 0.1, True, config={"HOPPER": True})
+    assert (o == 0).all() and torch.isneginf(lse).all()
 
 
 @pytest.mark.gpu

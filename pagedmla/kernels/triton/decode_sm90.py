@@ -95,11 +95,11 @@ if HAVE_GLUON:
         return seqlen, blk_lo * SCHED_N, gl.minimum(blk_hi * SCHED_N, seqlen)
 
     @gluon.jit
-    def _zero_tail_rows(kv, col0, valid, num_warps: gl.constexpr):
-        """Zero value rows valid .. 63 of columns col0 .. col0 + 255 of one KV tile in shared memory."""
+    def _zero_tail_rows(kv, col0, valid, CHUNKS: gl.constexpr, num_warps: gl.constexpr):
+        """Zero rows valid .. of columns col0 .. col0 + 64 * CHUNKS - 1 of a value tile in shared memory."""
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-        rows = gl.arange(0, _BN, layout=gl.SliceLayout(1, layout))
-        for c in gl.static_range(4):
+        rows = gl.arange(0, kv.shape[0], layout=gl.SliceLayout(1, layout))
+        for c in gl.static_range(CHUNKS):
             part = kv.slice(col0 + 64 * c, 64, dim=1)
             x = part.load(layout)
             part.store(gl.where(rows[:, None] < valid, x, gl.zeros_like(x)))
@@ -170,7 +170,7 @@ if HAVE_GLUON:
             cols = n0 + gl.arange(0, _BN, layout=gl.SliceLayout(0, s_layout))
             sc = gl.where(cols[None, :] < lim[:, None], sc, float("-inf"))
         if n0 + _BN > seqlen:
-            _zero_tail_rows(kv, 0, seqlen - n0, 4)
+            _zero_tail_rows(kv, 0, seqlen - n0, 4, 4)
         m_new = gl.maximum(m_i, gl.max(sc, axis=1))
         # A row with no visible key yet keeps max -inf: subtract 0 instead so exp2 gives 0, not NaN.
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -211,7 +211,7 @@ if HAVE_GLUON:
         if n0 + _BN > seqlen:
             # Warpgroup 0's S may still be reading these bytes as keys: only scores of keys past seqlen
             # change, and those are replaced by -inf (a select, not a multiply).
-            _zero_tail_rows(kv, 256, seqlen - n0, 4)
+            _zero_tail_rows(kv, 256, seqlen - n0, 4, 4)
         mbarrier.wait(p_ready, npm & 1)
         o = o * scale_smem.load(gl.SliceLayout(1, o_layout))[:, None]
         o = warpgroup_mma(p_smem, kv.slice(256, 256, dim=1), o, is_async=True)

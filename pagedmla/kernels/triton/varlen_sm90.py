@@ -6,8 +6,10 @@ Per program (128 query rows of one sequence and one head, the portable kernel's 
 first): a 1-warp loader partition streams Q once and the sequence's K and V in 128-key tiles through a
 two-stage shared-memory ring with TMA; two consumer warpgroups each own 64 query rows (their S = Q K^T,
 online softmax, P kept in registers as the A operand of O += P V). The warpgroups share every K/V tile
-but are otherwise independent, so one's softmax overlaps the other's MMAs. Rows past a sequence's end
-read the next sequence's keys and values (finite data, masked or multiplied by P = 0) or TMA's zero fill.
+but are otherwise independent, so one's softmax overlaps the other's MMAs. A tile that runs past a
+sequence's end holds the next sequence's rows, spare rows of the caller's buffer (anything, NaN included)
+or TMA's zero fill: their scores are masked, and each warpgroup zeroes those value rows in shared memory
+before its P V (0 * NaN would poison the output).
 
 Not used by default: ``varlen_attention(..., config={"HOPPER": True})`` runs it; it becomes the default on
 sm_90 once measured on the device (benchmarks/NOTES.md, Prefill).
@@ -20,6 +22,9 @@ import functools
 import torch
 
 from pagedmla.kernels.triton.decode_sm90 import HAVE_GLUON, _capability, descriptor
+
+if HAVE_GLUON:
+    from pagedmla.kernels.triton.decode_sm90 import _zero_tail_rows
 from pagedmla.kernels.triton.launch import CachedKernel
 
 if HAVE_GLUON:
@@ -165,6 +170,9 @@ if HAVE_GLUON:
                     o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
                     p_op = gl.convert_layout(p.to(q.dtype), p_layout)
                     v = v_ring.index(s)
+                    if n0 + _BN > lk:
+                        # Both warpgroups may zero the same rows: they write the same zeros.
+                        _zero_tail_rows(v, 0, lk - n0, DV // 64, 4)
                     o = warpgroup_mma(p_op, v, o, is_async=True)
                     o = warpgroup_mma_wait(num_outstanding=0, deps=(o, v))[0]
                 mbarrier.arrive(kv_empty.index(s), count=1)
@@ -231,11 +239,16 @@ def varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
                 out: torch.Tensor, lse: torch.Tensor) -> None:
     """Launch on checked inputs (``varlen_attention`` checks them and allocates out [Tq, H, Dv] and lse
     [Tq, H] float32); requires ``varlen_sm90_supported(q, k, v)``."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if not varlen_sm90_supported(q, k, v):
         raise ValueError("config: HOPPER needs an sm_90 GPU, Triton's Gluon, contiguous 16-byte aligned bf16/fp16 "
                          "q/k/v, q/k head dim 64, 128 or 192 and value head dim 64 or 128")
     tq, h, dk = q.shape
     tk, hk, dv = v.shape
+    if tk == 0:  # no keys at all (a TMA descriptor cannot describe an empty tensor)
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return
     dk1 = 128 if dk == 192 else dk
     dk2 = dk - dk1
     q2, k2, v2 = q.view(tq, h * dk), k.view(tk, hk * dk), v.view(tk, hk * dv)
