@@ -44,11 +44,9 @@ def tile_plan(rows: int, hopper: bool = False) -> tuple[int, int]:
 
 def hopper_decode_available(device: torch.device) -> bool:
     """Whether ``device`` runs the Hopper (sm_90) decode kernel: an sm_90 GPU and Triton's Gluon."""
-    if device.type != "cuda":
-        return False
-    from pagedmla.kernels.triton.decode_sm90 import HAVE_GLUON  # late: the kernels import this module
+    from pagedmla.kernels.triton.decode_sm90 import hopper_available  # late: the kernels import this module
 
-    return HAVE_GLUON and torch.cuda.get_device_capability(device) == (9, 0)
+    return hopper_available(device)
 
 
 def num_sm_parts_for(device: torch.device, num_q_tokens_per_head_k: int, num_heads_k: int) -> int:

@@ -63,11 +63,16 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def hopper_available(device: torch.device) -> bool:
+    """Whether ``device`` runs the Gluon sm_90 kernels: a CUDA device of capability 9.0 and Triton's Gluon."""
+    if not HAVE_GLUON or device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)
+
+
 def sm90_supported(q: torch.Tensor, k_cache: torch.Tensor, head_dim_v: int) -> bool:
     """Whether the Gluon kernel can run this call (see the module docstring)."""
-    if not (HAVE_GLUON and q.is_cuda and k_cache.is_cuda):
-        return False
-    if _capability(q.device.index if q.device.index is not None else torch.cuda.current_device()) != (9, 0):
+    if not (hopper_available(q.device) and k_cache.is_cuda):
         return False
     page = k_cache.shape[1]
     return (q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == q.dtype
@@ -332,12 +337,9 @@ if HAVE_GLUON:
                             H, Q_LEN, ROWS, stride_ob, stride_ot, stride_oh, False, o_layout)
 
     @gluon.jit
-    def _decode_sm90_kernel(
-        q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, seqlens_ptr, meta_ptr, splits_ptr,
-        out_ptr, lse_ptr, po_ptr, plse_ptr,
-        H, Q_LEN, ROWS, qk_scale, stride_btb, stride_ob, stride_ot, stride_oh,
-        CAUSAL: gl.constexpr, PAGE: gl.constexpr, META_W: gl.constexpr,
-    ):
+    def _mla_buffers(q_desc, q_pe_desc, kv_desc, kv_pe_desc):
+        """Shared memory and barriers of the MLA kernels: Q, the two-stage KV ring, P and its per-row scale;
+        ready/free barriers for Q, each ring slot (freed by both warpgroups) and P."""
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
         q_pe_smem = gl.allocate_shared_memory(dtype, q_pe_desc.block_type.shape, q_pe_desc.layout)
@@ -360,6 +362,18 @@ if HAVE_GLUON:
         for i in gl.static_range(_STAGES):
             mbarrier.init(kv_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=2)  # one arrive per warpgroup
+        return (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, p_ready, p_free,
+                kv_ready, kv_empty)
+
+    @gluon.jit
+    def _decode_sm90_kernel(
+        q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, seqlens_ptr, meta_ptr, splits_ptr,
+        out_ptr, lse_ptr, po_ptr, plse_ptr,
+        H, Q_LEN, ROWS, qk_scale, stride_btb, stride_ob, stride_ot, stride_oh,
+        CAUSAL: gl.constexpr, PAGE: gl.constexpr, META_W: gl.constexpr,
+    ):
+        (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, p_ready, p_free, kv_ready,
+         kv_empty) = _mla_buffers(q_desc, q_pe_desc, kv_desc, kv_pe_desc)
         gl.warp_specialize(
             [(_softmax_warpgroup, (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free,
                                    kv_ready, kv_empty, p_ready, p_free, seqlens_ptr, meta_ptr, splits_ptr,

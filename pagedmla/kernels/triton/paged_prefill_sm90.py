@@ -37,9 +37,9 @@ if HAVE_GLUON:
         _BM,
         _BN,
         _DV,
-        _STAGES,
         _load_kv_tile,
         _load_q,
+        _mla_buffers,
         _softmax_finish,
         _softmax_tile,
         _tile_layout,
@@ -109,8 +109,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _prefill_softmax_warpgroup(
-        q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, kv_ready, kv_empty, p_ready, p_free,
-        seqlens_ptr, qo_ptr, out_ptr, lse_ptr, H, batch, qk_scale,
+        q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, kv_ready, kv_empty, p_ready,
+        p_free, seqlens_ptr, qo_ptr, out_ptr, lse_ptr, H, batch, qk_scale,
         CAUSAL: gl.constexpr, SEARCH_STEPS: gl.constexpr,
     ):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -131,11 +131,10 @@ if HAVE_GLUON:
             o = gl.zeros([_BM, 256], dtype=gl.float32, layout=o_layout)
             mbarrier.wait(q_ready, 0)
             for n0 in range(0, end, _BN):
-                # One tile per program: Q is never reloaded, so there is no "Q free" barrier to arrive on
-                # (release_q is False and the q_ready argument is never used for it).
+                # One tile per program: Q is never reloaded, so "Q free" is never signalled (release_q False).
                 o, m_i, l_i = _softmax_tile(o, m_i, l_i, n0 // _BN, n0 // _BN, n0, first_masked, lim, kv_len,
                                             False, qk_scale, q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem,
-                                            scale_smem, q_ready, kv_ready, kv_empty, p_ready, p_free, s_layout,
+                                            scale_smem, q_free, kv_ready, kv_empty, p_ready, p_free, s_layout,
                                             o_layout)
             inv_l, lse2 = _softmax_finish(m_i, l_i, gl.cdiv(end, _BN), scale_smem, p_ready, p_free)
             _store_rows(o, gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)),
@@ -162,29 +161,12 @@ if HAVE_GLUON:
         H, batch, qk_scale, stride_btb,
         CAUSAL: gl.constexpr, PAGE: gl.constexpr, SEARCH_STEPS: gl.constexpr,
     ):
-        dtype: gl.constexpr = q_desc.dtype
-        q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
-        q_pe_smem = gl.allocate_shared_memory(dtype, q_pe_desc.block_type.shape, q_pe_desc.layout)
-        kv_ring = gl.allocate_shared_memory(dtype, [_STAGES] + kv_desc.block_type.shape, kv_desc.layout)
-        kv_pe_ring = gl.allocate_shared_memory(dtype, [_STAGES] + kv_pe_desc.block_type.shape, kv_pe_desc.layout)
-        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BM, _BN], dtype)
-        p_smem = gl.allocate_shared_memory(dtype, [_BM, _BN], p_layout)
-        scale_smem = gl.allocate_shared_memory(gl.float32, [_BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-        q_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-        p_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-        p_free = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-        kv_ready = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], bar_layout)
-        kv_empty = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], bar_layout)
-        mbarrier.init(q_ready, count=1)
-        mbarrier.init(p_ready, count=1)
-        mbarrier.init(p_free, count=1)
-        for i in gl.static_range(_STAGES):
-            mbarrier.init(kv_ready.index(i), count=1)
-            mbarrier.init(kv_empty.index(i), count=2)  # one arrive per warpgroup
+        # q_free is allocated but never arrived on: one tile per program, Q is never reloaded.
+        (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, p_ready, p_free, kv_ready,
+         kv_empty) = _mla_buffers(q_desc, q_pe_desc, kv_desc, kv_pe_desc)
         gl.warp_specialize(
             [(_prefill_softmax_warpgroup, (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready,
-                                           kv_ready, kv_empty, p_ready, p_free, seqlens_ptr, qo_ptr, out_ptr,
+                                           q_free, kv_ready, kv_empty, p_ready, p_free, seqlens_ptr, qo_ptr, out_ptr,
                                            lse_ptr, H, batch, qk_scale, CAUSAL, SEARCH_STEPS)),
              (_prefill_value_warpgroup, (kv_ring, p_smem, scale_smem, kv_ready, kv_empty, p_ready, p_free,
                                          seqlens_ptr, qo_ptr, out_ptr, lse_ptr, H, batch, CAUSAL, SEARCH_STEPS)),

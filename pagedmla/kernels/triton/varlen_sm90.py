@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from pagedmla.kernels.triton.decode_sm90 import HAVE_GLUON, _capability, descriptor
+from pagedmla.kernels.triton.decode_sm90 import HAVE_GLUON, descriptor, hopper_available
 
 if HAVE_GLUON:
     from pagedmla.kernels.triton.decode_sm90 import _zero_tail_rows
@@ -49,9 +49,7 @@ if HAVE_GLUON:
 def varlen_sm90_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the Gluon kernel can run this call: an sm_90 GPU, bf16/fp16, q/k head dim 64, 128 or 192,
     value head dim 64 or 128, 16-byte aligned bases (the row strides of 3-D [T, H, D] tensors are then too)."""
-    if not (HAVE_GLUON and q.is_cuda):
-        return False
-    if _capability(q.device.index if q.device.index is not None else torch.cuda.current_device()) != (9, 0):
+    if not hopper_available(q.device):
         return False
     return (q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype and v.dtype == q.dtype
             and q.shape[-1] in (64, 128, 192) and v.shape[-1] in (64, 128)
