@@ -1,13 +1,14 @@
 """Prefill benchmarks: ragged MHA (192/128), paged absorbed prefill, merge_state, with baselines in one run.
 
-Ragged grid (ANCHORS): causal, q/k 192, v 128, bf16; pagedmla's Triton kernel (several tile variants
-with --variants; on sm_90 also the opt-in Hopper kernel, ``triton_hopper``) against torch SDPA and, with
---flashinfer, FlashInfer fa3 ragged prefill (``BatchPrefillWithRaggedKVCacheWrapper(..., backend="fa3")``).
+Ragged grid (ANCHORS): causal, q/k 192, v 128, bf16; pagedmla's default kernel choice (``triton``: the
+Hopper kernel on sm_90) and the portable Triton kernel (``triton_portable``; several tile variants with
+--variants) against torch SDPA and, with --flashinfer, FlashInfer fa3 ragged prefill
+(``BatchPrefillWithRaggedKVCacheWrapper(..., backend="fa3")``).
 SDPA gets the equal-length batch as [b, H, L, D] views of the same packed tensors (no copies), q/k 192 and
 v 128 as they are; the backend torch picks is printed. Causal FLOPs = 2·b·H·L(L+1)/2·(192+128).
 Paged absorbed prefill: requests of n new tokens over p cached ones (page size 64, permuted pages),
 576/512, one KV head, against FlashInfer's ``BatchMLAPagedAttentionWrapper(backend="fa3")`` with
-qo_indptr; on sm_90 also the opt-in Hopper kernel (``triton_hopper``).
+qo_indptr; ``triton`` (default choice) and ``triton_portable`` as above.
 FLOPs = 2·H·Σ_rows(visible keys)·(576+512).
 merge_state: GB/s (bytes read + written) against a device-to-device copy measured in the same run.
 
@@ -30,8 +31,6 @@ import triton
 from pagedmla.kernels.triton import merge as tmerge
 from pagedmla.kernels.triton import paged_prefill as tpaged
 from pagedmla.kernels.triton import varlen as tvarlen
-from pagedmla.kernels.triton.decode_sm90 import sm90_supported
-from pagedmla.kernels.triton.varlen_sm90 import varlen_sm90_supported
 
 RAGGED_GRID = [(1, 8192, 128), (4, 4096, 128), (16, 1024, 128), (8, 4096, 16), (1, 32768, 16)]
 RAGGED_VARIANTS = {
@@ -100,7 +99,9 @@ def sdpa_backend_name(q, k, v) -> str:
 def bench_ragged(args, fi_workspace):
     print("\n== ragged prefill, causal, q/k 192, v 128, bf16 ==", flush=True)
     grid = RAGGED_GRID[:2] + RAGGED_GRID[3:4] if args.quick else RAGGED_GRID
-    variants = RAGGED_VARIANTS if args.variants else {"triton": None}
+    variants = {"triton": None, "triton_portable": {"HOPPER": False}}
+    if args.variants:
+        variants.update({name: {**cfg, "HOPPER": False} for name, cfg in RAGGED_VARIANTS.items()})
     for b, seqlen, h in grid:
         ragged_cell(b, seqlen, h, variants, fi_workspace)
         torch.cuda.empty_cache()
@@ -134,10 +135,6 @@ def ragged_cell(b, seqlen, h, variants, fi_workspace):
         try_variant("ragged", cell, name, functools.partial(
             tvarlen.varlen_attention, q, k, v, cu, cu, seqlen, seqlen, scale, True, out, config=cfg),
             flops, lambda o: rel(o[0], ref))
-    if varlen_sm90_supported(q, k, v):
-        try_variant("ragged", cell, "triton_hopper", functools.partial(
-            tvarlen.varlen_attention, q, k, v, cu, cu, seqlen, seqlen, scale, True, out, config={"HOPPER": True}),
-            flops, lambda o: rel(o[0], ref))
     if fi_workspace is not None:
         import flashinfer
 
@@ -148,7 +145,9 @@ def ragged_cell(b, seqlen, h, variants, fi_workspace):
 
 def bench_paged(args, fi_workspace):
     print("\n== paged absorbed prefill, causal, 576/512, page 64, bf16 ==", flush=True)
-    variants = PAGED_VARIANTS if args.variants else {"triton": None}
+    variants = {"triton": None, "triton_portable": {"HOPPER": False}}
+    if args.variants:
+        variants.update({name: {**cfg, "HOPPER": False} for name, cfg in PAGED_VARIANTS.items()})
     for b, new, cached, h in PAGED_GRID:
         paged_cell(b, new, cached, h, variants, fi_workspace)
         torch.cuda.empty_cache()
@@ -185,10 +184,6 @@ def paged_cell(b, new, cached, h, variants, fi_workspace):
         try_variant("paged", cell, name, functools.partial(
             tpaged.paged_varlen_attention, q, cache, block_table, lens, qo, 512, scale, True, new, config=cfg),
             flops, lambda o: rel(o[0], base))
-    if sm90_supported(q, cache, 512):
-        try_variant("paged", cell, "triton_hopper", functools.partial(
-            tpaged.paged_varlen_attention, q, cache, block_table, lens, qo, 512, scale, True, new,
-            config={"HOPPER": True}), flops, lambda o: rel(o[0], base))
 
 
 def bench_merge():
@@ -225,15 +220,15 @@ def merge_cell(t, h, d, copy_gbs):
 
 
 def summary():
-    print("\n== summary (ratio = triton best / baseline, same run) ==")
+    print("\n== summary (ratio = pagedmla's default kernel choice, 'triton', / baseline, same run) ==")
     cells = dict.fromkeys((r["section"], r["cell"]) for r in rows)
     for section, cell in cells:
         sel = [r for r in rows if (r["section"], r["cell"]) == (section, cell) and r["value"] is not None]
         mine = [r for r in sel if r["impl"].startswith("triton") or r["impl"].startswith("m")]
         if not mine:
             continue
-        best = max(mine, key=lambda r: r["value"])
-        parts = [f"{section:<6} {cell:<22} triton {best['value']:7.1f} {best['unit']} ({best['impl']})"]
+        best = next((r for r in mine if r["impl"] == "triton"), mine[0])
+        parts = [f"{section:<6} {cell:<22} triton {best['value']:7.1f} {best['unit']}"]
         for r in sel:
             if r not in mine and r["impl"] != "torch_copy":
                 parts.append(f"{r['impl']} {r['value']:.1f} -> x{best['value'] / r['value']:.2f}")

@@ -262,13 +262,18 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.gpu
 @pytest.mark.parametrize("h,hk,lens", [(16, 16, [1024, 4096, 2500, 3]), (128, 128, [1024, 777]), (16, 2, [2048, 1])])
 @pytest.mark.parametrize("causal", [True, False])
-def test_gpu_varlen_bf16(h, hk, lens, causal):
+@pytest.mark.parametrize("contiguous_v", [True, False])
+def test_gpu_varlen_bf16(h, hk, lens, causal, contiguous_v):
+    """The public call with the default kernel choice: on sm_90 the Hopper kernel for contiguous inputs and
+    for long queries, the portable kernel for a strided value view over short queries."""
     gen = torch.Generator(device="cuda").manual_seed(sum(lens) + h)
     cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
     t = int(cu[-1])
     q = (torch.randn(t, h, 192, device="cuda", generator=gen) / 2).bfloat16()
     k = (torch.randn(t, hk, 192, device="cuda", generator=gen) / 2).bfloat16()
     v = torch.randn(t, hk, 128, device="cuda", generator=gen).bfloat16()
+    if not contiguous_v:  # the value half of a [T, Hk, 64 + 128] decompression output, as the model makes
+        v = torch.cat([torch.full((t, hk, 64), float("nan"), device="cuda").bfloat16(), v], -1)[..., 64:]
     out = torch.full((t, h, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
     o, lse = pagedmla.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal,
                                              return_attn_probs=True, out=out, provider="triton")[:2]
@@ -290,14 +295,36 @@ def test_gpu_varlen_equal_dims_bf16(d):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["portable", "hopper"])
+@pytest.mark.parametrize("h,hk,lens", [(16, 16, [1024, 2500, 3]), (128, 128, [777, 1])])
+def test_gpu_varlen_each_kernel_bf16(kernel, h, hk, lens):
+    """Both kernels on the GPU whatever the default picks (the portable one runs off sm_90 and for
+    fp32 / other head dims there)."""
+    q, k, v, cu, _ = _varlen_case(lens, lens, h, hk, 192, 128, torch.bfloat16, True, seed=h + len(lens))
+    if kernel == "hopper" and not varlen_sm90_supported(q, k, v):
+        pytest.skip("the Hopper kernel needs an sm_90 GPU and Triton's Gluon")
+    q = (q.float() / 2).bfloat16()
+    o, lse = tvarlen.varlen_attention(q, k, v, cu, cu, max(lens), max(lens), 192 ** -0.5, True,
+                                      config={"HOPPER": kernel == "hopper"})
+    ref, ref_lse = reference.varlen_attention(q.float(), k.float(), v.float(), cu, cu, 192 ** -0.5, True)
+    _check_lse(lse, ref_lse, 1e-2)
+    _check_out(o, ref, ref_lse, 1e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("h", [16, 128])
-def test_gpu_paged_prefill_bf16(h):
+@pytest.mark.parametrize("kernel", [None, "portable"])
+def test_gpu_paged_prefill_bf16(h, kernel):
     q_lens = [512, 1, 37, 300]
     kv_lens = [2048 + 512, 4000, 37, 1300]
     q, cache, bt, lens, qo = _paged_case(q_lens, kv_lens, h, 64, torch.bfloat16, seed=h)
     q = (q.float() / 4).bfloat16()
-    out, lse = pagedmla.flash_mla_varlen_with_kvcache(q, cache, bt, lens, qo, 512, causal=True,
-                                                      max_q_len=max(q_lens), provider="triton")
+    if kernel is None:  # the public call: the Hopper kernel on sm_90
+        out, lse = pagedmla.flash_mla_varlen_with_kvcache(q, cache, bt, lens, qo, 512, causal=True,
+                                                          max_q_len=max(q_lens), provider="triton")
+    else:
+        out, lse = tpaged.paged_varlen_attention(q, cache, bt, lens, qo, 512, 576 ** -0.5, True, None,
+                                                 config={"HOPPER": False})
     ref, ref_lse = reference.paged_mla_attention(q, cache, bt, lens, qo, 576 ** -0.5, True, 512, 64)
     assert torch.isfinite(out).all()
     assert _rel(out, ref) < 1e-2 and _cos(out, ref) > 0.9999
@@ -319,7 +346,7 @@ HOPPER_VARLEN_CASES = [
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_varlen_hopper_kernel(case, causal, dtype):
-    """The Hopper ragged kernel (opt-in until measured) against the reference."""
+    """The Hopper ragged kernel against the reference on ragged tails, GQA and every supported head dim."""
     lq, lk, h, hk, dk, dv = HOPPER_VARLEN_CASES[case]
     lk = lk or lq
     q, k, v, cu_q, cu_k = _varlen_case(lq, lk, h, hk, dk, dv, dtype, causal, seed=case + 40)
@@ -353,7 +380,7 @@ def test_gpu_varlen_hopper_kernel_without_keys():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [True, False])
 def test_gpu_paged_prefill_hopper_kernel(h, page, dtype, causal):
-    """The Hopper paged-prefill kernel (opt-in until measured): requests with 0, 1, 15, 16, 17 and hundreds of
+    """The Hopper paged-prefill kernel: requests with 0, 1, 15, 16, 17 and hundreds of
     new tokens over cached prefixes, queries longer than the keys (causal rows that see nothing), an empty
     KV, NaN in every slot a request does not own, pages in random order."""
     cache_ok = torch.empty(1, 64, 1, 576, dtype=dtype, device="cuda")

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedmla.kernels.triton.decode_sm90 import sm90_supported
 from pagedmla.kernels.triton.paged_prefill_sm90 import paged_prefill_sm90
 from pagedmla.kernels.triton.varlen import LOG2E, check_dtype, last_dim_contiguous, split_head_dim
 from pagedmla.ops.providers import register_impl, triton_interpreting
@@ -180,8 +181,9 @@ def paged_varlen_attention(
     including the new tokens; qo_indptr: int32 [b + 1]; head_dim_v: the value width, the first columns of
     each latent row (512; at most the power-of-two part of D). causal: bottom-right per token. max_q_len is not
     needed: the grid is sized from T, so nothing is read back from the device. ``config`` overrides the
-    tile shape (benchmarks); ``config={"HOPPER": True}`` runs the Hopper kernel (``paged_prefill_sm90.py``;
-    sm_90, bf16/fp16, 576/512, pages a multiple of 64; not yet measured, so never chosen by default).
+    tile shape (benchmarks). Without ``config`` an sm_90 GPU runs the Hopper kernel (``paged_prefill_sm90.py``)
+    where it applies (bf16/fp16, 576/512, pages a multiple of 64, contiguous cache); ``config={"HOPPER":
+    True}`` forces it, ``{"HOPPER": False}`` the portable kernel.
     Returns out [T, H, head_dim_v] q.dtype and lse [T, H] float32 (natural log; rows that see no key give 0
     and -inf).
     """
@@ -218,6 +220,8 @@ def paged_varlen_attention(
     cfg = default_config(q.dtype)
     if config:
         cfg.update(config)
+    if config is None and d == 576 and head_dim_v == 512 and sm90_supported(q, k_cache, head_dim_v):
+        cfg["HOPPER"] = True
     if cfg.get("HOPPER"):
         if d != 576 or head_dim_v != 512:
             raise ValueError(f"config: HOPPER needs head dims 576 / 512, got {d} / head_dim_v {head_dim_v}")

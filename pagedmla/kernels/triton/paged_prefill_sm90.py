@@ -8,8 +8,8 @@ and steps (``decode_sm90.py``): a TMA loader warp, warpgroup 0 computing S once 
 online softmax, both warpgroups accumulating half of the 512 value columns from the shared P. No split
 of the keys, so no partials: each program writes its rows' output and LSE directly.
 
-Not used by default: ``paged_varlen_attention(..., config={"HOPPER": True})`` runs it; it becomes the
-default on sm_90 once measured on the device (benchmarks/NOTES.md, Prefill).
+The default for ``paged_varlen_attention`` on sm_90 where it applies (measured on the H200: benchmarks/NOTES.md,
+Prefill); ``config={"HOPPER": False}`` runs the portable kernel instead.
 """
 
 from __future__ import annotations

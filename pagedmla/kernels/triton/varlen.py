@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedmla.kernels.triton.varlen_sm90 import varlen_sm90
+from pagedmla.kernels.triton.varlen_sm90 import varlen_sm90, varlen_sm90_supported
 from pagedmla.ops.providers import register_impl, triton_interpreting
 
 LOG2E = 1.4426950408889634
@@ -191,6 +191,20 @@ def default_config(dk: int, dv: int, dtype: torch.dtype) -> dict:
     return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": stages}
 
 
+# A non-contiguous q/k/v (the value half of a kv_b_proj output) costs the Hopper kernel a copy of ~512 B per
+# key row and head; attention at full speed spends ~Tq x 1.1 ps per key row and head, so below ~512 query
+# rows the copy would eat most of the Hopper kernel's gain over the strided portable kernel.
+HOPPER_COPY_MIN_Q = 512
+
+
+def _use_hopper(config: dict | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_seqlen_q: int) -> bool:
+    if config is not None:
+        return bool(config.get("HOPPER"))
+    if not varlen_sm90_supported(q, k, v):
+        return False
+    return max_seqlen_q >= HOPPER_COPY_MIN_Q or all(t.is_contiguous() for t in (q, k, v))
+
+
 def varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -211,9 +225,10 @@ def varlen_attention(
     cu_seqlens_q/k: int32 [b + 1] on q's device; max_seqlen_q bounds every q length (sizes the grid;
     max_seqlen_k is not needed by the kernel). causal: bottom-right aligned when lengths differ.
     ``out`` [Tq, H, Dv] (q's dtype) receives the output when given. ``config`` overrides the tile shape
-    (keys BLOCK_M, BLOCK_N, num_warps, num_stages; benchmarks use it); ``config={"HOPPER": True}`` runs the
-    Hopper kernel (``varlen_sm90.py``; sm_90, bf16/fp16, head dims 64/128/192 and 64/128; not yet measured,
-    so never chosen by default). Returns (out [Tq, H, Dv] q.dtype, lse [Tq, H] float32, natural log; rows
+    (keys BLOCK_M, BLOCK_N, num_warps, num_stages; benchmarks use it). Without ``config`` an sm_90 GPU runs
+    the Hopper kernel (``varlen_sm90.py``: bf16/fp16, head dims 64/128/192 and 64/128) when the inputs are
+    contiguous or the queries long enough to amortise copying them; ``config={"HOPPER": True}`` forces it,
+    ``{"HOPPER": False}`` the portable kernel. Returns (out [Tq, H, Dv] q.dtype, lse [Tq, H] float32, natural log; rows
     that see no key give 0 and -inf). No host synchronisation.
     """
     check_dtype(q, "q")
@@ -252,7 +267,7 @@ def varlen_attention(
     cfg = dict(default_config(dk, dv, q.dtype))
     if config:
         cfg.update(config)
-    if cfg.get("HOPPER"):
+    if _use_hopper(config, q, k, v, max_seqlen_q):
         varlen_sm90(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal, out, lse)
         return out, lse
     d1, d2 = split_head_dim(dk)

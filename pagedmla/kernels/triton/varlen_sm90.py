@@ -11,8 +11,8 @@ sequence's end holds the next sequence's rows, spare rows of the caller's buffer
 or TMA's zero fill: their scores are masked, and each warpgroup zeroes those value rows in shared memory
 before its P V (0 * NaN would poison the output).
 
-Not used by default: ``varlen_attention(..., config={"HOPPER": True})`` runs it; it becomes the default on
-sm_90 once measured on the device (benchmarks/NOTES.md, Prefill).
+The default for ``varlen_attention`` on sm_90 where it applies (measured on the H200: benchmarks/NOTES.md,
+Prefill); ``config={"HOPPER": False}`` runs the portable kernel instead.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from pagedmla.kernels.triton.decode_sm90 import HAVE_GLUON, descriptor, hopper_available
+from pagedmla.kernels.triton.decode_sm90 import HAVE_GLUON, _gl_dtype, descriptor, hopper_available, tma_rows
 
 if HAVE_GLUON:
     from pagedmla.kernels.triton.decode_sm90 import _zero_tail_rows
@@ -48,12 +48,11 @@ if HAVE_GLUON:
 
 def varlen_sm90_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the Gluon kernel can run this call: an sm_90 GPU, bf16/fp16, q/k head dim 64, 128 or 192,
-    value head dim 64 or 128, 16-byte aligned bases (the row strides of 3-D [T, H, D] tensors are then too)."""
+    value head dim 64 or 128. The launcher copies inputs that are not contiguous with 16-byte aligned bases."""
     if not hopper_available(q.device):
         return False
     return (q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype and v.dtype == q.dtype
-            and q.shape[-1] in (64, 128, 192) and v.shape[-1] in (64, 128)
-            and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)))
+            and q.shape[-1] in (64, 128, 192) and v.shape[-1] in (64, 128))
 
 
 if HAVE_GLUON:
@@ -223,10 +222,6 @@ if HAVE_GLUON:
     _MAIN = CachedKernel(_varlen_sm90_kernel)
 
 
-def _gl_dtype(dtype: torch.dtype):
-    return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-
-
 @functools.cache
 def _layout(rows: int, width: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, width], _gl_dtype(dtype))
@@ -237,10 +232,9 @@ def varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
                 out: torch.Tensor, lse: torch.Tensor) -> None:
     """Launch on checked inputs (``varlen_attention`` checks them and allocates out [Tq, H, Dv] and lse
     [Tq, H] float32); requires ``varlen_sm90_supported(q, k, v)``."""
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if not varlen_sm90_supported(q, k, v):
-        raise ValueError("config: HOPPER needs an sm_90 GPU, Triton's Gluon, contiguous 16-byte aligned bf16/fp16 "
-                         "q/k/v, q/k head dim 64, 128 or 192 and value head dim 64 or 128")
+        raise ValueError("config: HOPPER needs an sm_90 GPU, Triton's Gluon, bf16/fp16 q/k/v, q/k head dim 64, "
+                         "128 or 192 and value head dim 64 or 128")
     tq, h, dk = q.shape
     tk, hk, dv = v.shape
     if tk == 0:  # no keys at all (a TMA descriptor cannot describe an empty tensor)
@@ -249,7 +243,8 @@ def varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
         return
     dk1 = 128 if dk == 192 else dk
     dk2 = dk - dk1
-    q2, k2, v2 = q.view(tq, h * dk), k.view(tk, hk * dk), v.view(tk, hk * dv)
+    # A non-contiguous input is copied here (varlen_attention's default avoids that for short queries).
+    q2, k2, v2 = (tma_rows(x.reshape(x.shape[0], -1)) for x in (q, k, v))
     pe_width = dk2 or 64  # without a rope part the pe descriptors are passed but never used
     batch = cu_seqlens_q.shape[0] - 1
     _MAIN.launch(
