@@ -25,7 +25,7 @@ import torch
 from pagedmla.cache import MLAKVCache
 from pagedmla.config import MLAConfig
 from pagedmla.ops.providers import available_providers, resolve
-from pagedmla.ops.schedule import get_mla_metadata, num_sm_parts_for
+from pagedmla.ops.schedule import get_mla_metadata, num_sm_parts_for, schedule_into
 
 
 class ForwardMode(enum.Enum):
@@ -469,7 +469,7 @@ class MLABackend:
         g.seq_lens[:bs].copy_(seq_lens[:bs])
         parts = num_sm_parts_for(self.device, q_len * self.heads, 1)
         md = g.tile_scheduler_metadata[:parts]
-        self._schedule_into(bs, q_len, md, g)
+        schedule_into(g.seq_lens[:bs], md, g.num_splits[: bs + 1])
         g.captured[(bs, forward_mode)] = parts
         self.metadata = ForwardMetadata(mode=forward_mode, bs=bs, form="absorbed", seq_lens=g.seq_lens[:bs],
                                         block_table=g.block_table[:bs], q_len=q_len, tile_scheduler_metadata=md,
@@ -479,7 +479,7 @@ class MLABackend:
                                                 seq_lens: torch.Tensor, forward_mode: ForwardMode,
                                                 block_table: torch.Tensor, raw_bs: int | None = None) -> None:
         """Refill the graph buffers for a replay of the ``bs``-row graph: no host synchronisation and no new
-        buffers (the schedule is recomputed with temporaries from the caching allocator, then copied in).
+        buffers (on CUDA the schedule kernel writes straight into them).
         The first ``raw_bs`` rows are real (``seq_lens`` / ``req_pool_indices`` may
         hold just those); the rest are padding (seq_len 1, block-table row of page 0)."""
         g = self._graph_state()
@@ -501,16 +501,11 @@ class MLABackend:
         g.seq_lens[:raw].copy_(seq_lens[:raw])
         g.seq_lens[raw:bs].fill_(self.get_cuda_graph_seq_len_fill_value())
         q_len = self._decode_q_len(forward_mode)
-        self._schedule_into(bs, q_len, g.tile_scheduler_metadata[: g.captured[key]], g)
+        schedule_into(g.seq_lens[:bs], g.tile_scheduler_metadata[: g.captured[key]], g.num_splits[: bs + 1])
         self.metadata = ForwardMetadata(mode=forward_mode, bs=bs, form="absorbed", seq_lens=g.seq_lens[:bs],
                                         block_table=g.block_table[:bs], q_len=q_len,
                                         tile_scheduler_metadata=g.tile_scheduler_metadata[: g.captured[key]],
                                         num_splits=g.num_splits[: bs + 1], num_tokens=bs * q_len, max_q_len=q_len)
-
-    def _schedule_into(self, bs: int, q_len: int, md_buf: torch.Tensor, g: _GraphState) -> None:
-        md, ns = get_mla_metadata(g.seq_lens[:bs], q_len * self.heads, 1, num_sm_parts=md_buf.shape[0])
-        md_buf.copy_(md)
-        g.num_splits[: bs + 1].copy_(ns)
 
 
 _BACKENDS: dict[str, type[MLABackend]] = {"pagedmla": MLABackend}

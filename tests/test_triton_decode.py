@@ -16,6 +16,7 @@ import torch
 
 from pagedmla.kernels.triton.decode import DecodeConfig, paged_decode_triton
 from pagedmla.kernels.triton.decode_sm90 import sm90_supported
+from pagedmla.kernels.triton.schedule import schedule_into as schedule_kernel_into
 from pagedmla.ops import flash_mla_with_kvcache, get_mla_metadata
 from pagedmla.ops.schedule import BLOCK_N as SCHED_N
 from pagedmla.reference import paged_mla_attention
@@ -182,6 +183,29 @@ def enumerate_schedule(meta: torch.Tensor, splits: torch.Tensor, lens: list[int]
                 covered[(r, blk)] = covered.get((r, blk), 0) + 1
             pieces.setdefault(r, []).append(begin_split if r == begin_req else 0)
     return covered, pieces
+
+
+def _random_lengths(rng: random.Random, b: int) -> list[int]:
+    return [rng.choice([0, 1, 63, 64, 65, rng.randint(0, 5000), rng.randint(0, 200000)]) for _ in range(b)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("seed", range(3))
+def test_schedule_kernel_equals_tensor_ops(seed, device):
+    """The one-launch Triton scheduler (what CUDA runs) writes exactly what the tensor-op version does,
+    including batches longer than its request chunk (32 under the interpreter, 1024 compiled) and more
+    parts than requests."""
+    rng = random.Random(seed)
+    big = device == "cuda"
+    for b in (1, 2, 7, 40, rng.randint(1, 100)) + ((2500,) if big else ()):
+        lens = torch.tensor(_random_lengths(rng, b), dtype=torch.int32, device=device)
+        for parts in (1, 3, 66, 132, 264) if big else (1, 3, 20):
+            want_md, want_ns = get_mla_metadata(lens.cpu(), 16, 1, num_sm_parts=parts)
+            md = torch.full((parts, 8), -7, dtype=torch.int32, device=device)
+            ns = torch.full((b + 1,), -7, dtype=torch.int32, device=device)
+            schedule_kernel_into(lens, md, ns)
+            assert torch.equal(md.cpu(), want_md), (b, parts)
+            assert torch.equal(ns.cpu(), want_ns), (b, parts)
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -4,8 +4,9 @@ The work of a batch is laid on one line of "units": request b costs ``FIXED_OVER
 q load, output write and combine share) followed by one unit per ``BLOCK_N``-token KV block. The line is
 cut into ``num_sm_parts`` equal pieces; part p processes the blocks whose units fall into its piece. A
 request whose blocks all fall into one part is written directly; one spread over several parts ("split")
-writes fp32 partial results that the combine kernel merges. Everything is computed with tensor ops on
-the device (no host synchronisation), so the call can be captured in a CUDA graph.
+writes fp32 partial results that the combine kernel merges. Everything is computed on the device (no host
+synchronisation), so the call can be captured in a CUDA graph: on CUDA by one Triton launch
+(``kernels/triton/schedule.py``), elsewhere with the tensor ops below.
 
 Metadata row of part p (int32 [num_sm_parts, METADATA_WIDTH]):
   0 begin_req, 1 begin_block, 2 end_req (inclusive), 3 end_block (exclusive, within end_req),
@@ -90,12 +91,28 @@ def get_mla_metadata(
     if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
         raise ValueError(f"num_sm_parts: expected a positive int, got {parts!r}")
     bs = cache_seqlens.shape[0]
-    metadata = torch.zeros(parts, METADATA_WIDTH, dtype=torch.int32, device=dev)
-    num_splits = torch.zeros(bs + 1, dtype=torch.int32, device=dev)
+    metadata = torch.empty(parts, METADATA_WIDTH, dtype=torch.int32, device=dev)
+    num_splits = torch.empty(bs + 1, dtype=torch.int32, device=dev)
+    schedule_into(cache_seqlens, metadata, num_splits)
+    return metadata, num_splits
+
+
+def schedule_into(cache_seqlens: torch.Tensor, metadata: torch.Tensor, num_splits: torch.Tensor) -> None:
+    """``get_mla_metadata`` into given buffers (CUDA-graph state): int32 ``cache_seqlens`` [bs], ``metadata``
+    [parts, METADATA_WIDTH] and ``num_splits`` [bs + 1] on one device, the buffers contiguous. On CUDA one
+    Triton launch (``kernels/triton/schedule.py``), elsewhere the same arithmetic in tensor ops."""
+    bs, parts = cache_seqlens.shape[0], metadata.shape[0]
     if bs == 0:
-        metadata[:, 0] = 0
+        metadata.zero_()
         metadata[:, 2] = -1
-        return metadata, num_splits
+        num_splits.zero_()
+        return
+    if cache_seqlens.is_cuda:
+        from pagedmla.kernels.triton.schedule import schedule_into as launch  # late: that module imports this one
+
+        launch(cache_seqlens.contiguous(), metadata, num_splits)
+        return
+    dev = cache_seqlens.device
     n = (cache_seqlens.to(torch.int64).clamp(min=0) + BLOCK_N - 1) // BLOCK_N
     unit_end = torch.cumsum(n + FIXED_OVERHEAD_BLOCKS, 0)  # end of request b's units (exclusive)
     first = unit_end - n  # unit of request b's first KV block
@@ -111,10 +128,11 @@ def get_mla_metadata(
     first_part = first // per_part
     begin_split = torch.clamp(torch.arange(parts, device=dev) - first_part[b_idx], min=0)
     pieces = torch.where(n > 0, (first + n - 1) // per_part - first_part + 1, torch.zeros_like(n))
+    metadata.zero_()
     metadata[:, 0] = begin_req.to(torch.int32)
     metadata[:, 1] = begin_block.to(torch.int32)
     metadata[:, 2] = end_req.to(torch.int32)
     metadata[:, 3] = end_block.to(torch.int32)
     metadata[:, 4] = begin_split.to(torch.int32)
+    num_splits[0] = 0
     num_splits[1:] = torch.cumsum(pieces, 0).to(torch.int32)
-    return metadata, num_splits
