@@ -23,6 +23,33 @@ try:
 except ImportError:  # Triton < 3.4
     knobs = None
 
+try:  # the raw stream handle, as Triton's own launcher gets it (no torch Stream object per launch)
+    from torch._C import _cuda_getCurrentRawStream as _raw_stream
+except ImportError:  # torch builds without CUDA (launches never get this far there)
+    def _raw_stream(index: int) -> int:
+        return torch.cuda.current_stream(index).cuda_stream
+
+
+_I32_MIN, _I32_END = -(2 ** 31), 2 ** 31
+# id(layout) -> (layout, token). Holding the layout keeps its id from being reused by another object, so a
+# descriptor's layout enters keys as a small int instead of a dataclass hashed field by field on every launch
+# (the launchers cache their layouts, so this table stays a handful of entries).
+_layout_tokens: dict[int, tuple[Any, int]] = {}
+
+
+def _layout_token(layout: Any) -> int:
+    entry = _layout_tokens.get(id(layout))
+    if entry is None:
+        entry = _layout_tokens[id(layout)] = (layout, len(_layout_tokens))
+    return entry[1]
+
+
+_descriptor_types: set[type] = set()
+
+
+def _descriptor_spec(v: Any) -> tuple:
+    return ("d", v.base.dtype, tuple(v.block_shape), _layout_token(getattr(v, "layout", None)))
+
 
 def _spec(v: Any) -> Any:
     if isinstance(v, bool):
@@ -37,8 +64,9 @@ def _spec(v: Any) -> Any:
     if v is None:
         return None
     base = getattr(v, "base", None)
-    if isinstance(base, torch.Tensor):  # a host tensor descriptor (layouts are hashable dataclasses)
-        return ("d", base.dtype, tuple(v.block_shape), getattr(v, "layout", None))
+    if isinstance(base, torch.Tensor):  # a host tensor descriptor
+        _descriptor_types.add(type(v))
+        return _descriptor_spec(v)
     return ("c", v)
 
 
@@ -58,7 +86,25 @@ class CachedKernel:
 
     def specialisation(self, values: list[Any]) -> tuple:
         """What Triton compiles one kernel per: ``values`` are all parameters in signature order."""
-        return tuple(("c", v) if const else _spec(v) for v, const in zip(values, self.constexpr, strict=True))
+        if len(values) != len(self.constexpr):
+            raise TypeError(f"{self.names}: expected {len(self.constexpr)} values, got {len(values)}")
+        key = []
+        add = key.append
+        # Inline fast paths for the common int32 and plain-tensor cases (a launch's host time is mostly this
+        # loop); everything else, and every value's exact class, goes through _spec.
+        for v, const in zip(values, self.constexpr):
+            t = type(v)
+            if const:
+                add(("c", v))
+            elif t is int and _I32_MIN <= v < _I32_END:
+                add(("i32", v == 1, v % 16 == 0))
+            elif t is torch.Tensor:
+                add((v.dtype, v.data_ptr() % 16 == 0))
+            elif t in _descriptor_types:
+                add(_descriptor_spec(v))
+            else:
+                add(_spec(v))
+        return tuple(key)
 
     def launch(self, device: torch.device, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
         if device.type != "cuda" or knobs is None:
@@ -79,7 +125,7 @@ class CachedKernel:
             self.compiled[key] = kernel
             return
         g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
-        stream = torch.cuda.current_stream(current).cuda_stream
+        stream = _raw_stream(current)
         enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-        kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata,
-                   kernel.launch_metadata(grid, stream, *values), enter, exit_, *values)
+        metadata = None if enter is None else kernel.launch_metadata(grid, stream, *values)
+        kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, metadata, enter, exit_, *values)
