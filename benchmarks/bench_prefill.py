@@ -228,7 +228,7 @@ def summary():
         if not mine:
             continue
         best = next((r for r in mine if r["impl"] == "triton"), mine[0])
-        parts = [f"{section:<6} {cell:<22} triton {best['value']:7.1f} {best['unit']}"]
+        parts = [f"{section:<6} {cell:<22} {best['impl']} {best['value']:7.1f} {best['unit']}"]
         for r in sel:
             if r not in mine and r["impl"] != "torch_copy":
                 parts.append(f"{r['impl']} {r['value']:.1f} -> x{best['value'] / r['value']:.2f}")

@@ -36,6 +36,27 @@ def test_spec_classes_match_triton():
                                                             if not isinstance(b, torch.Tensor) else "tensor")
 
 
+def test_fast_key_paths_equal_the_general_one():
+    """``specialisation``'s inline cases give exactly the key ``_spec`` gives, for every kind of value."""
+
+    class Descriptor:  # shaped like a host tensor descriptor
+        def __init__(self, base, block_shape, layout):
+            self.base, self.block_shape, self.layout = base, block_shape, layout
+
+    x = torch.zeros(64, dtype=torch.float16)
+    layout_a, layout_b = ("swizzle", 128), ("swizzle", 64)
+    values = [0, 1, 16, 17, -16, 2 ** 31 - 1, 2 ** 31, -(2 ** 31), -(2 ** 31) - 1, 2 ** 63, True, False, 0.5, None,
+              x, x[1:], x.float(), torch.nn.Parameter(x.float()), Descriptor(x, [16, 64], layout_a),
+              Descriptor(x, [16, 64], layout_b), Descriptor(x.float(), [16, 64], layout_a), "ieee"]
+    kernel = CachedKernel(_scaled_copy)
+    for v in values:
+        for _ in range(2):  # the second pass takes the descriptor fast path once the type is known
+            assert kernel.specialisation([v, x, 64, 1.0, 128]) == (_spec(v),) + kernel.specialisation(
+                [x, x, 64, 1.0, 128])[1:], v
+    keys = {_spec(v) for v in values[-4:-1]}
+    assert len(keys) == 3, "layout and dtype separate descriptors"
+
+
 def test_constexpr_parameters_are_keyed_by_value():
     kernel = CachedKernel(_scaled_copy)
     x = torch.zeros(64)

@@ -259,13 +259,28 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
     return torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0).item()
 
 
+def test_varlen_default_kernel_choice(monkeypatch):
+    """Without a config: the Hopper kernel where it applies, unless a strided input would have to be copied
+    for queries too short to pay for the copy; an explicit config decides by its HOPPER key alone."""
+    q, k, v = torch.zeros(4, 2, 192), torch.zeros(4, 2, 192), torch.zeros(4, 2, 320)[..., 192:]
+    monkeypatch.setattr(tvarlen, "varlen_sm90_supported", lambda *a: True)
+    assert tvarlen._use_hopper(None, q, k, v[..., :128].contiguous(), 1)
+    assert not tvarlen._use_hopper(None, q, k, v, tvarlen.HOPPER_COPY_MIN_Q - 1)
+    assert tvarlen._use_hopper(None, q, k, v, tvarlen.HOPPER_COPY_MIN_Q)
+    assert not tvarlen._use_hopper({"BLOCK_M": 64}, q, k, v, 4096)
+    assert tvarlen._use_hopper({"HOPPER": True}, q, k, v, 1)
+    monkeypatch.setattr(tvarlen, "varlen_sm90_supported", lambda *a: False)
+    assert not tvarlen._use_hopper(None, q, k, v[..., :128].contiguous(), 4096)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("h,hk,lens", [(16, 16, [1024, 4096, 2500, 3]), (128, 128, [1024, 777]), (16, 2, [2048, 1])])
+@pytest.mark.parametrize("h,hk,lens", [(16, 16, [1024, 4096, 2500, 3]), (128, 128, [1024, 777]), (16, 2, [2048, 1]),
+                                       (16, 16, [300, 17])])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("contiguous_v", [True, False])
 def test_gpu_varlen_bf16(h, hk, lens, causal, contiguous_v):
     """The public call with the default kernel choice: on sm_90 the Hopper kernel for contiguous inputs and
-    for long queries, the portable kernel for a strided value view over short queries."""
+    for long queries, the portable kernel for a strided value view over short queries ([300, 17])."""
     gen = torch.Generator(device="cuda").manual_seed(sum(lens) + h)
     cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
     t = int(cu[-1])

@@ -362,6 +362,31 @@ def test_get_mla_metadata_rejects(lens, q_tokens, heads_k, parts, exc, name):
         pagedmla.get_mla_metadata(lens, q_tokens, heads_k, num_sm_parts=parts)
 
 
+def _buffers(bs=2, parts=3):
+    return (t32([3] * bs), torch.zeros(parts, 8, dtype=torch.int32), torch.zeros(bs + 1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("bad,name", [
+    (lambda lens, md, ns: (lens, md.t().contiguous(), ns), "metadata"),        # [8, parts]
+    (lambda lens, md, ns: (lens, torch.zeros(8, 3, dtype=torch.int32).t(), ns), "metadata"),  # strided
+    (lambda lens, md, ns: (lens, md.long(), ns), "metadata"),
+    (lambda lens, md, ns: (lens, md, ns[:-1]), "num_splits"),                  # one entry short
+    (lambda lens, md, ns: (lens, md, torch.zeros(3, 2, dtype=torch.int32)[:, 0]), "num_splits"),  # strided
+    (lambda lens, md, ns: (lens.long(), md, ns), "cache_seqlens"),
+    (lambda lens, md, ns: (lens[None], md, ns), "cache_seqlens"),
+])
+def test_schedule_into_rejects(bad, name):
+    """The buffer form (CUDA-graph state) checks what the kernel would otherwise write past or misorder."""
+    from pagedmla.ops.schedule import schedule_into
+
+    with pytest.raises(ValueError, match=name):
+        schedule_into(*bad(*_buffers()))
+    lens, md, ns = _buffers()
+    schedule_into(lens, md, ns)
+    want_md, want_ns = pagedmla.get_mla_metadata(lens, 16, 1, num_sm_parts=3)
+    assert torch.equal(md, want_md) and torch.equal(ns, want_ns)
+
+
 # ----------------------------------------------------------------------------------------------------
 # MLAKVCache
 # ----------------------------------------------------------------------------------------------------

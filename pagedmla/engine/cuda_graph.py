@@ -7,8 +7,8 @@ backend's fill seq_len over block-table rows of page 0, so they touch no live da
 eagerly. A replay reads nothing back from the device and reuses its static buffers: the inputs are
 copied into them, the backend refills its own graph buffers (``init_forward_metadata_replay_cuda_graph``),
 and the logits are read from the graph's static output. Building the inputs (``ModelRunner.prepare``)
-and the backend's recomputation of its schedule for the replay do allocate small temporaries, which the
-caching allocator serves without new device allocations once the sizes have been seen.
+allocates small temporaries, which the caching allocator serves without new device allocations once the
+sizes have been seen; on CUDA the backend's schedule for the replay is written straight into its buffers.
 
 Graph objects come from a factory (``CudaGraph`` on the GPU); tests substitute one that re-runs the
 captured function, so the padding and buffer logic runs on the CPU too.

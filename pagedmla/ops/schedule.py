@@ -76,7 +76,8 @@ def get_mla_metadata(
     cache_seqlens: int32 [bs] KV lengths (this step's tokens included);
     num_q_tokens_per_head_k: q_len * num_heads_q // num_heads_k; num_heads_k: KV heads (1 for MLA).
     ``num_sm_parts`` overrides the part count (tests use it to force splits on small problems).
-    No host synchronisation: safe to call while capturing a CUDA graph.
+    No host synchronisation: safe to call while capturing a CUDA graph (during a capture the tensor-op
+    version runs, so that a first call never has to compile and load the Triton kernel inside it).
     """
     if not isinstance(cache_seqlens, torch.Tensor):
         raise TypeError(f"cache_seqlens: expected a torch.Tensor, got {type(cache_seqlens).__name__}")
@@ -93,21 +94,39 @@ def get_mla_metadata(
     bs = cache_seqlens.shape[0]
     metadata = torch.empty(parts, METADATA_WIDTH, dtype=torch.int32, device=dev)
     num_splits = torch.empty(bs + 1, dtype=torch.int32, device=dev)
-    schedule_into(cache_seqlens, metadata, num_splits)
+    _fill(cache_seqlens, metadata, num_splits)
     return metadata, num_splits
 
 
 def schedule_into(cache_seqlens: torch.Tensor, metadata: torch.Tensor, num_splits: torch.Tensor) -> None:
     """``get_mla_metadata`` into given buffers (CUDA-graph state): int32 ``cache_seqlens`` [bs], ``metadata``
-    [parts, METADATA_WIDTH] and ``num_splits`` [bs + 1] on one device, the buffers contiguous. On CUDA one
-    Triton launch (``kernels/triton/schedule.py``), elsewhere the same arithmetic in tensor ops."""
+    int32 [parts, METADATA_WIDTH] and ``num_splits`` int32 [bs + 1], all on one device, the buffers
+    contiguous. No host synchronisation."""
+    for name, x in (("cache_seqlens", cache_seqlens), ("metadata", metadata), ("num_splits", num_splits)):
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.int32 or x.device != cache_seqlens.device:
+            raise ValueError(f"{name}: expected an int32 tensor on {cache_seqlens.device}")
+    bs = cache_seqlens.shape[0] if cache_seqlens.dim() == 1 else -1
+    if bs < 0:
+        raise ValueError(f"cache_seqlens: expected a 1-D tensor, got shape {tuple(cache_seqlens.shape)}")
+    if metadata.dim() != 2 or metadata.shape[1] != METADATA_WIDTH or metadata.shape[0] < 1 \
+            or not metadata.is_contiguous():
+        raise ValueError(f"metadata: expected a contiguous [parts >= 1, {METADATA_WIDTH}] tensor, "
+                         f"got shape {tuple(metadata.shape)}")
+    if num_splits.shape != (bs + 1,) or not num_splits.is_contiguous():
+        raise ValueError(f"num_splits: expected a contiguous [{bs + 1}] tensor, got shape {tuple(num_splits.shape)}")
+    _fill(cache_seqlens, metadata, num_splits)
+
+
+def _fill(cache_seqlens: torch.Tensor, metadata: torch.Tensor, num_splits: torch.Tensor) -> None:
+    """The schedule into checked buffers: on CUDA one Triton launch (``kernels/triton/schedule.py``) except
+    while a CUDA graph is being captured, elsewhere (and then) the same arithmetic in tensor ops."""
     bs, parts = cache_seqlens.shape[0], metadata.shape[0]
     if bs == 0:
         metadata.zero_()
         metadata[:, 2] = -1
         num_splits.zero_()
         return
-    if cache_seqlens.is_cuda:
+    if cache_seqlens.is_cuda and not torch.cuda.is_current_stream_capturing():
         from pagedmla.kernels.triton.schedule import schedule_into as launch  # late: that module imports this one
 
         launch(cache_seqlens.contiguous(), metadata, num_splits)

@@ -14,6 +14,7 @@ Triton 3.6's compiled-kernel interface; with a Triton without ``triton.knobs`` e
 from __future__ import annotations
 
 import inspect
+import itertools
 from typing import Any
 
 import torch
@@ -35,12 +36,13 @@ _I32_MIN, _I32_END = -(2 ** 31), 2 ** 31
 # descriptor's layout enters keys as a small int instead of a dataclass hashed field by field on every launch
 # (the launchers cache their layouts, so this table stays a handful of entries).
 _layout_tokens: dict[int, tuple[Any, int]] = {}
+_next_token = itertools.count()  # next() is atomic under the GIL: two threads never share a token
 
 
 def _layout_token(layout: Any) -> int:
     entry = _layout_tokens.get(id(layout))
     if entry is None:
-        entry = _layout_tokens[id(layout)] = (layout, len(_layout_tokens))
+        entry = _layout_tokens.setdefault(id(layout), (layout, next(_next_token)))
     return entry[1]
 
 
