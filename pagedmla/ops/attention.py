@@ -131,7 +131,9 @@ def flash_attn_varlen_func(
     cu_seqlens_q/k: int32 [b + 1]; max_seqlen_q/k: host ints bounding the lengths; softmax_scale defaults
     to Dqk ** -0.5; causal is bottom-right aligned when q and k lengths differ. ``out`` [total_q, H, Dv]
     receives the result when given. Returns out, or (out, lse [H, total_q] float32, None) when
-    ``return_attn_probs`` is set.
+    ``return_attn_probs`` is set. With the ``triton`` provider on an sm_90 GPU (fp16/bf16, Dqk 64/128/192,
+    Dv 64/128) a Hopper kernel runs; it needs contiguous q/k/v and copies strided ones when the queries are
+    long enough to pay for it (``kernels/triton/varlen.py``), so pass contiguous tensors where you can.
     """
     checks.tensor(q, "q", ndim=3, dtypes=_KV_DTYPES)
     checks.tensor(k, "k", ndim=3)
