@@ -27,13 +27,26 @@ def continuation(prompt: list[int], n: int) -> list[int]:
     return [prompt[(len(prompt) + i) % PERIOD] for i in range(n)]
 
 
-def train_tiny(device, max_steps: int = 4000, batch: int = 64, length: int = 160, seed: int = 0,
-               target: float = 0.995):
+def train_tiny(device, max_steps: int = 2000, batch: int = 64, length: int = 160, seed: int = 0,
+               target: float = 0.995, attempts: int = 3):
     """A transformers DeepSeek-V3 model with the ``tiny`` config trained in float32 on periodic sequences
     (loss on the predictable positions) until its next-token accuracy on a fresh batch reaches ``target``
-    (checked every 100 steps) or ``max_steps`` pass; returns (model, that accuracy). On an H200 it gets
-    there after 300-800 steps (10-20 s); how many varies from run to run (GPU training is not bitwise
-    reproducible), hence the check rather than a fixed step count."""
+    (checked every 100 steps); returns (model, that accuracy). On an H200 it gets there after 300-800
+    steps (10-20 s), but GPU training is not bitwise reproducible and about one run in a few stalled on a
+    plateau (0.94 after 4000 steps, seen once in a parallel test run): gradients are clipped, and a run
+    that has not reached ``target`` after ``max_steps`` starts again from the next seed (``attempts`` in
+    all; the best model is returned if none gets there)."""
+    best = None
+    for attempt in range(attempts):
+        model, accuracy = _train_once(device, max_steps, batch, length, seed + attempt, target)
+        if best is None or accuracy > best[1]:
+            best = (model, accuracy)
+        if accuracy >= target:
+            break
+    return best
+
+
+def _train_once(device, max_steps: int, batch: int, length: int, seed: int, target: float):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -50,6 +63,7 @@ def train_tiny(device, max_steps: int = 4000, batch: int = 64, length: int = 160
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, PERIOD:].reshape(-1))
         opt.zero_grad()
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % 100 == 0:
             model.eval()

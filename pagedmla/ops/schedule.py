@@ -123,7 +123,7 @@ def _fill(cache_seqlens: torch.Tensor, metadata: torch.Tensor, num_splits: torch
     bs, parts = cache_seqlens.shape[0], metadata.shape[0]
     if bs == 0:
         metadata.zero_()
-        metadata[:, 2] = -1
+        metadata[:, 2].fill_(-1)
         num_splits.zero_()
         return
     if cache_seqlens.is_cuda and not torch.cuda.is_current_stream_capturing():
@@ -153,5 +153,7 @@ def _fill(cache_seqlens: torch.Tensor, metadata: torch.Tensor, num_splits: torch
     metadata[:, 2] = end_req.to(torch.int32)
     metadata[:, 3] = end_block.to(torch.int32)
     metadata[:, 4] = begin_split.to(torch.int32)
-    num_splits[0] = 0
-    num_splits[1:] = torch.cumsum(pieces, 0).to(torch.int32)
+    # fill_ / copy_ rather than item assignment: a Python scalar would be a host-to-device copy, which a
+    # CUDA-graph capture rejects.
+    num_splits[:1].zero_()
+    num_splits[1:].copy_(torch.cumsum(pieces, 0))

@@ -3,13 +3,16 @@ variable-length batches (the ``varlen`` op), written for q/k head dim 192 (128 +
 head dim 64/128.
 
 Per program (128 query rows of one sequence and one head, the portable kernel's grid, heaviest tiles
-first): a 1-warp loader partition streams Q once and the sequence's K and V in 128-key tiles through a
-two-stage shared-memory ring with TMA; two consumer warpgroups each own 64 query rows (their S = Q K^T,
-online softmax, P kept in registers as the A operand of O += P V). The warpgroups share every K/V tile
-but are otherwise independent, so one's softmax overlaps the other's MMAs. A tile that runs past a
-sequence's end holds the next sequence's rows, spare rows of the caller's buffer (anything, NaN included)
-or TMA's zero fill: their scores are masked, and each warpgroup zeroes those value rows in shared memory
-before its P V (0 * NaN would poison the output).
+first): a 1-warp loader partition streams Q once and the sequence's K and V in 128-key tiles through two
+two-stage shared-memory rings (K and V separately, with TMA, each K tile before the previous V tile); two
+consumer warpgroups each own 64 query rows (their S = Q K^T, online softmax, P kept in registers as the A
+operand of O += P V). Within a warpgroup, S of tile j is issued before P V of tile j - 1 and the softmax
+of tile j runs while that P V is on the tensor cores (FA3's intra-warpgroup overlap); a K slot is freed
+as soon as its S is done, so the split rings keep the loader a tile ahead. The warpgroups share every
+K/V tile but are otherwise independent, so one's softmax also overlaps the other's MMAs. A tile that runs
+past a sequence's end holds the next sequence's rows, spare rows of the caller's buffer (anything, NaN
+included) or TMA's zero fill: their scores are masked, and each warpgroup zeroes those value rows in
+shared memory before its P V (0 * NaN would poison the output).
 
 The default for ``varlen_attention`` on sm_90 where it applies (measured on the H200: benchmarks/NOTES.md,
 Prefill); ``config={"HOPPER": False}`` runs the portable kernel instead.
@@ -76,7 +79,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _varlen_loader(q_desc, q_pe_desc, k_desc, k_pe_desc, v_desc, cu_q, cu_k, GROUP, q_smem, q_pe_smem,
-                       k_ring, k_pe_ring, v_ring, q_ready, kv_ready, kv_empty,
+                       k_ring, k_pe_ring, v_ring, q_ready, k_ready, k_empty, v_ready, v_empty,
                        DK1: gl.constexpr, DK2: gl.constexpr, CAUSAL: gl.constexpr):
         h = gl.program_id(1)
         q_start, lq, m0, k_start, _, _, hi = _tile_bounds(cu_q, cu_k, CAUSAL)
@@ -92,25 +95,56 @@ if HAVE_GLUON:
             kh = h // GROUP
             k_col = kh * (DK1 + DK2)
             v_col = kh * v_desc.block_type.shape[1]
-            kv_bytes: gl.constexpr = (k_desc.block_type.nbytes + v_desc.block_type.nbytes
-                                      + (k_pe_desc.block_type.nbytes if DK2 > 0 else 0))
-            for n0 in range(0, hi, _BN):
-                it = n0 // _BN
-                s = it % _STAGES
-                mbarrier.wait(kv_empty.index(s), ((it // _STAGES) & 1) ^ 1)
-                ready = kv_ready.index(s)
-                mbarrier.expect(ready, kv_bytes)
-                tma.async_copy_global_to_shared(k_desc, [k_start + n0, k_col], ready, k_ring.index(s))
-                if DK2 > 0:
-                    tma.async_copy_global_to_shared(k_pe_desc, [k_start + n0, k_col + DK1], ready,
-                                                    k_pe_ring.index(s))
-                tma.async_copy_global_to_shared(v_desc, [k_start + n0, v_col], ready, v_ring.index(s))
+            k_bytes: gl.constexpr = k_desc.block_type.nbytes + (k_pe_desc.block_type.nbytes if DK2 > 0 else 0)
+            n_tiles = gl.cdiv(hi, _BN)
+            # K of tile j goes out before V of tile j - 1, the order the consumers use them in.
+            for j in range(0, n_tiles + 1):
+                if j < n_tiles:
+                    s = j % _STAGES
+                    mbarrier.wait(k_empty.index(s), ((j // _STAGES) & 1) ^ 1)
+                    ready = k_ready.index(s)
+                    mbarrier.expect(ready, k_bytes)
+                    tma.async_copy_global_to_shared(k_desc, [k_start + j * _BN, k_col], ready, k_ring.index(s))
+                    if DK2 > 0:
+                        tma.async_copy_global_to_shared(k_pe_desc, [k_start + j * _BN, k_col + DK1], ready,
+                                                        k_pe_ring.index(s))
+                if j > 0:
+                    s = (j - 1) % _STAGES
+                    mbarrier.wait(v_empty.index(s), (((j - 1) // _STAGES) & 1) ^ 1)
+                    ready = v_ready.index(s)
+                    mbarrier.expect(ready, v_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(v_desc, [k_start + (j - 1) * _BN, v_col], ready, v_ring.index(s))
 
     @gluon.jit
-    def _varlen_consumer(q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, q_ready, kv_ready, kv_empty,
+    def _scores(q, q_pe, k_ring, k_pe_ring, j, zero_s, DK2: gl.constexpr):
+        """Issue S = Q K^T of tile j (asynchronous: the caller waits)."""
+        s = j % _STAGES
+        acc = warpgroup_mma(q, k_ring.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        if DK2 > 0:
+            acc = warpgroup_mma(q_pe, k_pe_ring.index(s).permute((1, 0)), acc, is_async=True)
+        return acc
+
+    @gluon.jit
+    def _online_softmax(acc, m_i, l_i, n0, first_masked, lim, qk_scale, s_layout: gl.constexpr):
+        """(P, rescale factor, row max, row sum) after the tile of raw scores acc at keys n0 ..; the max is
+        kept unscaled so that the scale folds into one FMA per score."""
+        if n0 + _BN > first_masked:
+            cols = n0 + gl.arange(0, _BN, layout=gl.SliceLayout(0, s_layout))
+            acc = gl.where(cols[None, :] < lim[:, None], acc, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(acc, axis=1))
+        # A row with no visible key yet keeps max -inf: subtract 0 instead so exp2 gives 0, not NaN.
+        m_sc = gl.where(m_new == float("-inf"), 0.0, m_new * qk_scale)
+        alpha = gl.exp2(m_i * qk_scale - m_sc)
+        p = gl.exp2(acc * qk_scale - m_sc[:, None])
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
+    @gluon.jit
+    def _varlen_consumer(q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, q_ready, k_ready, k_empty, v_ready, v_empty,
                          out_ptr, lse_ptr, cu_q, cu_k, H, qk_scale, stride_ot, stride_oh,
                          W: gl.constexpr, DK2: gl.constexpr, DV: gl.constexpr, CAUSAL: gl.constexpr):
-        """Warpgroup W: query rows m0 + 64 W .. m0 + 64 W + 63 of the program's tile."""
+        """Warpgroup W: query rows m0 + 64 W .. m0 + 64 W + 63 of the program's tile. FA3's intra-warpgroup
+        overlap: S of tile j is issued before P V of tile j - 1, and the softmax of tile j runs while that
+        P V is on the tensor cores; a K slot is released as soon as its S is done, a V slot after its P V."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, _BN, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -131,7 +165,7 @@ if HAVE_GLUON:
                 lim = gl.zeros([_WM], dtype=gl.int32, layout=row_l) + lk
                 first_masked = lk
                 my_end = lk
-            my_end = gl.where(mw < lq, my_end, 0)
+            n_my = gl.cdiv(gl.where(mw < lq, my_end, 0), _BN)
             q = q_smem.index(W)
             q_pe = q_pe_smem.index(W)
             m_i = gl.full([_WM], float("-inf"), dtype=gl.float32, layout=row_l)
@@ -139,40 +173,48 @@ if HAVE_GLUON:
             o = gl.zeros([_WM, DV], dtype=gl.float32, layout=o_layout)
             zero_s = gl.zeros([_WM, _BN], dtype=gl.float32, layout=s_layout)
             mbarrier.wait(q_ready, 0)
-            for n0 in range(0, hi, _BN):
-                it = n0 // _BN
-                s = it % _STAGES
-                mbarrier.wait(kv_ready.index(s), (it // _STAGES) & 1)
-                # Tiles past this warpgroup's last visible key are only released (the other one needs them).
-                if n0 < my_end:
-                    k = k_ring.index(s)
-                    acc = warpgroup_mma(q, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                    if DK2 > 0:
-                        k_pe = k_pe_ring.index(s)
-                        acc = warpgroup_mma(q_pe, k_pe.permute((1, 0)), acc, is_async=True)
-                        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, q, q_pe, k, k_pe))[0]
-                    else:
-                        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, q, k))[0]
-                    sc = acc * qk_scale
-                    if n0 + _BN > first_masked:
-                        cols = n0 + gl.arange(0, _BN, layout=gl.SliceLayout(0, s_layout))
-                        sc = gl.where(cols[None, :] < lim[:, None], sc, float("-inf"))
-                    m_new = gl.maximum(m_i, gl.max(sc, axis=1))
-                    # A row with no visible key yet keeps max -inf: subtract 0 so exp2 gives 0, not NaN.
-                    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-                    alpha = gl.exp2(m_i - m_safe)
-                    p = gl.exp2(sc - m_safe[:, None])
-                    l_i = l_i * alpha + gl.sum(p, axis=1)
-                    m_i = m_new
+            if n_my > 0:
+                mbarrier.wait(k_ready.index(0), 0)
+                acc = _scores(q, q_pe, k_ring, k_pe_ring, 0, zero_s, DK2)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, q))[0]
+                mbarrier.arrive(k_empty.index(0), count=1)
+                p, alpha, m_i, l_i = _online_softmax(acc, m_i, l_i, 0, first_masked, lim, qk_scale, s_layout)
+                p_op = gl.convert_layout(p.to(q.dtype), p_layout)
+                for j in range(1, n_my):
+                    s = j % _STAGES
+                    mbarrier.wait(k_ready.index(s), (j // _STAGES) & 1)
+                    acc = _scores(q, q_pe, k_ring, k_pe_ring, j, zero_s, DK2)
+                    sv = (j - 1) % _STAGES
+                    mbarrier.wait(v_ready.index(sv), ((j - 1) // _STAGES) & 1)
+                    v = v_ring.index(sv)
+                    o = warpgroup_mma(p_op, v, o, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, q))[0]
+                    mbarrier.arrive(k_empty.index(s), count=1)
+                    p, alpha, m_i, l_i = _online_softmax(acc, m_i, l_i, j * _BN, first_masked, lim, qk_scale,
+                                                         s_layout)
+                    o = warpgroup_mma_wait(num_outstanding=0, deps=(o, v))[0]
+                    mbarrier.arrive(v_empty.index(sv), count=1)
                     o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
                     p_op = gl.convert_layout(p.to(q.dtype), p_layout)
-                    v = v_ring.index(s)
-                    if n0 + _BN > lk:
-                        # Both warpgroups may zero the same rows: they write the same zeros.
-                        _zero_tail_rows(v, 0, lk - n0, DV // 64, 4)
-                    o = warpgroup_mma(p_op, v, o, is_async=True)
-                    o = warpgroup_mma_wait(num_outstanding=0, deps=(o, v))[0]
-                mbarrier.arrive(kv_empty.index(s), count=1)
+                # Only the sequence's last tile can run past its keys (earlier V tiles are whole).
+                j = n_my - 1
+                sv = j % _STAGES
+                mbarrier.wait(v_ready.index(sv), (j // _STAGES) & 1)
+                v = v_ring.index(sv)
+                if j * _BN + _BN > lk:
+                    # Both warpgroups may zero the same rows: they write the same zeros.
+                    _zero_tail_rows(v, 0, lk - j * _BN, DV // 64, 4)
+                o = warpgroup_mma(p_op, v, o, is_async=True)
+                o = warpgroup_mma_wait(num_outstanding=0, deps=(o, v))[0]
+                mbarrier.arrive(v_empty.index(sv), count=1)
+            # Tiles past this warpgroup's last visible key are only released (the other one needs them).
+            for j in range(n_my, gl.cdiv(hi, _BN)):
+                s = j % _STAGES
+                mbarrier.wait(k_ready.index(s), (j // _STAGES) & 1)
+                mbarrier.arrive(k_empty.index(s), count=1)
+                mbarrier.wait(v_ready.index(s), (j // _STAGES) & 1)
+                mbarrier.arrive(v_empty.index(s), count=1)
+            m_i = m_i * qk_scale
             has_key = l_i > 0.0
             inv_l = gl.where(has_key, 1.0 / gl.where(has_key, l_i, 1.0), 0.0)
             lse = gl.where(has_key, (m_i + gl.log2(gl.where(has_key, l_i, 1.0))) * 0.6931471805599453,
@@ -200,21 +242,26 @@ if HAVE_GLUON:
         v_ring = gl.allocate_shared_memory(dtype, [_STAGES] + v_desc.block_type.shape, v_desc.layout)
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
         q_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-        kv_ready = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], bar_layout)
-        kv_empty = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], bar_layout)
+        k_ready = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], bar_layout)
+        k_empty = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], bar_layout)
+        v_ready = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], bar_layout)
+        v_empty = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], bar_layout)
         mbarrier.init(q_ready, count=1)
         for i in gl.static_range(_STAGES):
-            mbarrier.init(kv_ready.index(i), count=1)
-            mbarrier.init(kv_empty.index(i), count=2)  # one arrive per consumer warpgroup
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)  # one arrive per consumer warpgroup
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(v_empty.index(i), count=2)
         gl.warp_specialize(
-            [(_varlen_consumer, (q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, q_ready, kv_ready, kv_empty,
-                                 out_ptr, lse_ptr, cu_q, cu_k, H, qk_scale, stride_ot, stride_oh, 0, DK2, DV,
+            [(_varlen_consumer, (q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, q_ready, k_ready, k_empty, v_ready,
+                                 v_empty, out_ptr, lse_ptr, cu_q, cu_k, H, qk_scale, stride_ot, stride_oh, 0, DK2, DV,
                                  CAUSAL)),
-             (_varlen_consumer, (q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, q_ready, kv_ready, kv_empty,
-                                 out_ptr, lse_ptr, cu_q, cu_k, H, qk_scale, stride_ot, stride_oh, 1, DK2, DV,
+             (_varlen_consumer, (q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, q_ready, k_ready, k_empty, v_ready,
+                                 v_empty, out_ptr, lse_ptr, cu_q, cu_k, H, qk_scale, stride_ot, stride_oh, 1, DK2, DV,
                                  CAUSAL)),
              (_varlen_loader, (q_desc, q_pe_desc, k_desc, k_pe_desc, v_desc, cu_q, cu_k, GROUP, q_smem, q_pe_smem,
-                               k_ring, k_pe_ring, v_ring, q_ready, kv_ready, kv_empty, DK1, DK2, CAUSAL))],
+                               k_ring, k_pe_ring, v_ring, q_ready, k_ready, k_empty, v_ready, v_empty, DK1, DK2,
+                               CAUSAL))],
             worker_num_warps=[4, 1],
             worker_num_regs=[232, 24],
         )
