@@ -381,6 +381,38 @@ def test_gpu_varlen_hopper_kernel(case, causal, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_varlen_hopper_kernel_many_tiles(causal):
+    """The persistent kernel's tile hand-off: thousands of work tiles (far more than SMs) over 60 sequences
+    of 0-1500 tokens, q shorter and longer than k, GQA 4; a second call (the tile counter starts again)
+    and a CUDA-graph replay with new inputs give the same results."""
+    gen = torch.Generator().manual_seed(7)
+    lq, lk = _lens(gen, 60, 1500), _lens(gen, 60, 1500)
+    q, k, v, cu_q, cu_k = _varlen_case(lq, lk, 32, 8, 192, 128, torch.bfloat16, causal, seed=9)
+    if not varlen_sm90_supported(q, k, v):
+        pytest.skip("the Hopper kernel needs an sm_90 GPU and Triton's Gluon")
+    q = (q.float() / 2).bfloat16()
+
+    def call():
+        return tvarlen.varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), 192 ** -0.5, causal,
+                                        config={"HOPPER": True})
+
+    o, lse = call()
+    ref, ref_lse = reference.varlen_attention(q.float(), k.float(), v.float(), cu_q, cu_k, 192 ** -0.5, causal)
+    _check_lse(lse, ref_lse, 1e-2)
+    _check_out(o, ref, ref_lse, 1e-2)
+    o2, lse2 = call()
+    assert torch.equal(o2, o) and torch.equal(lse2, lse)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_o, g_lse = call()
+    q.copy_(torch.flip(q, [0]))
+    graph.replay()
+    o3, lse3 = call()
+    assert torch.equal(g_o, o3) and torch.equal(g_lse, lse3)
+
+
+@pytest.mark.gpu
 def test_gpu_varlen_hopper_kernel_without_keys():
     q, k, v, cu_q, cu_k = _varlen_case([5, 3], [0, 0], 4, 4, 192, 128, torch.bfloat16, True, seed=1)
     if not varlen_sm90_supported(q, k, v):

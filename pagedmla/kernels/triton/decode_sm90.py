@@ -170,17 +170,17 @@ if HAVE_GLUON:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, q_smem, q_pe_smem, kv, kv_pe))[0]
         if release_q:
             mbarrier.arrive(q_free, count=1)
-        sc = acc * qk_scale
         if n0 + _BN > first_masked:
             cols = n0 + gl.arange(0, _BN, layout=gl.SliceLayout(0, s_layout))
-            sc = gl.where(cols[None, :] < lim[:, None], sc, float("-inf"))
+            acc = gl.where(cols[None, :] < lim[:, None], acc, float("-inf"))
         if n0 + _BN > seqlen:
             _zero_tail_rows(kv, 0, seqlen - n0, 4, 4)
-        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+        # The row max is kept unscaled (qk_scale > 0) so that the scale folds into one FMA per score.
+        m_new = gl.maximum(m_i, gl.max(acc, axis=1))
         # A row with no visible key yet keeps max -inf: subtract 0 instead so exp2 gives 0, not NaN.
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(sc - m_safe[:, None])
+        m_sc = gl.where(m_new == float("-inf"), 0.0, m_new * qk_scale)
+        alpha = gl.exp2(m_i * qk_scale - m_sc)
+        p = gl.exp2(acc * qk_scale - m_sc[:, None])
         l_i = l_i * alpha + gl.sum(p, axis=1)
         # Warpgroup 1 has finished reading the previous P and scale.
         mbarrier.wait(p_free, (npm & 1) ^ 1)
@@ -195,11 +195,12 @@ if HAVE_GLUON:
         return o, m_new, l_i
 
     @gluon.jit
-    def _softmax_finish(m_i, l_i, npm, scale_smem, p_ready, p_free):
-        """(1 / l, log2 LSE) of warpgroup 0's rows; sends 1 / l to warpgroup 1 as message npm."""
+    def _softmax_finish(m_i, l_i, qk_scale, npm, scale_smem, p_ready, p_free):
+        """(1 / l, log2 LSE) of warpgroup 0's rows (m_i unscaled, as ``_softmax_tile`` keeps it); sends 1 / l
+        to warpgroup 1 as message npm."""
         has_key = l_i > 0.0
         inv_l = gl.where(has_key, 1.0 / gl.where(has_key, l_i, 1.0), 0.0)
-        lse2 = gl.where(has_key, m_i + gl.log2(gl.where(has_key, l_i, 1.0)), float("-inf"))
+        lse2 = gl.where(has_key, m_i * qk_scale + gl.log2(gl.where(has_key, l_i, 1.0)), float("-inf"))
         # The final message to warpgroup 1 carries 1 / l instead of a rescale factor.
         mbarrier.wait(p_free, (npm & 1) ^ 1)
         scale_smem.store(inv_l)
@@ -295,7 +296,7 @@ if HAVE_GLUON:
                                                 p_ready, p_free, s_layout, o_layout)
                     npm += 1
                     it += 1
-                inv_l, lse2 = _softmax_finish(m_i, l_i, npm, scale_smem, p_ready, p_free)
+                inv_l, lse2 = _softmax_finish(m_i, l_i, qk_scale, npm, scale_smem, p_ready, p_free)
                 npm += 1
                 nq += 1
                 s_lo = gl.load(splits_ptr + b)

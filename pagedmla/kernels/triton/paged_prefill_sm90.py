@@ -136,7 +136,7 @@ if HAVE_GLUON:
                                             False, qk_scale, q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem,
                                             scale_smem, q_free, kv_ready, kv_empty, p_ready, p_free, s_layout,
                                             o_layout)
-            inv_l, lse2 = _softmax_finish(m_i, l_i, gl.cdiv(end, _BN), scale_smem, p_ready, p_free)
+            inv_l, lse2 = _softmax_finish(m_i, l_i, qk_scale, gl.cdiv(end, _BN), scale_smem, p_ready, p_free)
             _store_rows(o, gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)),
                         gl.convert_layout(lse2, gl.SliceLayout(1, o_layout)), 0, out_ptr, lse_ptr, row0, r0, n_rows,
                         True, o_layout)

@@ -2,17 +2,21 @@
 variable-length batches (the ``varlen`` op), written for q/k head dim 192 (128 + 64) or 64/128 and value
 head dim 64/128.
 
-Per program (128 query rows of one sequence and one head, the portable kernel's grid, heaviest tiles
-first): a 1-warp loader partition streams Q once and the sequence's K and V in 128-key tiles through two
-two-stage shared-memory rings (K and V separately, with TMA, each K tile before the previous V tile); two
-consumer warpgroups each own 64 query rows (their S = Q K^T, online softmax, P kept in registers as the A
-operand of O += P V). Within a warpgroup, S of tile j is issued before P V of tile j - 1 and the softmax
-of tile j runs while that P V is on the tensor cores (FA3's intra-warpgroup overlap); a K slot is freed
-as soon as its S is done, so the split rings keep the loader a tile ahead. The warpgroups share every
-K/V tile but are otherwise independent, so one's softmax also overlaps the other's MMAs. A tile that runs
-past a sequence's end holds the next sequence's rows, spare rows of the caller's buffer (anything, NaN
-included) or TMA's zero fill: their scores are masked, and each warpgroup zeroes those value rows in
-shared memory before its P V (0 * NaN would poison the output).
+Work tiles are 128 query rows of one sequence and one head. The kernel is persistent: one program per
+SM, whose 1-warp loader partition takes tiles from a global counter in launch order (sequence, then head,
+then row tiles heaviest first: the tiles in flight share few heads' K/V in L2, and the long causal tiles
+start first) and hands each tile id to the consumers through shared memory. Per tile the loader streams Q
+and the sequence's K and V in 128-key tiles through two two-stage shared-memory rings (K and V
+separately, with TMA, each K tile before the previous V tile), and the next tile's Q and first keys while
+the consumers finish the current one. Two consumer warpgroups each own 64 query rows (their S = Q K^T,
+online softmax, P kept in registers as the A operand of O += P V). Within a warpgroup, S of key tile j is
+issued before P V of key tile j - 1 and the softmax of tile j runs while that P V is on the tensor cores
+(FA3's intra-warpgroup overlap); a K slot is freed as soon as its S is done, so the split rings keep the
+loader a tile ahead. The warpgroups share every K/V tile but are otherwise
+independent, so one's softmax also overlaps the other's MMAs. A key tile that runs past a sequence's end
+holds the next sequence's rows, spare rows of the caller's buffer (anything, NaN included) or TMA's zero
+fill: their scores are masked, and each warpgroup zeroes those value rows in shared memory before its
+P V (0 * NaN would poison the output).
 
 The default for ``varlen_attention`` on sm_90 where it applies (measured on the H200: benchmarks/NOTES.md,
 Prefill); ``config={"HOPPER": False}`` runs the portable kernel instead.
@@ -61,64 +65,104 @@ def varlen_sm90_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
 if HAVE_GLUON:
 
     @gluon.jit
-    def _tile_bounds(cu_q, cu_k, CAUSAL: gl.constexpr):
-        """(q_start, lq, m0, k_start, lk, diagonal offset lk - lq, end of the keys any row of the tile sees)."""
-        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
-        b = gl.program_id(2)
+    def _tile_bounds(t, NM, H, cu_q, cu_k, CAUSAL: gl.constexpr):
+        """Tile t of the launch order (sequence-major, then head, then row tiles heaviest first): (head,
+        q_start, lq, m0, k_start, lk, diagonal offset lk - lq, end of the keys any row of the tile sees)."""
+        grp = t // NM
+        m0 = (NM - 1 - t % NM) * (2 * _WM)
+        b = grp // H
         q_start = gl.load(cu_q + b)
         lq = gl.load(cu_q + b + 1) - q_start
         k_start = gl.load(cu_k + b)
         lk = gl.load(cu_k + b + 1) - k_start
-        m0 = pid_m * (2 * _WM)
         diag = lk - lq
         if CAUSAL:
             hi = gl.maximum(gl.minimum(lk, gl.minimum(m0 + 2 * _WM, lq) + diag), 0)
         else:
             hi = lk
-        return q_start, lq, m0, k_start, lk, diag, hi
+        return grp % H, q_start, lq, m0, k_start, lk, diag, hi
 
     @gluon.jit
-    def _varlen_loader(q_desc, q_pe_desc, k_desc, k_pe_desc, v_desc, cu_q, cu_k, GROUP, q_smem, q_pe_smem,
-                       k_ring, k_pe_ring, v_ring, q_ready, k_ready, k_empty, v_ready, v_empty,
+    def _receive_tile(i, tile_ids, tile_ready, tile_free):
+        """Consumer side of the tile hand-off: the id the loader published as its i-th tile."""
+        s = i % 2
+        mbarrier.wait(tile_ready.index(s), (i // 2) & 1)
+        t = gl.max(tile_ids.index(s).load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)
+        # Every warp has read the slot before it is handed back (the arrive is one thread's).
+        gl.thread_barrier()
+        mbarrier.arrive(tile_free.index(s), count=1)
+        return t
+
+    @gluon.jit
+    def _varlen_loader(q_desc, q_pe_desc, k_desc, k_pe_desc, v_desc, cu_q, cu_k, counter, GROUP, H, NM, T,
+                       q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids, tile_ready, tile_free, q_ready, q_free,
+                       k_ready, k_empty, v_ready, v_empty,
                        DK1: gl.constexpr, DK2: gl.constexpr, CAUSAL: gl.constexpr):
-        h = gl.program_id(1)
-        q_start, lq, m0, k_start, _, _, hi = _tile_bounds(cu_q, cu_k, CAUSAL)
-        if m0 < lq:
-            q_col = h * (DK1 + DK2)
-            q_bytes: gl.constexpr = 2 * (q_desc.block_type.nbytes + (q_pe_desc.block_type.nbytes if DK2 > 0 else 0))
-            mbarrier.expect(q_ready, q_bytes)
-            for w in gl.static_range(2):
-                row = q_start + m0 + w * _WM
-                tma.async_copy_global_to_shared(q_desc, [row, q_col], q_ready, q_smem.index(w))
-                if DK2 > 0:
-                    tma.async_copy_global_to_shared(q_pe_desc, [row, q_col + DK1], q_ready, q_pe_smem.index(w))
-            kh = h // GROUP
-            k_col = kh * (DK1 + DK2)
-            v_col = kh * v_desc.block_type.shape[1]
-            k_bytes: gl.constexpr = k_desc.block_type.nbytes + (k_pe_desc.block_type.nbytes if DK2 > 0 else 0)
-            n_tiles = gl.cdiv(hi, _BN)
-            # K of tile j goes out before V of tile j - 1, the order the consumers use them in.
-            for j in range(0, n_tiles + 1):
-                if j < n_tiles:
-                    s = j % _STAGES
-                    mbarrier.wait(k_empty.index(s), ((j // _STAGES) & 1) ^ 1)
-                    ready = k_ready.index(s)
-                    mbarrier.expect(ready, k_bytes)
-                    tma.async_copy_global_to_shared(k_desc, [k_start + j * _BN, k_col], ready, k_ring.index(s))
-                    if DK2 > 0:
-                        tma.async_copy_global_to_shared(k_pe_desc, [k_start + j * _BN, k_col + DK1], ready,
-                                                        k_pe_ring.index(s))
-                if j > 0:
-                    s = (j - 1) % _STAGES
-                    mbarrier.wait(v_empty.index(s), (((j - 1) // _STAGES) & 1) ^ 1)
-                    ready = v_ready.index(s)
-                    mbarrier.expect(ready, v_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(v_desc, [k_start + (j - 1) * _BN, v_col], ready, v_ring.index(s))
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        i = 0
+        nq = 0
+        base = 0  # ring position: K/V tiles issued for earlier work tiles
+        t = 0
+        while t < T:
+            # Tiles are taken in launch order from a global counter: the tiles in flight stay a contiguous
+            # window of heads (their K/V stay in L2) and the heaviest causal tiles go first.
+            s = i % 2
+            mbarrier.wait(tile_free.index(s), ((i // 2) & 1) ^ 1)
+            fetched = gl.atomic_add(counter + gl.zeros([1], gl.int32, one), gl.full([1], 1, gl.int32, one))
+            tile_ids.index(s).store(fetched)
+            # One lane holds the fetched id: every lane reads it back from shared memory.
+            gl.thread_barrier()
+            t = gl.max(tile_ids.index(s).load(one), axis=0)
+            mbarrier.arrive(tile_ready.index(s), count=1)
+            i += 1
+            if t < T:
+                h, q_start, lq, m0, k_start, _, _, hi = _tile_bounds(t, NM, H, cu_q, cu_k, CAUSAL)
+                if m0 < lq:
+                    # Q of the previous tile stays until both warpgroups' last S of it is done.
+                    mbarrier.wait(q_free, (nq & 1) ^ 1)
+                    nq += 1
+                    q_col = h * (DK1 + DK2)
+                    q_bytes: gl.constexpr = 2 * (q_desc.block_type.nbytes
+                                                 + (q_pe_desc.block_type.nbytes if DK2 > 0 else 0))
+                    mbarrier.expect(q_ready, q_bytes)
+                    for w in gl.static_range(2):
+                        row = q_start + m0 + w * _WM
+                        tma.async_copy_global_to_shared(q_desc, [row, q_col], q_ready, q_smem.index(w))
+                        if DK2 > 0:
+                            tma.async_copy_global_to_shared(q_pe_desc, [row, q_col + DK1], q_ready,
+                                                            q_pe_smem.index(w))
+                    kh = h // GROUP
+                    k_col = kh * (DK1 + DK2)
+                    v_col = kh * v_desc.block_type.shape[1]
+                    k_bytes: gl.constexpr = k_desc.block_type.nbytes + (k_pe_desc.block_type.nbytes if DK2 > 0 else 0)
+                    n_tiles = gl.cdiv(hi, _BN)
+                    # K of tile j goes out before V of tile j - 1, the order the consumers use them in.
+                    for j in range(0, n_tiles + 1):
+                        if j < n_tiles:
+                            c = base + j
+                            s = c % _STAGES
+                            mbarrier.wait(k_empty.index(s), ((c // _STAGES) & 1) ^ 1)
+                            ready = k_ready.index(s)
+                            mbarrier.expect(ready, k_bytes)
+                            tma.async_copy_global_to_shared(k_desc, [k_start + j * _BN, k_col], ready, k_ring.index(s))
+                            if DK2 > 0:
+                                tma.async_copy_global_to_shared(k_pe_desc, [k_start + j * _BN, k_col + DK1], ready,
+                                                                k_pe_ring.index(s))
+                        if j > 0:
+                            c = base + j - 1
+                            s = c % _STAGES
+                            mbarrier.wait(v_empty.index(s), ((c // _STAGES) & 1) ^ 1)
+                            ready = v_ready.index(s)
+                            mbarrier.expect(ready, v_desc.block_type.nbytes)
+                            tma.async_copy_global_to_shared(v_desc, [k_start + (j - 1) * _BN, v_col], ready,
+                                                            v_ring.index(s))
+                    base += n_tiles
 
     @gluon.jit
-    def _scores(q, q_pe, k_ring, k_pe_ring, j, zero_s, DK2: gl.constexpr):
-        """Issue S = Q K^T of tile j (asynchronous: the caller waits)."""
-        s = j % _STAGES
+    def _scores(q, q_pe, k_ring, k_pe_ring, c, DK2: gl.constexpr, s_layout: gl.constexpr):
+        """Issue S = Q K^T for ring position c (asynchronous: the caller waits)."""
+        s = c % _STAGES
+        zero_s = gl.zeros([_WM, _BN], dtype=gl.float32, layout=s_layout)
         acc = warpgroup_mma(q, k_ring.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         if DK2 > 0:
             acc = warpgroup_mma(q_pe, k_pe_ring.index(s).permute((1, 0)), acc, is_async=True)
@@ -139,11 +183,12 @@ if HAVE_GLUON:
         return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
 
     @gluon.jit
-    def _varlen_consumer(q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, q_ready, k_ready, k_empty, v_ready, v_empty,
-                         out_ptr, lse_ptr, cu_q, cu_k, H, qk_scale, stride_ot, stride_oh,
-                         W: gl.constexpr, DK2: gl.constexpr, DV: gl.constexpr, CAUSAL: gl.constexpr):
-        """Warpgroup W: query rows m0 + 64 W .. m0 + 64 W + 63 of the program's tile. FA3's intra-warpgroup
-        overlap: S of tile j is issued before P V of tile j - 1, and the softmax of tile j runs while that
+    def _varlen_consumer(q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids, tile_ready, tile_free, q_ready,
+                         q_free, k_ready, k_empty, v_ready, v_empty, out_ptr, lse_ptr, cu_q, cu_k, H, NM, T, qk_scale,
+                         stride_ot, stride_oh, W: gl.constexpr, DK2: gl.constexpr, DV: gl.constexpr,
+                         CAUSAL: gl.constexpr):
+        """Warpgroup W: query rows m0 + 64 W .. m0 + 64 W + 63 of each tile. FA3's intra-warpgroup overlap:
+        S of key tile j is issued before P V of key tile j - 1, and the softmax of tile j runs while that
         P V is on the tensor cores; a K slot is released as soon as its S is done, a V slot after its P V."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, _BN, 16])
@@ -151,87 +196,100 @@ if HAVE_GLUON:
                                                            instr_shape=[16, DV, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
-        h = gl.program_id(1)
-        q_start, lq, m0, _, lk, diag, hi = _tile_bounds(cu_q, cu_k, CAUSAL)
-        mw = m0 + W * _WM
-        if m0 < lq:
-            rows = mw + gl.arange(0, _WM, layout=row_l)
-            # Keys row r sees: [0, lim) (bottom-right causal: query r of lq sees keys 0 .. r + lk - lq).
-            if CAUSAL:
-                lim = gl.maximum(gl.minimum(rows + diag + 1, lk), 0)
-                first_masked = gl.maximum(gl.minimum(mw + diag + 1, lk), 0)
-                my_end = gl.maximum(gl.minimum(gl.minimum(mw + _WM, lq) + diag, lk), 0)
-            else:
-                lim = gl.zeros([_WM], dtype=gl.int32, layout=row_l) + lk
-                first_masked = lk
-                my_end = lk
-            n_my = gl.cdiv(gl.where(mw < lq, my_end, 0), _BN)
-            q = q_smem.index(W)
-            q_pe = q_pe_smem.index(W)
-            m_i = gl.full([_WM], float("-inf"), dtype=gl.float32, layout=row_l)
-            l_i = gl.zeros([_WM], dtype=gl.float32, layout=row_l)
-            o = gl.zeros([_WM, DV], dtype=gl.float32, layout=o_layout)
-            zero_s = gl.zeros([_WM, _BN], dtype=gl.float32, layout=s_layout)
-            mbarrier.wait(q_ready, 0)
-            if n_my > 0:
-                mbarrier.wait(k_ready.index(0), 0)
-                acc = _scores(q, q_pe, k_ring, k_pe_ring, 0, zero_s, DK2)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, q))[0]
-                mbarrier.arrive(k_empty.index(0), count=1)
-                p, alpha, m_i, l_i = _online_softmax(acc, m_i, l_i, 0, first_masked, lim, qk_scale, s_layout)
-                p_op = gl.convert_layout(p.to(q.dtype), p_layout)
-                for j in range(1, n_my):
-                    s = j % _STAGES
-                    mbarrier.wait(k_ready.index(s), (j // _STAGES) & 1)
-                    acc = _scores(q, q_pe, k_ring, k_pe_ring, j, zero_s, DK2)
-                    sv = (j - 1) % _STAGES
-                    mbarrier.wait(v_ready.index(sv), ((j - 1) // _STAGES) & 1)
-                    v = v_ring.index(sv)
-                    o = warpgroup_mma(p_op, v, o, is_async=True)
-                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, q))[0]
-                    mbarrier.arrive(k_empty.index(s), count=1)
-                    p, alpha, m_i, l_i = _online_softmax(acc, m_i, l_i, j * _BN, first_masked, lim, qk_scale,
-                                                         s_layout)
-                    o = warpgroup_mma_wait(num_outstanding=0, deps=(o, v))[0]
-                    mbarrier.arrive(v_empty.index(sv), count=1)
-                    o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-                    p_op = gl.convert_layout(p.to(q.dtype), p_layout)
-                # Only the sequence's last tile can run past its keys (earlier V tiles are whole).
-                j = n_my - 1
-                sv = j % _STAGES
-                mbarrier.wait(v_ready.index(sv), (j // _STAGES) & 1)
-                v = v_ring.index(sv)
-                if j * _BN + _BN > lk:
-                    # Both warpgroups may zero the same rows: they write the same zeros.
-                    _zero_tail_rows(v, 0, lk - j * _BN, DV // 64, 4)
-                o = warpgroup_mma(p_op, v, o, is_async=True)
-                o = warpgroup_mma_wait(num_outstanding=0, deps=(o, v))[0]
-                mbarrier.arrive(v_empty.index(sv), count=1)
-            # Tiles past this warpgroup's last visible key are only released (the other one needs them).
-            for j in range(n_my, gl.cdiv(hi, _BN)):
-                s = j % _STAGES
-                mbarrier.wait(k_ready.index(s), (j // _STAGES) & 1)
-                mbarrier.arrive(k_empty.index(s), count=1)
-                mbarrier.wait(v_ready.index(s), (j // _STAGES) & 1)
-                mbarrier.arrive(v_empty.index(s), count=1)
-            m_i = m_i * qk_scale
-            has_key = l_i > 0.0
-            inv_l = gl.where(has_key, 1.0 / gl.where(has_key, l_i, 1.0), 0.0)
-            lse = gl.where(has_key, (m_i + gl.log2(gl.where(has_key, l_i, 1.0))) * 0.6931471805599453,
-                           float("-inf"))
-            r = mw + gl.arange(0, _WM, layout=gl.SliceLayout(1, o_layout))
-            ok = r < lq
-            tok = q_start.to(gl.int64) + r
-            cols = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
-            o = o * gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))[:, None]
-            gl.store(out_ptr + (tok * stride_ot + h * stride_oh)[:, None] + cols[None, :],
-                     o.to(out_ptr.dtype.element_ty), mask=ok[:, None])
-            gl.store(lse_ptr + tok * H + h, gl.convert_layout(lse, gl.SliceLayout(1, o_layout)), mask=ok)
+        q = q_smem.index(W)
+        q_pe = q_pe_smem.index(W)
+        i = 0
+        nq = 0
+        base = 0
+        t = 0
+        while t < T:
+            t = _receive_tile(i, tile_ids, tile_ready, tile_free)
+            i += 1
+            if t < T:
+                h, q_start, lq, m0, _, lk, diag, hi = _tile_bounds(t, NM, H, cu_q, cu_k, CAUSAL)
+                if m0 < lq:
+                    mw = m0 + W * _WM
+                    rows = mw + gl.arange(0, _WM, layout=row_l)
+                    # Keys row r sees: [0, lim) (bottom-right causal: query r of lq sees keys 0 .. r + lk - lq).
+                    if CAUSAL:
+                        lim = gl.maximum(gl.minimum(rows + diag + 1, lk), 0)
+                        first_masked = gl.maximum(gl.minimum(mw + diag + 1, lk), 0)
+                        my_end = gl.maximum(gl.minimum(gl.minimum(mw + _WM, lq) + diag, lk), 0)
+                    else:
+                        lim = gl.zeros([_WM], dtype=gl.int32, layout=row_l) + lk
+                        first_masked = lk
+                        my_end = lk
+                    n_my = gl.cdiv(gl.where(mw < lq, my_end, 0), _BN)
+                    m_i = gl.full([_WM], float("-inf"), dtype=gl.float32, layout=row_l)
+                    l_i = gl.zeros([_WM], dtype=gl.float32, layout=row_l)
+                    o = gl.zeros([_WM, DV], dtype=gl.float32, layout=o_layout)
+                    mbarrier.wait(q_ready, nq & 1)
+                    nq += 1
+                    if n_my > 0:
+                        mbarrier.wait(k_ready.index(base % _STAGES), (base // _STAGES) & 1)
+                        acc = _scores(q, q_pe, k_ring, k_pe_ring, base, DK2, s_layout)
+                        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, q))[0]
+                        mbarrier.arrive(k_empty.index(base % _STAGES), count=1)
+                        p, alpha, m_i, l_i = _online_softmax(acc, m_i, l_i, 0, first_masked, lim, qk_scale, s_layout)
+                        p_op = gl.convert_layout(p.to(q.dtype), p_layout)
+                        for j in range(1, n_my):
+                            c = base + j
+                            mbarrier.wait(k_ready.index(c % _STAGES), (c // _STAGES) & 1)
+                            acc = _scores(q, q_pe, k_ring, k_pe_ring, c, DK2, s_layout)
+                            sv = (c - 1) % _STAGES
+                            mbarrier.wait(v_ready.index(sv), ((c - 1) // _STAGES) & 1)
+                            v = v_ring.index(sv)
+                            o = warpgroup_mma(p_op, v, o, is_async=True)
+                            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, q))[0]
+                            mbarrier.arrive(k_empty.index(c % _STAGES), count=1)
+                            p, alpha, m_i, l_i = _online_softmax(acc, m_i, l_i, j * _BN, first_masked, lim, qk_scale,
+                                                                 s_layout)
+                            o = warpgroup_mma_wait(num_outstanding=0, deps=(o, v))[0]
+                            mbarrier.arrive(v_empty.index(sv), count=1)
+                            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                            p_op = gl.convert_layout(p.to(q.dtype), p_layout)
+                        # This warpgroup's last S is done: the loader may bring the next tile's Q.
+                        mbarrier.arrive(q_free, count=1)
+                        # Only a sequence's last key tile can run past its keys (earlier V tiles are whole).
+                        j = n_my - 1
+                        c = base + j
+                        sv = c % _STAGES
+                        mbarrier.wait(v_ready.index(sv), (c // _STAGES) & 1)
+                        v = v_ring.index(sv)
+                        if j * _BN + _BN > lk:
+                            # Both warpgroups may zero the same rows: they write the same zeros.
+                            _zero_tail_rows(v, 0, lk - j * _BN, DV // 64, 4)
+                        o = warpgroup_mma(p_op, v, o, is_async=True)
+                        o = warpgroup_mma_wait(num_outstanding=0, deps=(o, v))[0]
+                        mbarrier.arrive(v_empty.index(sv), count=1)
+                    else:
+                        mbarrier.arrive(q_free, count=1)
+                    # Key tiles past this warpgroup's last visible key are only released (the other needs them).
+                    n_tiles = gl.cdiv(hi, _BN)
+                    for j in range(n_my, n_tiles):
+                        c = base + j
+                        mbarrier.wait(k_ready.index(c % _STAGES), (c // _STAGES) & 1)
+                        mbarrier.arrive(k_empty.index(c % _STAGES), count=1)
+                        mbarrier.wait(v_ready.index(c % _STAGES), (c // _STAGES) & 1)
+                        mbarrier.arrive(v_empty.index(c % _STAGES), count=1)
+                    base += n_tiles
+                    has_key = l_i > 0.0
+                    inv_l = gl.where(has_key, 1.0 / gl.where(has_key, l_i, 1.0), 0.0)
+                    lse = gl.where(has_key, (m_i * qk_scale + gl.log2(gl.where(has_key, l_i, 1.0)))
+                                   * 0.6931471805599453, float("-inf"))
+                    r = mw + gl.arange(0, _WM, layout=gl.SliceLayout(1, o_layout))
+                    ok = r < lq
+                    tok = q_start.to(gl.int64) + r
+                    cols = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
+                    o = o * gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))[:, None]
+                    gl.store(out_ptr + (tok * stride_ot + h * stride_oh)[:, None] + cols[None, :],
+                             o.to(out_ptr.dtype.element_ty), mask=ok[:, None])
+                    gl.store(lse_ptr + tok * H + h, gl.convert_layout(lse, gl.SliceLayout(1, o_layout)), mask=ok)
 
     @gluon.jit
     def _varlen_sm90_kernel(
-        q_desc, q_pe_desc, k_desc, k_pe_desc, v_desc, out_ptr, lse_ptr, cu_q, cu_k,
-        H, GROUP, qk_scale, stride_ot, stride_oh,
+        q_desc, q_pe_desc, k_desc, k_pe_desc, v_desc, out_ptr, lse_ptr, cu_q, cu_k, counter,
+        H, GROUP, NM, T, qk_scale, stride_ot, stride_oh,
         DK1: gl.constexpr, DK2: gl.constexpr, DV: gl.constexpr, CAUSAL: gl.constexpr,
     ):
         dtype: gl.constexpr = q_desc.dtype
@@ -240,33 +298,46 @@ if HAVE_GLUON:
         k_ring = gl.allocate_shared_memory(dtype, [_STAGES] + k_desc.block_type.shape, k_desc.layout)
         k_pe_ring = gl.allocate_shared_memory(dtype, [_STAGES] + k_pe_desc.block_type.shape, k_pe_desc.layout)
         v_ring = gl.allocate_shared_memory(dtype, [_STAGES] + v_desc.block_type.shape, v_desc.layout)
+        tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+        tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        tile_free = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
         q_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+        q_free = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
         k_ready = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], bar_layout)
         k_empty = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], bar_layout)
         v_ready = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], bar_layout)
         v_empty = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], bar_layout)
         mbarrier.init(q_ready, count=1)
+        mbarrier.init(q_free, count=2)  # one arrive per consumer warpgroup, as for every "free"/"empty" barrier
+        for i in gl.static_range(2):
+            mbarrier.init(tile_ready.index(i), count=1)
+            mbarrier.init(tile_free.index(i), count=2)
         for i in gl.static_range(_STAGES):
             mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)  # one arrive per consumer warpgroup
+            mbarrier.init(k_empty.index(i), count=2)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(v_empty.index(i), count=2)
         gl.warp_specialize(
-            [(_varlen_consumer, (q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, q_ready, k_ready, k_empty, v_ready,
-                                 v_empty, out_ptr, lse_ptr, cu_q, cu_k, H, qk_scale, stride_ot, stride_oh, 0, DK2, DV,
-                                 CAUSAL)),
-             (_varlen_consumer, (q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, q_ready, k_ready, k_empty, v_ready,
-                                 v_empty, out_ptr, lse_ptr, cu_q, cu_k, H, qk_scale, stride_ot, stride_oh, 1, DK2, DV,
-                                 CAUSAL)),
-             (_varlen_loader, (q_desc, q_pe_desc, k_desc, k_pe_desc, v_desc, cu_q, cu_k, GROUP, q_smem, q_pe_smem,
-                               k_ring, k_pe_ring, v_ring, q_ready, k_ready, k_empty, v_ready, v_empty, DK1, DK2,
-                               CAUSAL))],
+            [(_varlen_consumer, (q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids, tile_ready, tile_free, q_ready,
+                                 q_free, k_ready, k_empty, v_ready, v_empty, out_ptr, lse_ptr, cu_q, cu_k, H, NM, T,
+                                 qk_scale, stride_ot, stride_oh, 0, DK2, DV, CAUSAL)),
+             (_varlen_consumer, (q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids, tile_ready, tile_free, q_ready,
+                                 q_free, k_ready, k_empty, v_ready, v_empty, out_ptr, lse_ptr, cu_q, cu_k, H, NM, T,
+                                 qk_scale, stride_ot, stride_oh, 1, DK2, DV, CAUSAL)),
+             (_varlen_loader, (q_desc, q_pe_desc, k_desc, k_pe_desc, v_desc, cu_q, cu_k, counter, GROUP, H, NM, T,
+                               q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids, tile_ready, tile_free, q_ready,
+                               q_free, k_ready, k_empty, v_ready, v_empty, DK1, DK2, CAUSAL))],
             worker_num_warps=[4, 1],
-            worker_num_regs=[232, 24],
+            worker_num_regs=[232, 40],
         )
 
     _MAIN = CachedKernel(_varlen_sm90_kernel)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.cache
@@ -294,15 +365,20 @@ def varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
     q2, k2, v2 = (tma_rows(x.reshape(x.shape[0], -1)) for x in (q, k, v))
     pe_width = dk2 or 64  # without a rope part the pe descriptors are passed but never used
     batch = cu_seqlens_q.shape[0] - 1
+    row_tiles = -(-max_seqlen_q // BLOCK_M)
+    tiles = row_tiles * h * batch
+    if tiles == 0:
+        return
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device)  # the persistent programs' tile counter
     _MAIN.launch(
-        q.device, (-(-max_seqlen_q // BLOCK_M), h, batch),
+        q.device, (min(tiles, _sm_count(q.device)),),
         descriptor(q2, [64, dk1], _layout(64, dk1, q.dtype)),
         descriptor(q2, [64, pe_width], _layout(64, pe_width, q.dtype)),
         descriptor(k2, [BLOCK_N, dk1], _layout(BLOCK_N, dk1, q.dtype)),
         descriptor(k2, [BLOCK_N, pe_width], _layout(BLOCK_N, pe_width, q.dtype)),
         descriptor(v2, [BLOCK_N, dv], _layout(BLOCK_N, dv, q.dtype)),
-        out, lse, cu_seqlens_q, cu_seqlens_k,
-        h, h // hk, softmax_scale * _LOG2E, out.stride(0), out.stride(1),
+        out, lse, cu_seqlens_q, cu_seqlens_k, counter,
+        h, h // hk, row_tiles, tiles, softmax_scale * _LOG2E, out.stride(0), out.stride(1),
         DK1=dk1, DK2=dk2, DV=dv, CAUSAL=bool(causal),
         num_warps=4,
     )
