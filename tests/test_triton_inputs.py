@@ -1,5 +1,6 @@
 """Triton launchers take strided index tensors (views) and read the values the checks saw."""
 
+import pytest
 import torch
 from oracle import gen
 
@@ -45,3 +46,28 @@ def test_varlen_with_strided_cumulative_lengths():
     ref = pagedmla.flash_attn_varlen_func(q.float(), k.float(), v.float(), cu, cu, 12, 12, causal=True,
                                           provider="torch")
     torch.testing.assert_close(got.float(), ref, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.125, float("nan"), True, "0.1"])
+def test_kernel_entry_points_reject_a_non_positive_scale(scale):
+    """The Triton entry points (called by the backend without the public ops' checks) need a positive scale:
+    the Hopper kernels keep unscaled row maxima, which are the maxima of the scaled scores only then."""
+    from pagedmla.kernels.triton import paged_prefill as tpaged
+    from pagedmla.kernels.triton import varlen as tvarlen
+    from pagedmla.kernels.triton.decode import paged_decode_triton
+
+    g = gen("scale-checks")
+    cache = torch.randn(3, 16, 1, 128, generator=g).to(DEV, DT)
+    table = torch.tensor([[1, 2]], dtype=torch.int32, device=DEV)
+    lens = torch.tensor([20], dtype=torch.int32, device=DEV)
+    q = torch.randn(1, 1, 4, 128, generator=g).to(DEV, DT)
+    md, ns = pagedmla.get_mla_metadata(lens, 4, 1, num_sm_parts=2)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        paged_decode_triton(q, cache, table, lens, 64, md, ns, scale, True)
+    qo = torch.tensor([0, 1], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        tpaged.paged_varlen_attention(q[0], cache, table, lens, qo, 64, scale, True, 1)
+    cu = torch.tensor([0, 5], dtype=torch.int32, device=DEV)
+    x = torch.randn(5, 2, 32, generator=g).to(DEV, DT)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        tvarlen.varlen_attention(x, x, x, cu, cu, 5, 5, scale, True)

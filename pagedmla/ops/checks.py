@@ -48,8 +48,12 @@ def dim_equals(actual: int, expected: int, what: str) -> None:
 
 
 def softmax_scale(value, default: float) -> float:
-    if value is None:
-        return default
+    return default if value is None else positive_scale(value)
+
+
+def positive_scale(value) -> float:
+    """A softmax scale as the kernels need it: a positive real (the Hopper kernels keep unscaled row maxima,
+    which is only the maximum of the scaled scores for a positive scale)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"softmax_scale: expected a positive float, got {value!r}")
     return float(value)

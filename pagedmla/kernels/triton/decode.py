@@ -30,6 +30,7 @@ import triton.language as tl
 
 from pagedmla.kernels.triton.decode_sm90 import decode_sm90_main, sm90_supported
 from pagedmla.kernels.triton.launch import CachedKernel
+from pagedmla.ops import checks
 from pagedmla.ops.providers import register_impl
 from pagedmla.ops.schedule import BLOCK_N as SCHED_BLOCK_N
 from pagedmla.ops.schedule import HOPPER_MIN_ROWS, METADATA_WIDTH, tile_plan
@@ -446,6 +447,7 @@ def paged_decode_triton(
     bf16/fp16 with pages a multiple of 64, requests of more than 16 query rows run the Hopper main kernel
     (``decode_sm90.py``). No host synchronisation: capturable in a CUDA graph.
     """
+    softmax_scale = checks.positive_scale(softmax_scale)
     b, q_len, h, d = q.shape
     _check_dims(d, head_dim_v)
     rows = q_len * h

@@ -423,7 +423,8 @@ def descriptor(x: torch.Tensor, block_shape: list[int], layout) -> TensorDescrip
 def decode_sm90_main(q, k_cache, block_table, cache_seqlens, metadata, num_splits, softmax_scale, causal,
                      out, lse, po, plse) -> None:
     """Launch the main kernel: results of one-piece requests into out / lse, the rest into po / plse (the
-    portable launcher allocates all four and runs the combine kernel afterwards)."""
+    portable launcher allocates all four and runs the combine kernel afterwards). softmax_scale > 0 (the
+    softmax keeps unscaled row maxima; the public ops check it)."""
     b, q_len, h, d = q.shape
     rows = q_len * h
     page = k_cache.shape[1]

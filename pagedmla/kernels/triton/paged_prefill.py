@@ -21,6 +21,7 @@ import triton.language as tl
 from pagedmla.kernels.triton.decode_sm90 import sm90_supported
 from pagedmla.kernels.triton.paged_prefill_sm90 import paged_prefill_sm90
 from pagedmla.kernels.triton.varlen import LOG2E, check_dtype, last_dim_contiguous, split_head_dim
+from pagedmla.ops import checks
 from pagedmla.ops.providers import register_impl, triton_interpreting
 
 
@@ -187,6 +188,7 @@ def paged_varlen_attention(
     Returns out [T, H, head_dim_v] q.dtype and lse [T, H] float32 (natural log; rows that see no key give 0
     and -inf).
     """
+    softmax_scale = checks.positive_scale(softmax_scale)
     check_dtype(q, "q")
     if k_cache.dtype != q.dtype:
         raise ValueError(f"k_cache: dtype {k_cache.dtype} differs from q's {q.dtype}")

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from pagedmla.kernels.triton.varlen_sm90 import varlen_sm90, varlen_sm90_supported
+from pagedmla.ops import checks
 from pagedmla.ops.providers import register_impl, triton_interpreting
 
 LOG2E = 1.4426950408889634
@@ -231,6 +232,7 @@ def varlen_attention(
     ``{"HOPPER": False}`` the portable kernel. Returns (out [Tq, H, Dv] q.dtype, lse [Tq, H] float32, natural log; rows
     that see no key give 0 and -inf). No host synchronisation.
     """
+    softmax_scale = checks.positive_scale(softmax_scale)
     check_dtype(q, "q")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:

@@ -349,7 +349,9 @@ def varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
                 cu_seqlens_k: torch.Tensor, max_seqlen_q: int, softmax_scale: float, causal: bool,
                 out: torch.Tensor, lse: torch.Tensor) -> None:
     """Launch on checked inputs (``varlen_attention`` checks them and allocates out [Tq, H, Dv] and lse
-    [Tq, H] float32); requires ``varlen_sm90_supported(q, k, v)``."""
+    [Tq, H] float32); requires ``varlen_sm90_supported(q, k, v)`` and softmax_scale > 0 (the softmax keeps
+    unscaled row maxima). Each call zeroes its own tile counter (one small memset on the stream), so
+    concurrent calls on other streams and CUDA-graph replays do not share it."""
     if not varlen_sm90_supported(q, k, v):
         raise ValueError("config: HOPPER needs an sm_90 GPU, Triton's Gluon, bf16/fp16 q/k/v, q/k head dim 64, "
                          "128 or 192 and value head dim 64 or 128")
@@ -369,7 +371,7 @@ def varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
     tiles = row_tiles * h * batch
     if tiles == 0:
         return
-    counter = torch.zeros(1, dtype=torch.int32, device=q.device)  # the persistent programs' tile counter
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     _MAIN.launch(
         q.device, (min(tiles, _sm_count(q.device)),),
         descriptor(q2, [64, dk1], _layout(64, dk1, q.dtype)),
