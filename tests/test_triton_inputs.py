@@ -48,7 +48,7 @@ def test_varlen_with_strided_cumulative_lengths():
     torch.testing.assert_close(got.float(), ref, rtol=2e-3, atol=2e-3)
 
 
-@pytest.mark.parametrize("scale", [0.0, -0.125, float("nan"), True, "0.1"])
+@pytest.mark.parametrize("scale", [0.0, -0.125, float("nan"), float("inf"), 1e39, True, "0.1"])
 def test_kernel_entry_points_reject_a_non_positive_scale(scale):
     """The Triton entry points (called by the backend without the public ops' checks) need a positive scale:
     the Hopper kernels keep unscaled row maxima, which are the maxima of the scaled scores only then."""

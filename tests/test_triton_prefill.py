@@ -261,16 +261,20 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_varlen_default_kernel_choice(monkeypatch):
     """Without a config: the Hopper kernel where it applies, unless a strided input would have to be copied
-    for queries too short to pay for the copy; an explicit config decides by its HOPPER key alone."""
+    for queries too short to pay for the copy, or the launch has more work tiles than its int32 tile
+    counter takes; an explicit config decides by its HOPPER key alone."""
     q, k, v = torch.zeros(4, 2, 192), torch.zeros(4, 2, 192), torch.zeros(4, 2, 320)[..., 192:]
     monkeypatch.setattr(tvarlen, "varlen_sm90_supported", lambda *a: True)
-    assert tvarlen._use_hopper(None, q, k, v[..., :128].contiguous(), 1)
-    assert not tvarlen._use_hopper(None, q, k, v, tvarlen.HOPPER_COPY_MIN_Q - 1)
-    assert tvarlen._use_hopper(None, q, k, v, tvarlen.HOPPER_COPY_MIN_Q)
-    assert not tvarlen._use_hopper({"BLOCK_M": 64}, q, k, v, 4096)
-    assert tvarlen._use_hopper({"HOPPER": True}, q, k, v, 1)
+    assert tvarlen._use_hopper(None, q, k, v[..., :128].contiguous(), 1, 1)
+    assert not tvarlen._use_hopper(None, q, k, v, tvarlen.HOPPER_COPY_MIN_Q - 1, 1)
+    assert tvarlen._use_hopper(None, q, k, v, tvarlen.HOPPER_COPY_MIN_Q, 1)
+    assert not tvarlen._use_hopper({"BLOCK_M": 64}, q, k, v, 4096, 1)
+    assert tvarlen._use_hopper({"HOPPER": True}, q, k, v, 1, 1)
+    # 2 heads x 2**23 sequences x 128 row tiles = 2**31 tiles: past the counter's range.
+    assert tvarlen._use_hopper(None, q, k, v, 128 * 128, 2 ** 22)
+    assert not tvarlen._use_hopper(None, q, k, v, 128 * 128, 2 ** 23)
     monkeypatch.setattr(tvarlen, "varlen_sm90_supported", lambda *a: False)
-    assert not tvarlen._use_hopper(None, q, k, v[..., :128].contiguous(), 4096)
+    assert not tvarlen._use_hopper(None, q, k, v[..., :128].contiguous(), 4096, 1)
 
 
 @pytest.mark.gpu
@@ -385,7 +389,7 @@ def test_gpu_varlen_hopper_kernel(case, causal, dtype):
 def test_gpu_varlen_hopper_kernel_many_tiles(causal):
     """The persistent kernel's tile hand-off: thousands of work tiles (far more than SMs) over 60 sequences
     of 0-1500 tokens, q shorter and longer than k, GQA 4; a second call (the tile counter starts again)
-    and a CUDA-graph replay with new inputs give the same results."""
+    and CUDA-graph replays with new inputs give the same results."""
     gen = torch.Generator().manual_seed(7)
     lq, lk = _lens(gen, 60, 1500), _lens(gen, 60, 1500)
     q, k, v, cu_q, cu_k = _varlen_case(lq, lk, 32, 8, 192, 128, torch.bfloat16, causal, seed=9)
@@ -406,10 +410,13 @@ def test_gpu_varlen_hopper_kernel_many_tiles(causal):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         g_o, g_lse = call()
-    q.copy_(torch.flip(q, [0]))
-    graph.replay()
-    o3, lse3 = call()
-    assert torch.equal(g_o, o3) and torch.equal(g_lse, lse3)
+    # Two replays on new inputs: a counter left at its end value by the first would leave the second's
+    # outputs stale.
+    for _ in range(2):
+        q.copy_(torch.flip(q, [0]))
+        graph.replay()
+        o3, lse3 = call()
+        assert torch.equal(g_o, o3) and torch.equal(g_lse, lse3)
 
 
 @pytest.mark.gpu

@@ -8,6 +8,7 @@ per step, as ``MLABackend`` does).
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections.abc import Iterable
 
@@ -47,15 +48,19 @@ def dim_equals(actual: int, expected: int, what: str) -> None:
         raise ValueError(f"{what}: expected {expected}, got {actual}")
 
 
+_MAX_SCALE = 2.0 ** 127  # times log2(e) still below float32's largest value
+
+
 def softmax_scale(value, default: float) -> float:
     return default if value is None else positive_scale(value)
 
 
 def positive_scale(value) -> float:
-    """A softmax scale as the kernels need it: a positive real (the Hopper kernels keep unscaled row maxima,
-    which is only the maximum of the scaled scores for a positive scale)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"softmax_scale: expected a positive float, got {value!r}")
+    """A softmax scale as the kernels need it: a finite positive real that stays finite in float32 once
+    multiplied by log2(e) (the kernels work in base 2 and float32; the Hopper kernels keep unscaled row
+    maxima, which are the maxima of the scaled scores only for a positive scale)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < _MAX_SCALE:
+        raise ValueError(f"softmax_scale: expected a finite positive float, got {value!r}")
     return float(value)
 
 

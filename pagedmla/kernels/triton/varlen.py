@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedmla.kernels.triton.varlen_sm90 import varlen_sm90, varlen_sm90_supported
+from pagedmla.kernels.triton.varlen_sm90 import MAX_TILES, varlen_sm90, varlen_sm90_supported, varlen_sm90_tiles
 from pagedmla.ops import checks
 from pagedmla.ops.providers import register_impl, triton_interpreting
 
@@ -198,10 +198,11 @@ def default_config(dk: int, dv: int, dtype: torch.dtype) -> dict:
 HOPPER_COPY_MIN_Q = 512
 
 
-def _use_hopper(config: dict | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_seqlen_q: int) -> bool:
+def _use_hopper(config: dict | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_seqlen_q: int,
+                batch: int) -> bool:
     if config is not None:
         return bool(config.get("HOPPER"))
-    if not varlen_sm90_supported(q, k, v):
+    if not varlen_sm90_supported(q, k, v) or varlen_sm90_tiles(max_seqlen_q, q.shape[1], batch) >= MAX_TILES:
         return False
     return max_seqlen_q >= HOPPER_COPY_MIN_Q or all(t.is_contiguous() for t in (q, k, v))
 
@@ -269,7 +270,7 @@ def varlen_attention(
     cfg = dict(default_config(dk, dv, q.dtype))
     if config:
         cfg.update(config)
-    if _use_hopper(config, q, k, v, max_seqlen_q):
+    if _use_hopper(config, q, k, v, max_seqlen_q, batch):
         varlen_sm90(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal, out, lse)
         return out, lse
     d1, d2 = split_head_dim(dk)

@@ -2,21 +2,20 @@
 variable-length batches (the ``varlen`` op), written for q/k head dim 192 (128 + 64) or 64/128 and value
 head dim 64/128.
 
-Work tiles are 128 query rows of one sequence and one head. The kernel is persistent: one program per
-SM, whose 1-warp loader partition takes tiles from a global counter in launch order (sequence, then head,
-then row tiles heaviest first: the tiles in flight share few heads' K/V in L2, and the long causal tiles
-start first) and hands each tile id to the consumers through shared memory. Per tile the loader streams Q
-and the sequence's K and V in 128-key tiles through two two-stage shared-memory rings (K and V
-separately, with TMA, each K tile before the previous V tile), and the next tile's Q and first keys while
-the consumers finish the current one. Two consumer warpgroups each own 64 query rows (their S = Q K^T,
+Work tiles are 128 query rows of one sequence and one head. The kernel is persistent: one program per SM,
+whose 1-warp loader partition takes tiles from a global counter in launch order (sequence, then head, then
+row tiles heaviest first: the tiles in flight share few heads' K/V in L2, and within each sequence and head
+the long causal tiles start first) and hands each tile id to the consumers through shared memory. Per tile
+the loader streams Q and the sequence's K and V in 128-key tiles through two two-stage shared-memory rings
+(K and V separately, with TMA, each K tile before the previous V tile), and the next tile's Q and first keys
+while the consumers finish the current one. Two consumer warpgroups each own 64 query rows (their S = Q K^T,
 online softmax, P kept in registers as the A operand of O += P V). Within a warpgroup, S of key tile j is
 issued before P V of key tile j - 1 and the softmax of tile j runs while that P V is on the tensor cores
 (FA3's intra-warpgroup overlap); a K slot is freed as soon as its S is done, so the split rings keep the
-loader a tile ahead. The warpgroups share every K/V tile but are otherwise
-independent, so one's softmax also overlaps the other's MMAs. A key tile that runs past a sequence's end
-holds the next sequence's rows, spare rows of the caller's buffer (anything, NaN included) or TMA's zero
-fill: their scores are masked, and each warpgroup zeroes those value rows in shared memory before its
-P V (0 * NaN would poison the output).
+loader a tile ahead. The warpgroups share every K/V tile but are otherwise independent, so one's softmax
+also overlaps the other's MMAs. A key tile that runs past a sequence's end holds the next sequence's rows,
+spare rows of the caller's buffer (anything, NaN included) or TMA's zero fill: their scores are masked, and
+each warpgroup zeroes those value rows in shared memory before its P V (0 * NaN would poison the output).
 
 The default for ``varlen_attention`` on sm_90 where it applies (measured on the H200: benchmarks/NOTES.md,
 Prefill); ``config={"HOPPER": False}`` runs the portable kernel instead.
@@ -51,6 +50,16 @@ if HAVE_GLUON:
     _WM = gl.constexpr(64)
     _BN = gl.constexpr(BLOCK_N)
     _STAGES = gl.constexpr(2)
+
+
+# The tile counter and tile ids are int32, and the programs' last fetches run past the tile count by up to
+# the number of programs: 2**20 of headroom.
+MAX_TILES = 2 ** 31 - 2 ** 20
+
+
+def varlen_sm90_tiles(max_seqlen_q: int, heads: int, batch: int) -> int:
+    """Work tiles of a launch: 128-row tiles of the longest sequence, for every head and sequence."""
+    return -(-max_seqlen_q // BLOCK_M) * heads * batch
 
 
 def varlen_sm90_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -367,10 +376,13 @@ def varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
     q2, k2, v2 = (tma_rows(x.reshape(x.shape[0], -1)) for x in (q, k, v))
     pe_width = dk2 or 64  # without a rope part the pe descriptors are passed but never used
     batch = cu_seqlens_q.shape[0] - 1
-    row_tiles = -(-max_seqlen_q // BLOCK_M)
-    tiles = row_tiles * h * batch
+    tiles = varlen_sm90_tiles(max_seqlen_q, h, batch)
     if tiles == 0:
         return
+    if tiles >= MAX_TILES:
+        raise ValueError(f"max_seqlen_q: {max_seqlen_q} over {batch} sequences and {h} heads is {tiles} work tiles; "
+                         f"the Hopper kernel's int32 tile counter takes fewer than {MAX_TILES} (the portable kernel "
+                         "has no such limit)")
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     _MAIN.launch(
         q.device, (min(tiles, _sm_count(q.device)),),
@@ -380,7 +392,7 @@ def varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
         descriptor(k2, [BLOCK_N, pe_width], _layout(BLOCK_N, pe_width, q.dtype)),
         descriptor(v2, [BLOCK_N, dv], _layout(BLOCK_N, dv, q.dtype)),
         out, lse, cu_seqlens_q, cu_seqlens_k, counter,
-        h, h // hk, row_tiles, tiles, softmax_scale * _LOG2E, out.stride(0), out.stride(1),
+        h, h // hk, -(-max_seqlen_q // BLOCK_M), tiles, softmax_scale * _LOG2E, out.stride(0), out.stride(1),
         DK1=dk1, DK2=dk2, DV=dv, CAUSAL=bool(causal),
         num_warps=4,
     )
