@@ -24,8 +24,12 @@ test: $(STAMP)
 	$(VPY) -m ruff check pagedmla tests benchmarks
 	$(VPY) -m pytest -q -n 2 --durations=10
 
+# Test files run in GPU_WORKERS processes where pytest-xdist is installed (the kernels' compiles dominate a
+# fresh machine: ~7 minutes in one process), in one process otherwise.
+GPU_WORKERS ?= 4
 test-gpu:
-	PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -q -m gpu -p no:cacheprovider tests
+	PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -q -m gpu -p no:cacheprovider \
+		$$($(PYTHON) -c 'import xdist' 2>/dev/null && echo '-n $(GPU_WORKERS) --dist loadfile') tests
 
 lint: $(STAMP)
 	$(VPY) -m ruff check pagedmla tests benchmarks
