@@ -99,6 +99,8 @@ CPU_CASES = [
     ([200, 5, 129], 2, 16, 16, False, 7),
     ([0, 0], 1, 16, 64, True, 3),
     ([150], 1, 16, 64, True, 1),
+    ([64, 0], 1, 16, 64, True, 1),  # the empty request lies past every part's request range (combine writes it)
+    ([65, 64, 0, 0, 3], 2, 16, 16, True, 3),
 ]
 
 
