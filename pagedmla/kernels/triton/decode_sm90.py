@@ -56,6 +56,11 @@ if HAVE_GLUON:  # the same values as compile-time constants for the kernels
     _BM = gl.constexpr(BLOCK_M)
     _BN = gl.constexpr(BLOCK_N)
     _STAGES = gl.constexpr(STAGES)
+    # Register layouts of the MLA warpgroups' wgmma results: S (64 x 64 keys) and their half of O (64 x 256).
+    _S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16]))
+    _O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 256, 16]))
 
 
 @functools.cache
@@ -262,10 +267,8 @@ if HAVE_GLUON:
         H, Q_LEN, ROWS, qk_scale, stride_ob, stride_ot, stride_oh,
         CAUSAL: gl.constexpr, META_W: gl.constexpr,
     ):
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, _BN, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, 256, 16])
+        s_layout: gl.constexpr = _S_LAYOUT
+        o_layout: gl.constexpr = _O_LAYOUT
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         pid_m = gl.program_id(0)
         begin_req, begin_blk, end_req, end_blk, begin_split = _part_bounds(meta_ptr, gl.program_id(1), META_W)
@@ -313,8 +316,7 @@ if HAVE_GLUON:
         seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr,
         H, Q_LEN, ROWS, stride_ob, stride_ot, stride_oh, META_W: gl.constexpr,
     ):
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, 256, 16])
+        o_layout: gl.constexpr = _O_LAYOUT
         pid_m = gl.program_id(0)
         begin_req, begin_blk, end_req, end_blk, begin_split = _part_bounds(meta_ptr, gl.program_id(1), META_W)
         it = 0

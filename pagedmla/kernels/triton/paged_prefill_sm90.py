@@ -37,6 +37,8 @@ if HAVE_GLUON:
         _BM,
         _BN,
         _DV,
+        _O_LAYOUT,
+        _S_LAYOUT,
         _load_kv_tile,
         _load_q,
         _mla_buffers,
@@ -113,10 +115,8 @@ if HAVE_GLUON:
         p_free, seqlens_ptr, qo_ptr, out_ptr, lse_ptr, H, batch, qk_scale,
         CAUSAL: gl.constexpr, SEARCH_STEPS: gl.constexpr,
     ):
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, _BN, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, 256, 16])
+        s_layout: gl.constexpr = _S_LAYOUT
+        o_layout: gl.constexpr = _O_LAYOUT
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         b, row0, r0, n_rows, q_len, kv_len, first_masked, end = _tile_work(qo_ptr, seqlens_ptr, H, batch, CAUSAL,
                                                                            SEARCH_STEPS)
@@ -144,8 +144,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _prefill_value_warpgroup(kv_ring, p_smem, scale_smem, kv_ready, kv_empty, p_ready, p_free, seqlens_ptr,
                                  qo_ptr, out_ptr, lse_ptr, H, batch, CAUSAL: gl.constexpr, SEARCH_STEPS: gl.constexpr):
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, 256, 16])
+        o_layout: gl.constexpr = _O_LAYOUT
         _, row0, r0, n_rows, _, kv_len, _, end = _tile_work(qo_ptr, seqlens_ptr, H, batch, CAUSAL, SEARCH_STEPS)
         if r0 < n_rows:
             o = gl.zeros([_BM, 256], dtype=gl.float32, layout=o_layout)
