@@ -103,7 +103,7 @@ def compile_sm90(arch: int = 90):
     signature.update(out_ptr="*bf16", lse_ptr="*fp32", po_ptr="*fp32", plse_ptr="*fp32")
     signature.update({name: "i32" for name in ("H", "Q_LEN", "ROWS")}, qk_scale="fp32")
     signature.update({name: "i32" for name in ("stride_btb", "stride_ob", "stride_ot", "stride_oh")})
-    constexprs = dict(CAUSAL=True, PAGE=PAGE, META_W=METADATA_WIDTH)
+    constexprs = dict(CAUSAL=True, PAGE=PAGE, META_W=METADATA_WIDTH, PDL=True)
     signature.update({name: "constexpr" for name in constexprs})
     src = GluonASTSource(_decode_sm90_kernel, signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
@@ -133,7 +133,7 @@ def compile_decode(cfg: DecodeConfig, heads: int, arch: int = 90):
     )
     constants = dict(CAUSAL=True, PAGE=PAGE, SCHED_N=SCHED_N, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DV=DV,
                      NC=cfg.chunks, DR=D - DV, HAS_PE=True, META_W=METADATA_WIDTH, USE_TMA=cfg.use_tma,
-                     CARRY_PAGES=cfg.carry_pages, PRECISION="tf32")
+                     CARRY_PAGES=cfg.carry_pages, PRECISION="tf32", PDL=True)
     target = GPUTarget("cuda", arch, 32)
     backend = CUDABackend(target)
     signature, constexprs, attrs = {}, {}, {}

@@ -8,13 +8,14 @@ past each request's pages, which point at a NaN page) and what it must write (th
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
 import pytest
 import torch
 
-from pagedmla.kernels.triton.decode import DecodeConfig, paged_decode_triton
+from pagedmla.kernels.triton.decode import DecodeConfig, launch_combine, paged_decode_triton
 from pagedmla.kernels.triton.decode_sm90 import sm90_supported
 from pagedmla.kernels.triton.schedule import schedule_into as schedule_kernel_into
 from pagedmla.ops import flash_mla_with_kvcache, get_mla_metadata
@@ -384,3 +385,36 @@ def test_hopper_descriptors_and_row_alignment():
     assert fixed.data_ptr() % 16 == 0 and fixed.stride() == (576, 1) and torch.equal(fixed, misaligned)
     strided = torch.randn(4, 130, 576).to(torch.bfloat16)[:, 0]
     assert decode_sm90.tma_rows(strided).stride() == (576, 1)
+
+
+@pytest.mark.parametrize("block_r", [1, 2, 4, 16, 32])
+def test_combine_kernel_tile_shapes(block_r):
+    """The combine kernel alone, for every tile height the launcher may pick: requests with 0 (empty), 1
+    (written by the main kernel: left untouched), 2 and 5 pieces, one piece with every row empty (LSE -inf),
+    against a float64 merge of the same partials."""
+    g = torch.Generator().manual_seed(block_r)
+    q_len, heads, dv = 2, 12, 64
+    rows = q_len * heads
+    counts = [2, 0, 1, 5, 3]
+    splits = torch.tensor([0] + list(itertools.accumulate(counts)), dtype=torch.int32)
+    pieces = int(splits[-1])
+    po = torch.randn(pieces, rows, dv, generator=g)
+    plse = torch.randn(pieces, rows, generator=g) * 3
+    plse[splits[4]] = float("-inf")  # a piece that saw no key: it must not contribute
+    out = torch.full((len(counts), q_len, heads, dv), float("nan"), dtype=torch.float16)
+    lse = torch.full((len(counts), heads, q_len), float("nan"))
+    launch_combine(out, lse, po, plse, splits, False, block_r=block_r)
+    for r, n in enumerate(counts):
+        got_o, got_l = out[r].reshape(rows, dv), lse[r].transpose(0, 1).reshape(rows)
+        if n == 1:
+            assert got_o.isnan().all() and got_l.isnan().all(), "a one-piece request belongs to the main kernel"
+            continue
+        if n == 0:
+            assert (got_o == 0).all() and torch.isneginf(got_l).all()
+            continue
+        s = slice(int(splits[r]), int(splits[r + 1]))
+        w = torch.softmax(plse[s].double() * math.log(2), dim=0)
+        want_o = (w[..., None] * po[s].double()).sum(0)
+        want_l = torch.logsumexp(plse[s].double() * math.log(2), dim=0)
+        torch.testing.assert_close(got_o.double(), want_o, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(got_l.double(), want_l, atol=1e-5, rtol=1e-5)

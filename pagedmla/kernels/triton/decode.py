@@ -27,8 +27,9 @@ import re
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from pagedmla.kernels.triton.decode_sm90 import decode_sm90_main, sm90_supported
+from pagedmla.kernels.triton.decode_sm90 import decode_sm90_main, pdl_supported, sm90_supported
 from pagedmla.kernels.triton.launch import CachedKernel
 from pagedmla.ops import checks
 from pagedmla.ops.providers import register_impl
@@ -208,9 +209,13 @@ def _decode_split_kernel(
     CAUSAL: tl.constexpr, PAGE: tl.constexpr, SCHED_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DV: tl.constexpr, NC: tl.constexpr, DR: tl.constexpr,
     HAS_PE: tl.constexpr, META_W: tl.constexpr, USE_TMA: tl.constexpr, CARRY_PAGES: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     DC: tl.constexpr = DV // NC
+    if PDL:
+        # The grid fits the GPU at once: the combine kernel's programs may be scheduled now (they exit at
+        # once for requests in one piece and wait for this grid's end before reading partials).
+        gdc_launch_dependents()
     pid_m = tl.program_id(0)
     part = tl.program_id(1)
     begin_req = tl.load(meta_ptr + part * META_W + 0)
@@ -310,12 +315,13 @@ def _decode_combine_kernel(
     out_ptr, lse_ptr, po_ptr, plse_ptr, splits_ptr,
     H, Q_LEN, ROWS,
     stride_ob, stride_ot, stride_oh,
-    DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     """Merge the partials of request program_id(0), rows block program_id(1), columns block program_id(2).
 
     Also writes requests with no KV (no pieces): output 0, LSE -inf. Requests in one piece were written
-    by the main kernel.
+    by the main kernel. With PDL (launched as a programmatic dependent of the main kernel) the programs
+    start while the main kernel runs and wait for its end (``griddepcontrol.wait``) before touching results.
     """
     b = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -324,6 +330,8 @@ def _decode_combine_kernel(
     s_lo = tl.load(splits_ptr + b)
     s_hi = tl.load(splits_ptr + b + 1)
     if s_hi - s_lo != 1:
+        if PDL:
+            gdc_wait()
         acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
         m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
         l = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -389,7 +397,7 @@ def _tma_ok(cfg: DecodeConfig, k_cache: torch.Tensor, d: int) -> bool:
 
 
 def _launch_main(q, k_cache, block_table, cache_seqlens, metadata, num_splits, softmax_scale, causal, cfg,
-                 out, lse, po, plse) -> None:
+                 out, lse, po, plse, pdl: bool) -> None:
     b, q_len, h, d = q.shape
     rows = q_len * h
     head_dim_v = out.shape[-1]
@@ -415,7 +423,7 @@ def _launch_main(q, k_cache, block_table, cache_seqlens, metadata, num_splits, s
         out.stride(0), out.stride(1), out.stride(2),
         CAUSAL=bool(causal), PAGE=page, SCHED_N=SCHED_BLOCK_N,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DV=head_dim_v, NC=cfg.chunks, DR=max(dr, 16), HAS_PE=dr > 0,
-        META_W=METADATA_WIDTH, USE_TMA=use_tma, CARRY_PAGES=cfg.carry_pages, PRECISION=precision,
+        META_W=METADATA_WIDTH, USE_TMA=use_tma, CARRY_PAGES=cfg.carry_pages, PRECISION=precision, PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -472,22 +480,40 @@ def paged_decode_triton(
     # Each part boundary cuts at most one request in two: at most b + parts - 1 pieces in all.
     po = torch.empty(b + parts, rows, head_dim_v, dtype=torch.float32, device=q.device)
     plse = torch.empty(b + parts, rows, dtype=torch.float32, device=q.device)
+    # Many requests (about one per part or more) have few pieces each: the combine overlaps the main
+    # kernel's end (PDL) and merges 16 rows per program. Few requests have ~parts / b pieces each, which
+    # small tiles spread over more programs, and the early-scheduled combine would only wait beside the
+    # main grid (benchmarks/NOTES.md, v11).
+    many = 2 * b >= parts and rows >= 32
+    pdl = many and pdl_supported(q.device)
     if cfg.use_sm90:
         decode_sm90_main(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
-                         softmax_scale, causal, out, lse, po, plse)
+                         softmax_scale, causal, out, lse, po, plse, pdl)
     else:
         _launch_main(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits, softmax_scale,
-                     causal, cfg, out, lse, po, plse)
-    # Small combine tiles: at small batch one request has ~100 pieces, merged by many programs at once.
-    block_r = 4 if rows >= 4 else 1 << (rows - 1).bit_length()
-    block_d = min(128, head_dim_v)
+                     causal, cfg, out, lse, po, plse, pdl)
+    launch_combine(out, lse, po, plse, num_splits, pdl, block_r=16 if many else 4)
+    return out, lse
+
+
+def launch_combine(out: torch.Tensor, lse: torch.Tensor, po: torch.Tensor, plse: torch.Tensor,
+                   num_splits: torch.Tensor, pdl: bool, block_r: int = 4, block_d: int = 128, num_warps: int = 4,
+                   num_stages: int = 3) -> None:
+    """Merge the partials po [pieces, rows, Dv] fp32 / plse [pieces, rows] (log2) of the requests that
+    ``num_splits`` (int32 [b + 1], cumulative) gives more than one piece into out [b, q_len, h, Dv] / lse
+    [b, h, q_len] (natural log), and write requests with no piece as output 0, LSE -inf; ``pdl``: launched as
+    the main kernel's programmatic dependent (sm_90+). ``block_r`` query rows per program."""
+    b, q_len, h, head_dim_v = out.shape
+    rows = q_len * h
+    block_r = min(block_r, 1 << (rows - 1).bit_length())
+    block_d = min(block_d, head_dim_v)
     _COMBINE.launch(
-        q.device, (b, -(-rows // block_r), head_dim_v // block_d),
+        out.device, (b, -(-rows // block_r), head_dim_v // block_d),
         out, lse, po, plse, num_splits, h, q_len, rows,
         out.stride(0), out.stride(1), out.stride(2),
-        DV=head_dim_v, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4, num_stages=3,
+        DV=head_dim_v, BLOCK_R=block_r, BLOCK_D=block_d, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+        **({"launch_pdl": True} if pdl else {}),
     )
-    return out, lse
 
 
 def select_config(q: torch.Tensor, k_cache: torch.Tensor, head_dim_v: int,

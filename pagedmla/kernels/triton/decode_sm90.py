@@ -75,6 +75,13 @@ def hopper_available(device: torch.device) -> bool:
     return _capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)
 
 
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch (a kernel starting while the previous one ends): CUDA, sm_90 and later."""
+    if device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+
+
 def sm90_supported(q: torch.Tensor, k_cache: torch.Tensor, head_dim_v: int) -> bool:
     """Whether the Gluon kernel can run this call (see the module docstring)."""
     if not (hopper_available(q.device) and k_cache.is_cuda):
@@ -373,8 +380,13 @@ if HAVE_GLUON:
         q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, seqlens_ptr, meta_ptr, splits_ptr,
         out_ptr, lse_ptr, po_ptr, plse_ptr,
         H, Q_LEN, ROWS, qk_scale, stride_btb, stride_ob, stride_ot, stride_oh,
-        CAUSAL: gl.constexpr, PAGE: gl.constexpr, META_W: gl.constexpr,
+        CAUSAL: gl.constexpr, PAGE: gl.constexpr, META_W: gl.constexpr, PDL: gl.constexpr,
     ):
+        if PDL:
+            # One program per SM part, all resident at once: let the combine kernel's programs be scheduled
+            # now (they wait for this grid's end before reading partials).
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
         (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, p_ready, p_free, kv_ready,
          kv_empty) = _mla_buffers(q_desc, q_pe_desc, kv_desc, kv_pe_desc)
         gl.warp_specialize(
@@ -423,10 +435,11 @@ def descriptor(x: torch.Tensor, block_shape: list[int], layout) -> TensorDescrip
 
 
 def decode_sm90_main(q, k_cache, block_table, cache_seqlens, metadata, num_splits, softmax_scale, causal,
-                     out, lse, po, plse) -> None:
+                     out, lse, po, plse, pdl: bool = False) -> None:
     """Launch the main kernel: results of one-piece requests into out / lse, the rest into po / plse (the
     portable launcher allocates all four and runs the combine kernel afterwards). softmax_scale > 0 (the
-    softmax keeps unscaled row maxima; the public ops check it)."""
+    softmax keeps unscaled row maxima; the public ops check it). ``pdl``: the combine kernel follows as a
+    programmatic dependent launch."""
     b, q_len, h, d = q.shape
     rows = q_len * h
     page = k_cache.shape[1]
@@ -441,7 +454,7 @@ def decode_sm90_main(q, k_cache, block_table, cache_seqlens, metadata, num_split
         out, lse, po, plse,
         h, q_len, rows, softmax_scale * _LOG2E, block_table.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
-        CAUSAL=bool(causal), PAGE=page, META_W=METADATA_WIDTH,
+        CAUSAL=bool(causal), PAGE=page, META_W=METADATA_WIDTH, PDL=pdl,
         num_warps=4,
     )
 
