@@ -20,6 +20,7 @@ from pagedmla.kernels.triton.decode_sm90 import sm90_supported
 from pagedmla.kernels.triton.schedule import schedule_into as schedule_kernel_into
 from pagedmla.ops import flash_mla_with_kvcache, get_mla_metadata
 from pagedmla.ops.schedule import BLOCK_N as SCHED_N
+from pagedmla.ops.schedule import overhead_blocks
 from pagedmla.reference import paged_mla_attention
 
 # fp16 elementwise bounds: P is rounded to fp16 before P @ V and the output to fp16 (2**-11 relative each);
@@ -202,13 +203,13 @@ def test_schedule_kernel_equals_tensor_ops(seed, device):
     big = device == "cuda"
     for b in (1, 2, 7, 40, rng.randint(1, 100)) + ((2500,) if big else ()):
         lens = torch.tensor(_random_lengths(rng, b), dtype=torch.int32, device=device)
-        for parts in (1, 3, 66, 132, 264) if big else (1, 3, 20):
-            want_md, want_ns = get_mla_metadata(lens.cpu(), 16, 1, num_sm_parts=parts)
+        for parts, rows in itertools.product((1, 3, 66, 132, 264) if big else (1, 3, 20), (16, 128)):
+            want_md, want_ns = get_mla_metadata(lens.cpu(), rows, 1, num_sm_parts=parts)
             md = torch.full((parts, 8), -7, dtype=torch.int32, device=device)
             ns = torch.full((b + 1,), -7, dtype=torch.int32, device=device)
-            schedule_kernel_into(lens, md, ns)
-            assert torch.equal(md.cpu(), want_md), (b, parts)
-            assert torch.equal(ns.cpu(), want_ns), (b, parts)
+            schedule_kernel_into(lens, md, ns, overhead_blocks(rows))
+            assert torch.equal(md.cpu(), want_md), (b, parts, rows)
+            assert torch.equal(ns.cpu(), want_ns), (b, parts, rows)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -217,8 +218,8 @@ def test_schedule_covers_every_block_once(seed):
     for _ in range(8):
         b = rng.randint(1, 40)
         lens = [rng.choice([0, 1, 63, 64, 65, rng.randint(0, 5000)]) for _ in range(b)]
-        for parts in (1, 2, 3, 7, 33, 66, 132, 200):
-            meta, splits = get_mla_metadata(torch.tensor(lens, dtype=torch.int32), 16, 1, num_sm_parts=parts)
+        for parts, rows in itertools.product((1, 2, 3, 7, 33, 66, 132, 200), (16, 128)):
+            meta, splits = get_mla_metadata(torch.tensor(lens, dtype=torch.int32), rows, 1, num_sm_parts=parts)
             assert meta.shape == (parts, 8) and splits.shape == (b + 1,)
             covered, pieces = enumerate_schedule(meta, splits, lens)
             expected = {(r, blk) for r, n in enumerate(lens) for blk in range(math.ceil(n / SCHED_N))}

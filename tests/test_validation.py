@@ -380,11 +380,19 @@ def test_schedule_into_rejects(bad, name):
     from pagedmla.ops.schedule import schedule_into
 
     with pytest.raises(ValueError, match=name):
-        schedule_into(*bad(*_buffers()))
+        schedule_into(*bad(*_buffers()), 16)
     lens, md, ns = _buffers()
-    schedule_into(lens, md, ns)
+    schedule_into(lens, md, ns, 16)
     want_md, want_ns = pagedmla.get_mla_metadata(lens, 16, 1, num_sm_parts=3)
     assert torch.equal(md, want_md) and torch.equal(ns, want_ns)
+
+
+@pytest.mark.parametrize("rows", [0, -2, 1.5, True, None])
+def test_schedule_into_rejects_rows(rows):
+    from pagedmla.ops.schedule import schedule_into
+
+    with pytest.raises(ValueError, match="num_q_tokens_per_head_k"):
+        schedule_into(*_buffers(), rows)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Split-KV schedule for paged decode: balance (request, KV block) work across the SMs, on the device.
 
-The work of a batch is laid on one line of "units": request b costs ``FIXED_OVERHEAD_BLOCKS`` units (its
+The work of a batch is laid on one line of "units": request b costs ``overhead_blocks(rows)`` units (its
 q load, output write and combine share) followed by one unit per ``BLOCK_N``-token KV block. The line is
 cut into ``num_sm_parts`` equal pieces; part p processes the blocks whose units fall into its piece. A
 request whose blocks all fall into one part is written directly; one spread over several parts ("split")
@@ -29,7 +29,11 @@ BLOCK_M = 64
 # takes every request of more than 16 rows in 64-row tiles, one per SM (it beat the 32-row tile by 30%).
 SMALL_TILE_ROWS = 32
 HOPPER_MIN_ROWS = 17
-FIXED_OVERHEAD_BLOCKS = 5
+# A request's fixed cost in KV blocks. Measured on the H200 with per-part timestamps (benchmarks/NOTES.md,
+# v12): a piece (q load, finish, result write) costs about 2 KV blocks of time for tiles of up to 32 valid
+# rows and 3 for more; FlashMLA's 5 left the parts that start several requests ending 10-20% early.
+OVERHEAD_BLOCKS_SMALL = 2
+OVERHEAD_BLOCKS = 3
 METADATA_WIDTH = 8
 
 
@@ -48,6 +52,11 @@ def hopper_decode_available(device: torch.device) -> bool:
     from pagedmla.kernels.triton.decode_sm90 import hopper_available  # late: the kernels import this module
 
     return hopper_available(device)
+
+
+def overhead_blocks(num_q_tokens_per_head_k: int) -> int:
+    """The scheduler's fixed cost of one request, in KV blocks, for requests of this many query rows."""
+    return OVERHEAD_BLOCKS_SMALL if num_q_tokens_per_head_k <= SMALL_TILE_ROWS else OVERHEAD_BLOCKS
 
 
 def num_sm_parts_for(device: torch.device, num_q_tokens_per_head_k: int, num_heads_k: int) -> int:
@@ -94,14 +103,19 @@ def get_mla_metadata(
     bs = cache_seqlens.shape[0]
     metadata = torch.empty(parts, METADATA_WIDTH, dtype=torch.int32, device=dev)
     num_splits = torch.empty(bs + 1, dtype=torch.int32, device=dev)
-    _fill(cache_seqlens, metadata, num_splits)
+    _fill(cache_seqlens, metadata, num_splits, overhead_blocks(num_q_tokens_per_head_k))
     return metadata, num_splits
 
 
-def schedule_into(cache_seqlens: torch.Tensor, metadata: torch.Tensor, num_splits: torch.Tensor) -> None:
-    """``get_mla_metadata`` into given buffers (CUDA-graph state): int32 ``cache_seqlens`` [bs], ``metadata``
-    int32 [parts, METADATA_WIDTH] and ``num_splits`` int32 [bs + 1], all on one device, the buffers
-    contiguous. No host synchronisation."""
+def schedule_into(cache_seqlens: torch.Tensor, metadata: torch.Tensor, num_splits: torch.Tensor,
+                  num_q_tokens_per_head_k: int) -> None:
+    """``get_mla_metadata(cache_seqlens, num_q_tokens_per_head_k, 1, num_sm_parts=metadata.shape[0])`` into
+    given buffers (CUDA-graph state): int32 ``cache_seqlens`` [bs], ``metadata`` int32 [parts,
+    METADATA_WIDTH] and ``num_splits`` int32 [bs + 1], all on one device, the buffers contiguous. No host
+    synchronisation."""
+    if isinstance(num_q_tokens_per_head_k, bool) or not isinstance(num_q_tokens_per_head_k, int) \
+            or num_q_tokens_per_head_k < 1:
+        raise ValueError(f"num_q_tokens_per_head_k: expected a positive int, got {num_q_tokens_per_head_k!r}")
     for name, x in (("cache_seqlens", cache_seqlens), ("metadata", metadata), ("num_splits", num_splits)):
         if not isinstance(x, torch.Tensor) or x.dtype != torch.int32 or x.device != cache_seqlens.device:
             raise ValueError(f"{name}: expected an int32 tensor on {cache_seqlens.device}")
@@ -114,12 +128,13 @@ def schedule_into(cache_seqlens: torch.Tensor, metadata: torch.Tensor, num_split
                          f"got shape {tuple(metadata.shape)}")
     if num_splits.shape != (bs + 1,) or not num_splits.is_contiguous():
         raise ValueError(f"num_splits: expected a contiguous [{bs + 1}] tensor, got shape {tuple(num_splits.shape)}")
-    _fill(cache_seqlens, metadata, num_splits)
+    _fill(cache_seqlens, metadata, num_splits, overhead_blocks(num_q_tokens_per_head_k))
 
 
-def _fill(cache_seqlens: torch.Tensor, metadata: torch.Tensor, num_splits: torch.Tensor) -> None:
-    """The schedule into checked buffers: on CUDA one Triton launch (``kernels/triton/schedule.py``) except
-    while a CUDA graph is being captured, elsewhere (and then) the same arithmetic in tensor ops."""
+def _fill(cache_seqlens: torch.Tensor, metadata: torch.Tensor, num_splits: torch.Tensor, overhead: int) -> None:
+    """The schedule into checked buffers, ``overhead`` units per request: on CUDA one Triton launch
+    (``kernels/triton/schedule.py``) except while a CUDA graph is being captured, elsewhere (and then) the
+    same arithmetic in tensor ops."""
     bs, parts = cache_seqlens.shape[0], metadata.shape[0]
     if bs == 0:
         metadata.zero_()
@@ -129,11 +144,11 @@ def _fill(cache_seqlens: torch.Tensor, metadata: torch.Tensor, num_splits: torch
     if cache_seqlens.is_cuda and not torch.cuda.is_current_stream_capturing():
         from pagedmla.kernels.triton.schedule import schedule_into as launch  # late: that module imports this one
 
-        launch(cache_seqlens.contiguous(), metadata, num_splits)
+        launch(cache_seqlens.contiguous(), metadata, num_splits, overhead)
         return
     dev = cache_seqlens.device
     n = (cache_seqlens.to(torch.int64).clamp(min=0) + BLOCK_N - 1) // BLOCK_N
-    unit_end = torch.cumsum(n + FIXED_OVERHEAD_BLOCKS, 0)  # end of request b's units (exclusive)
+    unit_end = torch.cumsum(n + overhead, 0)  # end of request b's units (exclusive)
     first = unit_end - n  # unit of request b's first KV block
     per_part = torch.clamp((unit_end[-1] + parts - 1) // parts, min=1)
     lo = torch.arange(parts, device=dev, dtype=torch.int64) * per_part

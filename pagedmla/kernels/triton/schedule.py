@@ -16,7 +16,7 @@ import triton.language as tl
 
 from pagedmla.kernels.triton.launch import CachedKernel
 from pagedmla.ops.providers import triton_interpreting
-from pagedmla.ops.schedule import BLOCK_N, FIXED_OVERHEAD_BLOCKS, METADATA_WIDTH
+from pagedmla.ops.schedule import BLOCK_N, METADATA_WIDTH
 
 # Under the interpreter (CPU tests) small chunks exercise the multi-chunk walk on small batches.
 CHUNK = 32 if triton_interpreting() else 1024
@@ -92,10 +92,12 @@ def _schedule_kernel(seqlens_ptr, meta_ptr, splits_ptr, bs, parts,
 _SCHEDULE = CachedKernel(_schedule_kernel)
 
 
-def schedule_into(cache_seqlens: torch.Tensor, metadata: torch.Tensor, num_splits: torch.Tensor) -> None:
+def schedule_into(cache_seqlens: torch.Tensor, metadata: torch.Tensor, num_splits: torch.Tensor,
+                  overhead: int) -> None:
     """Write the schedule of ``cache_seqlens`` (int32 [bs], contiguous, bs >= 1) into ``metadata`` (int32
-    [parts, METADATA_WIDTH], contiguous) and ``num_splits`` (int32 [bs + 1]); checked by the caller."""
+    [parts, METADATA_WIDTH], contiguous) and ``num_splits`` (int32 [bs + 1]), ``overhead`` units per request
+    (``ops.schedule.overhead_blocks``); checked by the caller."""
     bs, parts = cache_seqlens.shape[0], metadata.shape[0]
     _SCHEDULE.launch(cache_seqlens.device, (parts,), cache_seqlens, metadata, num_splits, bs, parts,
-                     BLOCK=BLOCK_N, OVERHEAD=FIXED_OVERHEAD_BLOCKS, META_W=METADATA_WIDTH, CHUNK=CHUNK,
+                     BLOCK=BLOCK_N, OVERHEAD=overhead, META_W=METADATA_WIDTH, CHUNK=CHUNK,
                      num_warps=4)
