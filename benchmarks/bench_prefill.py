@@ -6,6 +6,8 @@ Hopper kernel on sm_90) and the portable Triton kernel (``triton_portable``; sev
 (``BatchPrefillWithRaggedKVCacheWrapper(..., backend="fa3")``).
 SDPA gets the equal-length batch as [b, H, L, D] views of the same packed tensors (no copies), q/k 192 and
 v 128 as they are; the backend torch picks is printed. Causal FLOPs = 2·b·H·L(L+1)/2·(192+128).
+Skewed ragged batches (one long prompt among many short ones, as chunked-prefill batches are): the same
+kernels and fa3 on packed sequences of unequal lengths; the reference is SDPA per sequence (not timed).
 Paged absorbed prefill: requests of n new tokens over p cached ones (page size 64, permuted pages),
 576/512, one KV head, against FlashInfer's ``BatchMLAPagedAttentionWrapper(backend="fa3")`` with
 qo_indptr; ``triton`` (default choice) and ``triton_portable`` as above.
@@ -38,6 +40,8 @@ RAGGED_VARIANTS = {
     "m128n64w8s4": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 4},
     "m128n128w8s2": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
 }
+# (long prompt, short prompts, their length, heads): causal, 192/128
+SKEWED_GRID = [(4096, 63, 64, 128), (16384, 127, 128, 16)]
 PAGED_GRID = [(8, 1024, 4096, 128), (8, 1024, 4096, 16)]  # (requests, new tokens, cached tokens, heads)
 PAGED_VARIANTS = {
     "m64n64w8s2": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
@@ -130,17 +134,49 @@ def ragged_cell(b, seqlen, h, variants, fi_workspace):
     ref = ref.transpose(1, 2).reshape(t, h, 128)
     ms = timed(lambda: sdpa(vs))
     record("ragged", cell, "torch_sdpa", ms, flops / ms / 1e9, "TFLOP/s", note)
+    time_ragged("ragged", cell, q, k, v, cu, seqlen, flops, ref, variants, fi_workspace)
+
+
+def time_ragged(section, cell, q, k, v, cu, max_len, flops, ref, variants, fi_workspace):
+    """pagedmla's variants and (with a workspace) FlashInfer fa3 on one causal 192/128 ragged batch."""
+    t, h = q.shape[:2]
+    scale = 192 ** -0.5
     out = torch.empty(t, h, 128, device="cuda", dtype=torch.bfloat16)
     for name, cfg in variants.items():
-        try_variant("ragged", cell, name, functools.partial(
-            tvarlen.varlen_attention, q, k, v, cu, cu, seqlen, seqlen, scale, True, out, config=cfg),
+        try_variant(section, cell, name, functools.partial(
+            tvarlen.varlen_attention, q, k, v, cu, cu, max_len, max_len, scale, True, out, config=cfg),
             flops, lambda o: rel(o[0], ref))
     if fi_workspace is not None:
         import flashinfer
 
         wrapper = flashinfer.prefill.BatchPrefillWithRaggedKVCacheWrapper(fi_workspace, "NHD", backend="fa3")
         wrapper.plan(cu, cu, h, h, 192, head_dim_vo=128, causal=True, sm_scale=scale, q_data_type=torch.bfloat16)
-        try_variant("ragged", cell, "flashinfer_fa3", lambda: wrapper.run(q, k, v), flops, lambda o: rel(o, ref))
+        try_variant(section, cell, "flashinfer_fa3", lambda: wrapper.run(q, k, v), flops, lambda o: rel(o, ref))
+
+
+def bench_skewed(fi_workspace):
+    print("\n== skewed ragged batches, causal, q/k 192, v 128, bf16 ==", flush=True)
+    for long, n, short, h in SKEWED_GRID:
+        skewed_cell(long, n, short, h, fi_workspace)
+        torch.cuda.empty_cache()
+
+
+def skewed_cell(long, n, short, h, fi_workspace):
+    cell = f"1x{long}+{n}x{short} H{h}"
+    print(cell, flush=True)
+    lens = [long] + [short] * n
+    t = sum(lens)
+    q, k, v = rnd(t, h, 192), rnd(t, h, 192), rnd(t, h, 128)
+    cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+    scale = 192 ** -0.5
+    flops = sum(2 * h * n * (n + 1) / 2 * (192 + 128) for n in lens)
+    ref = torch.empty(t, h, 128, device="cuda", dtype=torch.bfloat16)
+    for lo, hi in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        qs, ks, vs = (x[lo:hi].transpose(0, 1).float() for x in (q, k, v))
+        ref[lo:hi] = torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1).bfloat16()
+    time_ragged("skewed", cell, q, k, v, cu, long, flops, ref, {"triton": None, "triton_portable": {"HOPPER": False}},
+                fi_workspace)
 
 
 def bench_paged(args, fi_workspace):
@@ -241,7 +277,8 @@ def main() -> None:
     parser.add_argument("--variants", action="store_true", help="time several Triton tile configurations")
     parser.add_argument("--quick", action="store_true", help="fewer cells")
     parser.add_argument("--csv", metavar="PATH", help="write every measurement to PATH")
-    parser.add_argument("--only", choices=("ragged", "paged", "merge"), action="append", help="run only these parts")
+    parser.add_argument("--only", choices=("ragged", "skewed", "paged", "merge"), action="append",
+                        help="run only these parts")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_prefill: needs a CUDA GPU")
@@ -249,13 +286,15 @@ def main() -> None:
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__},"
           f" {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if args.flashinfer else None
-    parts = args.only or ["ragged", "paged", "merge"]
+    parts = args.only or ["ragged", "skewed", "paged", "merge"]
     if "merge" in parts:
         bench_merge()
     if "paged" in parts:
         bench_paged(args, workspace)
     if "ragged" in parts:
         bench_ragged(args, workspace)
+    if "skewed" in parts:
+        bench_skewed(workspace)
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -83,10 +83,10 @@ def compile_varlen_sm90(arch: int = 90, dk: int = 192, dv: int = 128):
     pe = (dk - dk1) or 64
     signature = {"q_desc": desc(64, dk1), "q_pe_desc": desc(64, pe), "k_desc": desc(BLOCK_N, dk1),
                  "k_pe_desc": desc(BLOCK_N, pe), "v_desc": desc(BLOCK_N, dv), "out_ptr": "*bf16", "lse_ptr": "*fp32",
-                 "cu_q": "*i32", "cu_k": "*i32", "counter": "*i32", "H": "i32", "GROUP": "i32", "NM": "i32",
-                 "T": "i32", "qk_scale": "fp32",
+                 "cu_q": "*i32", "cu_k": "*i32", "counter": "*i32", "H": "i32", "GROUP": "i32", "batch": "i32",
+                 "qk_scale": "fp32",
                  "stride_ot": "i32", "stride_oh": "i32"}
-    constexprs = dict(DK1=dk1, DK2=dk - dk1, DV=dv, CAUSAL=True)
+    constexprs = dict(DK1=dk1, DK2=dk - dk1, DV=dv, CAUSAL=True, SEARCH_STEPS=5)
     signature.update({name: "constexpr" for name in constexprs})
     src = GluonASTSource(_varlen_sm90_kernel, signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))

@@ -17,7 +17,7 @@ from pagedmla.kernels.triton import merge as tmerge
 from pagedmla.kernels.triton import paged_prefill as tpaged
 from pagedmla.kernels.triton import varlen as tvarlen
 from pagedmla.kernels.triton.decode_sm90 import sm90_supported
-from pagedmla.kernels.triton.varlen_sm90 import varlen_sm90_supported
+from pagedmla.kernels.triton.varlen_sm90 import varlen_sm90_plan, varlen_sm90_supported
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -270,11 +270,22 @@ def test_varlen_default_kernel_choice(monkeypatch):
     assert tvarlen._use_hopper(None, q, k, v, tvarlen.HOPPER_COPY_MIN_Q, 1)
     assert not tvarlen._use_hopper({"BLOCK_M": 64}, q, k, v, 4096, 1)
     assert tvarlen._use_hopper({"HOPPER": True}, q, k, v, 1, 1)
-    # 2 heads x 2**23 sequences x 128 row tiles = 2**31 tiles: past the counter's range.
-    assert tvarlen._use_hopper(None, q, k, v, 128 * 128, 2 ** 22)
-    assert not tvarlen._use_hopper(None, q, k, v, 128 * 128, 2 ** 23)
+    # 4 rows over many sequences: (4 // 128 + batch) x 2 heads per-sequence work tiles, and the counter takes
+    # fewer than 2**31 - 2**20.
+    long_q = tvarlen.HOPPER_COPY_MIN_Q
+    assert tvarlen._use_hopper(None, q, k, v, long_q, 2 ** 30 - 2 ** 19 - 1)
+    assert not tvarlen._use_hopper(None, q, k, v, long_q, 2 ** 30 - 2 ** 19)
     monkeypatch.setattr(tvarlen, "varlen_sm90_supported", lambda *a: False)
     assert not tvarlen._use_hopper(None, q, k, v[..., :128].contiguous(), 4096, 1)
+
+
+def test_varlen_sm90_plan():
+    """The Hopper ragged kernel's tile numbering: the longest sequence's row tiles for every sequence, unless
+    at least half of those would be empty; then each sequence's own (cu_q[b+1] // 128 - cu_q[b] // 128 + 1)."""
+    assert varlen_sm90_plan(1024, 16 * 1024, 128, 16) == (8 * 128 * 16, False)
+    assert varlen_sm90_plan(4096, 4096 + 63 * 64, 128, 64) == ((8128 // 128 + 64) * 128, True)
+    assert varlen_sm90_plan(256, 100, 1, 2) == (4, False)  # padded = 2 x per-sequence: still padded
+    assert varlen_sm90_plan(384, 100, 1, 2) == (2, True)
 
 
 @pytest.mark.gpu
@@ -392,6 +403,7 @@ def test_gpu_varlen_hopper_kernel_many_tiles(causal):
     and CUDA-graph replays with new inputs give the same results."""
     gen = torch.Generator().manual_seed(7)
     lq, lk = _lens(gen, 60, 1500), _lens(gen, 60, 1500)
+    assert not varlen_sm90_plan(max(lq), sum(lq), 32, len(lq))[1]  # the padded numbering runs
     q, k, v, cu_q, cu_k = _varlen_case(lq, lk, 32, 8, 192, 128, torch.bfloat16, causal, seed=9)
     if not varlen_sm90_supported(q, k, v):
         pytest.skip("the Hopper kernel needs an sm_90 GPU and Triton's Gluon")
@@ -417,6 +429,29 @@ def test_gpu_varlen_hopper_kernel_many_tiles(causal):
         graph.replay()
         o3, lse3 = call()
         assert torch.equal(g_o, o3) and torch.equal(g_lse, lse3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_varlen_hopper_kernel_skewed_batch(causal):
+    """One long prompt among many short ones (a chunked-prefill batch): the per-sequence tile numbering,
+    every row of every sequence computed once (lengths around the 128-row tiles,
+    sequences that start mid-tile, empty ones, GQA 4, q shorter than k for some)."""
+    gen = torch.Generator().manual_seed(11)
+    short = [0, 1, 17, 127, 128, 129, 255, 64]
+    lq = [3001] + [short[i % len(short)] for i in range(60)] + [700]
+    lk = [n + int(torch.randint(0, 3, (1,), generator=gen)) * 40 for n in lq]
+    assert varlen_sm90_plan(max(lq), sum(lq), 16, len(lq))[1]  # the per-sequence numbering runs
+    q, k, v, cu_q, cu_k = _varlen_case(lq, lk, 16, 4, 192, 128, torch.bfloat16, causal, seed=13)
+    if not varlen_sm90_supported(q, k, v):
+        pytest.skip("the Hopper kernel needs an sm_90 GPU and Triton's Gluon")
+    q = (q.float() / 2).bfloat16()
+    out = torch.full((q.shape[0], 16, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+    o, lse = tvarlen.varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), 192 ** -0.5, causal, out,
+                                      config={"HOPPER": True})
+    ref, ref_lse = reference.varlen_attention(q.float(), k.float(), v.float(), cu_q, cu_k, 192 ** -0.5, causal)
+    _check_lse(lse, ref_lse, 1e-2)
+    _check_out(o, ref, ref_lse, 1e-2)
 
 
 @pytest.mark.gpu

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedmla.kernels.triton.varlen_sm90 import MAX_TILES, varlen_sm90, varlen_sm90_supported, varlen_sm90_tiles
+from pagedmla.kernels.triton.varlen_sm90 import MAX_TILES, varlen_sm90, varlen_sm90_plan, varlen_sm90_supported
 from pagedmla.ops import checks
 from pagedmla.ops.providers import register_impl, triton_interpreting
 
@@ -202,7 +202,9 @@ def _use_hopper(config: dict | None, q: torch.Tensor, k: torch.Tensor, v: torch.
                 batch: int) -> bool:
     if config is not None:
         return bool(config.get("HOPPER"))
-    if not varlen_sm90_supported(q, k, v) or varlen_sm90_tiles(max_seqlen_q, q.shape[1], batch) >= MAX_TILES:
+    if not varlen_sm90_supported(q, k, v):
+        return False
+    if varlen_sm90_plan(max_seqlen_q, q.shape[0], q.shape[1], batch)[0] >= MAX_TILES:
         return False
     return max_seqlen_q >= HOPPER_COPY_MIN_Q or all(t.is_contiguous() for t in (q, k, v))
 

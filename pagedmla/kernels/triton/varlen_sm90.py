@@ -5,7 +5,16 @@ head dim 64/128.
 Work tiles are 128 query rows of one sequence and one head. The kernel is persistent: one program per SM,
 whose 1-warp loader partition takes tiles from a global counter in launch order (sequence, then head, then
 row tiles heaviest first: the tiles in flight share few heads' K/V in L2, and within each sequence and head
-the long causal tiles start first) and hands each tile id to the consumers through shared memory. Per tile
+the long causal tiles start first) and hands each tile to the consumers through shared memory. Two ways to
+number the tiles (``varlen_sm90_plan`` picks one per call):
+- every sequence gets the longest one's ``ceil(max_seqlen_q / 128)`` row tiles per head, those past its own
+  length empty; the hand-off carries the tile id, from which each partition computes the bounds;
+- sequence b gets ``cu_q[b+1] // 128 - cu_q[b] // 128 + 1`` row tiles per head (at least its own
+  ``ceil(lq / 128)``), so the tiles before it, ``(cu_q[b] // 128 + b) * H``, need no prefix sum and a
+  launch has ``(Tq // 128 + batch) * H`` tiles; the loader finds a tile's sequence by binary search over
+  ``cu_seqlens_q`` and hands over its bounds. For one long prompt among many short ones the first numbering
+  would hand out mostly empty tiles, one atomic and one hand-off each (2.3-3.7x slower on such batches,
+  benchmarks/NOTES.md); on equal lengths the second was 2-6% slower (its search sits between two tiles). Per tile
 the loader streams Q and the sequence's K and V in 128-key tiles through two two-stage shared-memory rings
 (K and V separately, with TMA, each K tile before the previous V tile), and the next tile's Q and first keys
 while the consumers finish the current one. Two consumer warpgroups each own 64 query rows (their S = Q K^T,
@@ -57,9 +66,15 @@ if HAVE_GLUON:
 MAX_TILES = 2 ** 31 - 2 ** 20
 
 
-def varlen_sm90_tiles(max_seqlen_q: int, heads: int, batch: int) -> int:
-    """Work tiles of a launch: 128-row tiles of the longest sequence, for every head and sequence."""
-    return -(-max_seqlen_q // BLOCK_M) * heads * batch
+def varlen_sm90_plan(max_seqlen_q: int, total_q: int, heads: int, batch: int) -> tuple[int, bool]:
+    """(work tiles, per-sequence numbering) of a launch over ``total_q`` packed query rows (see the module
+    docstring): the per-sequence numbering once at least half of the longest-sequence grid would be empty
+    tiles, where their hand-offs cost more than the per-sequence numbering's search between tiles."""
+    padded = -(-max_seqlen_q // BLOCK_M) * heads * batch
+    per_sequence = (total_q // BLOCK_M + batch) * heads
+    if padded > 2 * per_sequence:
+        return per_sequence, True
+    return padded, False
 
 
 def varlen_sm90_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -92,6 +107,67 @@ if HAVE_GLUON:
         return grp % H, q_start, lq, m0, k_start, lk, diag, hi
 
     @gluon.jit
+    def _tile_count(cu_q, H, batch):
+        """Work tiles of a per-sequence launch (``varlen_sm90_plan`` of the rows the sequences use)."""
+        return (gl.load(cu_q + batch) // (2 * _WM) + batch) * H
+
+    @gluon.jit
+    def _tile_of(t, cu_q, cu_k, H, batch, SEARCH_STEPS: gl.constexpr):
+        """Tile t of the per-sequence numbering (sequence-major, then head, then row tiles heaviest first):
+        (head, q_start, lq, m0, k_start, lk). Sequence b's tiles start at (cu_q[b] // 128 + b) * H, an
+        increasing function of b: binary search."""
+        lo = t * 0
+        hi = lo + batch - 1
+        for _ in gl.static_range(SEARCH_STEPS):
+            mid = (lo + hi + 1) // 2
+            go_up = (gl.load(cu_q + mid) // (2 * _WM) + mid) * H <= t
+            lo = gl.where(go_up, mid, lo)
+            hi = gl.where(go_up, hi, mid - 1)
+        q_start = gl.load(cu_q + lo)
+        q_end = gl.load(cu_q + lo + 1)
+        nm = q_end // (2 * _WM) - q_start // (2 * _WM) + 1
+        rem = t - (q_start // (2 * _WM) + lo) * H
+        k_start = gl.load(cu_k + lo)
+        lk = gl.load(cu_k + lo + 1) - k_start
+        return rem // nm, q_start, q_end - q_start, (nm - 1 - rem % nm) * (2 * _WM), k_start, lk
+
+    @gluon.jit
+    def _tile_end(lq, m0, lk, CAUSAL: gl.constexpr):
+        """End of the keys any row m0 .. m0 + 127 of a sequence with lq queries and lk keys sees."""
+        if CAUSAL:
+            return gl.maximum(gl.minimum(lk, gl.minimum(m0 + 2 * _WM, lq) + lk - lq), 0)
+        else:
+            return lk
+
+    @gluon.jit
+    def _publish_tile_info(slot, t, cu_q, cu_k, H, batch, SEARCH_STEPS: gl.constexpr):
+        """Loader: the bounds of per-sequence tile t into its hand-off slot; returns (head, q_start, lq, m0,
+        k_start, lk). Past the last tile the search still reads inside cu_q / cu_k (the consumers then only
+        look at the id)."""
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        h, q_start, lq, m0, k_start, lk = _tile_of(t, cu_q, cu_k, H, batch, SEARCH_STEPS)
+        idx = gl.arange(0, 8, layout=one)
+        slot.store(gl.where(idx == 0, t, gl.where(idx == 1, h, gl.where(idx == 2, q_start, gl.where(
+            idx == 3, lq, gl.where(idx == 4, m0, lk))))))
+        gl.thread_barrier()
+        return h, q_start, lq, m0, k_start, lk
+
+    @gluon.jit
+    def _receive_tile_info(i, tile_info, tile_ready, tile_free):
+        """Consumer side of a per-sequence hand-off: the loader's i-th tile as (id, head, q_start, lq, m0, lk)."""
+        s = i % 2
+        mbarrier.wait(tile_ready.index(s), (i // 2) & 1)
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        info = tile_info.index(s).load(layout)
+        # Every warp has read the slot before it is handed back (the arrive is one thread's).
+        gl.thread_barrier()
+        mbarrier.arrive(tile_free.index(s), count=1)
+        idx = gl.arange(0, 8, layout=layout)
+        return (gl.sum(gl.where(idx == 0, info, 0), axis=0), gl.sum(gl.where(idx == 1, info, 0), axis=0),
+                gl.sum(gl.where(idx == 2, info, 0), axis=0), gl.sum(gl.where(idx == 3, info, 0), axis=0),
+                gl.sum(gl.where(idx == 4, info, 0), axis=0), gl.sum(gl.where(idx == 5, info, 0), axis=0))
+
+    @gluon.jit
     def _receive_tile(i, tile_ids, tile_ready, tile_free):
         """Consumer side of the tile hand-off: the id the loader published as its i-th tile."""
         s = i % 2
@@ -103,11 +179,14 @@ if HAVE_GLUON:
         return t
 
     @gluon.jit
-    def _varlen_loader(q_desc, q_pe_desc, k_desc, k_pe_desc, v_desc, cu_q, cu_k, counter, GROUP, H, NM, T,
+    def _varlen_loader(q_desc, q_pe_desc, k_desc, k_pe_desc, v_desc, cu_q, cu_k, counter, GROUP, H, NM, T, batch,
                        q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids, tile_ready, tile_free, q_ready, q_free,
                        k_ready, k_empty, v_ready, v_empty,
-                       DK1: gl.constexpr, DK2: gl.constexpr, CAUSAL: gl.constexpr):
+                       DK1: gl.constexpr, DK2: gl.constexpr, CAUSAL: gl.constexpr, SEARCH_STEPS: gl.constexpr,
+                       PER_SEQ: gl.constexpr):
         one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        if PER_SEQ:
+            T = _tile_count(cu_q, H, batch)
         i = 0
         nq = 0
         base = 0  # ring position: K/V tiles issued for earlier work tiles
@@ -118,14 +197,24 @@ if HAVE_GLUON:
             s = i % 2
             mbarrier.wait(tile_free.index(s), ((i // 2) & 1) ^ 1)
             fetched = gl.atomic_add(counter + gl.zeros([1], gl.int32, one), gl.full([1], 1, gl.int32, one))
-            tile_ids.index(s).store(fetched)
-            # One lane holds the fetched id: every lane reads it back from shared memory.
-            gl.thread_barrier()
-            t = gl.max(tile_ids.index(s).load(one), axis=0)
+            if PER_SEQ:
+                slot = tile_ids.index(s)
+                slot.slice(0, 1).store(fetched)
+                # One lane holds the fetched id: every lane reads it back from shared memory.
+                gl.thread_barrier()
+                t = gl.max(slot.slice(0, 1).load(one), axis=0)
+                h, q_start, lq, m0, k_start, lk = _publish_tile_info(slot, t, cu_q, cu_k, H, batch, SEARCH_STEPS)
+            else:
+                tile_ids.index(s).store(fetched)
+                gl.thread_barrier()
+                t = gl.max(tile_ids.index(s).load(one), axis=0)
             mbarrier.arrive(tile_ready.index(s), count=1)
             i += 1
             if t < T:
-                h, q_start, lq, m0, k_start, _, _, hi = _tile_bounds(t, NM, H, cu_q, cu_k, CAUSAL)
+                if PER_SEQ:
+                    hi = _tile_end(lq, m0, lk, CAUSAL)
+                else:
+                    h, q_start, lq, m0, k_start, _, _, hi = _tile_bounds(t, NM, H, cu_q, cu_k, CAUSAL)
                 if m0 < lq:
                     # Q of the previous tile stays until both warpgroups' last S of it is done.
                     mbarrier.wait(q_free, (nq & 1) ^ 1)
@@ -193,9 +282,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _varlen_consumer(q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids, tile_ready, tile_free, q_ready,
-                         q_free, k_ready, k_empty, v_ready, v_empty, out_ptr, lse_ptr, cu_q, cu_k, H, NM, T, qk_scale,
-                         stride_ot, stride_oh, W: gl.constexpr, DK2: gl.constexpr, DV: gl.constexpr,
-                         CAUSAL: gl.constexpr):
+                         q_free, k_ready, k_empty, v_ready, v_empty, out_ptr, lse_ptr, cu_q, cu_k, H, NM, T, batch,
+                         qk_scale, stride_ot, stride_oh, W: gl.constexpr, DK2: gl.constexpr, DV: gl.constexpr,
+                         CAUSAL: gl.constexpr, PER_SEQ: gl.constexpr):
         """Warpgroup W: query rows m0 + 64 W .. m0 + 64 W + 63 of each tile. FA3's intra-warpgroup overlap:
         S of key tile j is issued before P V of key tile j - 1, and the softmax of tile j runs while that
         P V is on the tensor cores; a K slot is released as soon as its S is done, a V slot after its P V."""
@@ -207,15 +296,24 @@ if HAVE_GLUON:
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         q = q_smem.index(W)
         q_pe = q_pe_smem.index(W)
+        if PER_SEQ:
+            T = _tile_count(cu_q, H, batch)
         i = 0
         nq = 0
         base = 0
         t = 0
         while t < T:
-            t = _receive_tile(i, tile_ids, tile_ready, tile_free)
+            if PER_SEQ:
+                t, h, q_start, lq, m0, lk = _receive_tile_info(i, tile_ids, tile_ready, tile_free)
+            else:
+                t = _receive_tile(i, tile_ids, tile_ready, tile_free)
             i += 1
             if t < T:
-                h, q_start, lq, m0, _, lk, diag, hi = _tile_bounds(t, NM, H, cu_q, cu_k, CAUSAL)
+                if PER_SEQ:
+                    diag = lk - lq
+                    hi = _tile_end(lq, m0, lk, CAUSAL)
+                else:
+                    h, q_start, lq, m0, _, lk, diag, hi = _tile_bounds(t, NM, H, cu_q, cu_k, CAUSAL)
                 if m0 < lq:
                     mw = m0 + W * _WM
                     rows = mw + gl.arange(0, _WM, layout=row_l)
@@ -298,8 +396,9 @@ if HAVE_GLUON:
     @gluon.jit
     def _varlen_sm90_kernel(
         q_desc, q_pe_desc, k_desc, k_pe_desc, v_desc, out_ptr, lse_ptr, cu_q, cu_k, counter,
-        H, GROUP, NM, T, qk_scale, stride_ot, stride_oh,
-        DK1: gl.constexpr, DK2: gl.constexpr, DV: gl.constexpr, CAUSAL: gl.constexpr,
+        H, GROUP, NM, T, batch, qk_scale, stride_ot, stride_oh,
+        DK1: gl.constexpr, DK2: gl.constexpr, DV: gl.constexpr, CAUSAL: gl.constexpr, SEARCH_STEPS: gl.constexpr,
+        PER_SEQ: gl.constexpr,
     ):
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
@@ -307,7 +406,11 @@ if HAVE_GLUON:
         k_ring = gl.allocate_shared_memory(dtype, [_STAGES] + k_desc.block_type.shape, k_desc.layout)
         k_pe_ring = gl.allocate_shared_memory(dtype, [_STAGES] + k_pe_desc.block_type.shape, k_pe_desc.layout)
         v_ring = gl.allocate_shared_memory(dtype, [_STAGES] + v_desc.block_type.shape, v_desc.layout)
-        tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        # Per hand-off slot: the tile id (per-sequence numbering: id, head, q_start, lq, m0, lk and a spare word).
+        if PER_SEQ:
+            tile_ids = gl.allocate_shared_memory(gl.int32, [2, 8], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        else:
+            tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
         tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
         tile_free = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
@@ -330,13 +433,14 @@ if HAVE_GLUON:
         gl.warp_specialize(
             [(_varlen_consumer, (q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids, tile_ready, tile_free, q_ready,
                                  q_free, k_ready, k_empty, v_ready, v_empty, out_ptr, lse_ptr, cu_q, cu_k, H, NM, T,
-                                 qk_scale, stride_ot, stride_oh, 0, DK2, DV, CAUSAL)),
+                                 batch, qk_scale, stride_ot, stride_oh, 0, DK2, DV, CAUSAL, PER_SEQ)),
              (_varlen_consumer, (q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids, tile_ready, tile_free, q_ready,
                                  q_free, k_ready, k_empty, v_ready, v_empty, out_ptr, lse_ptr, cu_q, cu_k, H, NM, T,
-                                 qk_scale, stride_ot, stride_oh, 1, DK2, DV, CAUSAL)),
+                                 batch, qk_scale, stride_ot, stride_oh, 1, DK2, DV, CAUSAL, PER_SEQ)),
              (_varlen_loader, (q_desc, q_pe_desc, k_desc, k_pe_desc, v_desc, cu_q, cu_k, counter, GROUP, H, NM, T,
-                               q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids, tile_ready, tile_free, q_ready,
-                               q_free, k_ready, k_empty, v_ready, v_empty, DK1, DK2, CAUSAL))],
+                               batch, q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids, tile_ready, tile_free,
+                               q_ready, q_free, k_ready, k_empty, v_ready, v_empty, DK1, DK2, CAUSAL, SEARCH_STEPS,
+                               PER_SEQ))],
             worker_num_warps=[4, 1],
             worker_num_regs=[232, 40],
         )
@@ -376,13 +480,13 @@ def varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
     q2, k2, v2 = (tma_rows(x.reshape(x.shape[0], -1)) for x in (q, k, v))
     pe_width = dk2 or 64  # without a rope part the pe descriptors are passed but never used
     batch = cu_seqlens_q.shape[0] - 1
-    tiles = varlen_sm90_tiles(max_seqlen_q, h, batch)
-    if tiles == 0:
+    if tq == 0 or batch == 0 or max_seqlen_q == 0:
         return
+    tiles, per_sequence = varlen_sm90_plan(max_seqlen_q, tq, h, batch)
     if tiles >= MAX_TILES:
-        raise ValueError(f"max_seqlen_q: {max_seqlen_q} over {batch} sequences and {h} heads is {tiles} work tiles; "
-                         f"the Hopper kernel's int32 tile counter takes fewer than {MAX_TILES} (the portable kernel "
-                         "has no such limit)")
+        raise ValueError(f"max_seqlen_q: {max_seqlen_q} over {batch} sequences, {tq} rows and {h} heads is {tiles} "
+                         f"work tiles; the Hopper kernel's int32 tile counter takes fewer than {MAX_TILES} (the "
+                         "portable kernel has no such limit)")
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     _MAIN.launch(
         q.device, (min(tiles, _sm_count(q.device)),),
@@ -392,7 +496,8 @@ def varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
         descriptor(k2, [BLOCK_N, pe_width], _layout(BLOCK_N, pe_width, q.dtype)),
         descriptor(v2, [BLOCK_N, dv], _layout(BLOCK_N, dv, q.dtype)),
         out, lse, cu_seqlens_q, cu_seqlens_k, counter,
-        h, h // hk, -(-max_seqlen_q // BLOCK_M), tiles, softmax_scale * _LOG2E, out.stride(0), out.stride(1),
-        DK1=dk1, DK2=dk2, DV=dv, CAUSAL=bool(causal),
+        h, h // hk, -(-max_seqlen_q // BLOCK_M), tiles, batch, softmax_scale * _LOG2E, out.stride(0), out.stride(1),
+        DK1=dk1, DK2=dk2, DV=dv, CAUSAL=bool(causal), SEARCH_STEPS=max(1, batch.bit_length()) if per_sequence else 1,
+        PER_SEQ=per_sequence,
         num_warps=4,
     )
