@@ -13,6 +13,7 @@ budgets (``setmaxnreg``) of warp-specialised kernels. Triton-internal APIs (3.6)
     python benchmarks/compile_report.py --config m64n64w8s2c1h   # the Hopper kernel
     python benchmarks/compile_report.py --prefill-sm90           # the Hopper paged-prefill kernel
     python benchmarks/compile_report.py --varlen-sm90            # the Hopper ragged kernel, 192/128
+    python benchmarks/compile_report.py --varlen-sm90 --per-seq  # the same, per-sequence tile numbering
 
 Run it without ``TRITON_INTERPRET`` (the interpreter replaces the kernels it compiles).
 """
@@ -68,8 +69,9 @@ def compile_sm90_prefill(arch: int = 90):
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
 
 
-def compile_varlen_sm90(arch: int = 90, dk: int = 192, dv: int = 128):
-    """The Hopper Gluon ragged-attention kernel (``varlen_sm90.py``) for bf16, causal."""
+def compile_varlen_sm90(arch: int = 90, dk: int = 192, dv: int = 128, per_seq: bool = False):
+    """The Hopper Gluon ragged-attention kernel (``varlen_sm90.py``) for bf16, causal, with the padded or
+    (``per_seq``) the per-sequence tile numbering."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -83,10 +85,10 @@ def compile_varlen_sm90(arch: int = 90, dk: int = 192, dv: int = 128):
     pe = (dk - dk1) or 64
     signature = {"q_desc": desc(64, dk1), "q_pe_desc": desc(64, pe), "k_desc": desc(BLOCK_N, dk1),
                  "k_pe_desc": desc(BLOCK_N, pe), "v_desc": desc(BLOCK_N, dv), "out_ptr": "*bf16", "lse_ptr": "*fp32",
-                 "cu_q": "*i32", "cu_k": "*i32", "counter": "*i32", "H": "i32", "GROUP": "i32", "batch": "i32",
-                 "qk_scale": "fp32",
+                 "cu_q": "*i32", "cu_k": "*i32", "counter": "*i32", "H": "i32", "GROUP": "i32", "NM": "i32",
+                 "T": "i32", "batch": "i32", "qk_scale": "fp32",
                  "stride_ot": "i32", "stride_oh": "i32"}
-    constexprs = dict(DK1=dk1, DK2=dk - dk1, DV=dv, CAUSAL=True, SEARCH_STEPS=5)
+    constexprs = dict(DK1=dk1, DK2=dk - dk1, DV=dv, CAUSAL=True, SEARCH_STEPS=5 if per_seq else 1, PER_SEQ=per_seq)
     signature.update({name: "constexpr" for name in constexprs})
     src = GluonASTSource(_varlen_sm90_kernel, signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
@@ -185,9 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON list of the reports instead")
     ap.add_argument("--prefill-sm90", action="store_true", help="report the Hopper paged-prefill kernel instead")
     ap.add_argument("--varlen-sm90", action="store_true", help="report the Hopper ragged kernel (192/128) instead")
+    ap.add_argument("--per-seq", action="store_true", help="with --varlen-sm90: the per-sequence tile numbering")
     args = ap.parse_args(argv)
     if args.prefill_sm90 or args.varlen_sm90:
-        rep = report(compile_sm90_prefill() if args.prefill_sm90 else compile_varlen_sm90())
+        rep = report(compile_sm90_prefill() if args.prefill_sm90 else compile_varlen_sm90(per_seq=args.per_seq))
         print(json.dumps([rep]) if args.json else "\n".join(f"  {k}: {v}" for k, v in rep.items()))
         return 0
     try:

@@ -487,12 +487,17 @@ def test_get_mla_metadata_empty_batch():
 
 
 def test_get_mla_metadata_splits_long_request_across_parts():
-    """A long single request and many parts must actually be split (the schedule balances work)."""
-    meta, splits = pagedmla.get_mla_metadata(torch.tensor([64 * 100], dtype=torch.int32), 16, 1, num_sm_parts=10)
-    assert int(splits[1]) >= 9
-    seen, _ = enumerate_schedule(meta, splits, [6400])
-    per_part = [sum(1 for p in seen.values() if p == i) for i in range(10)]
-    assert max(per_part) - min(per_part) <= 6, per_part
+    """A long single request and many parts must actually be split, and balanced: no part carries more than
+    its share of the request's units (its blocks plus the fixed cost, which the first part pays)."""
+    for rows in (16, 128):
+        meta, splits = pagedmla.get_mla_metadata(torch.tensor([64 * 100], dtype=torch.int32), rows, 1,
+                                                 num_sm_parts=10)
+        assert int(splits[1]) >= 9
+        seen, _ = enumerate_schedule(meta, splits, [6400])
+        per_part = [sum(1 for p in seen.values() if p == i) for i in range(10)]
+        overhead = schedule.overhead_blocks(rows)
+        share = -(-(100 + overhead) // 10)
+        assert sum(per_part) == 100 and max(per_part[0] + overhead, *per_part[1:]) <= share, per_part
 
 
 # ----------------------------------------------------------------------------------------------------
