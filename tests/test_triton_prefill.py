@@ -281,7 +281,7 @@ def test_varlen_default_kernel_choice(monkeypatch):
 
 def test_varlen_sm90_plan():
     """The Hopper ragged kernel's tile numbering: the longest sequence's row tiles for every sequence, unless
-    at least half of those would be empty; then each sequence's own (cu_q[b+1] // 128 - cu_q[b] // 128 + 1)."""
+    more than half of those would be empty; then each sequence's own (cu_q[b+1] // 128 - cu_q[b] // 128 + 1)."""
     assert varlen_sm90_plan(1024, 16 * 1024, 128, 16) == (8 * 128 * 16, False)
     assert varlen_sm90_plan(4096, 4096 + 63 * 64, 128, 64) == ((8128 // 128 + 64) * 128, True)
     assert varlen_sm90_plan(256, 100, 1, 2) == (4, False)  # padded = 2 x per-sequence: still padded

@@ -323,6 +323,11 @@ def _decode_combine_kernel(
     by the main kernel. With PDL (launched as a programmatic dependent of the main kernel) the programs
     start while the main kernel runs and wait for its end (``griddepcontrol.wait``) before touching results.
     """
+    if PDL:
+        # Every program waits, also those with nothing to merge: the next kernel in the stream is ordered
+        # after this grid only, so this grid must not finish before the main kernel has (when no request is
+        # split, no program would otherwise wait and a reader of ``out`` could overtake the main kernel).
+        gdc_wait()
     b = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -330,8 +335,6 @@ def _decode_combine_kernel(
     s_lo = tl.load(splits_ptr + b)
     s_hi = tl.load(splits_ptr + b + 1)
     if s_hi - s_lo != 1:
-        if PDL:
-            gdc_wait()
         acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
         m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
         l = tl.zeros([BLOCK_R], dtype=tl.float32)

@@ -68,7 +68,7 @@ MAX_TILES = 2 ** 31 - 2 ** 20
 
 def varlen_sm90_plan(max_seqlen_q: int, total_q: int, heads: int, batch: int) -> tuple[int, bool]:
     """(work tiles, per-sequence numbering) of a launch over ``total_q`` packed query rows (see the module
-    docstring): the per-sequence numbering once at least half of the longest-sequence grid would be empty
+    docstring): the per-sequence numbering once more than half of the longest-sequence grid would be empty
     tiles, where their hand-offs cost more than the per-sequence numbering's search between tiles."""
     padded = -(-max_seqlen_q // BLOCK_M) * heads * batch
     per_sequence = (total_q // BLOCK_M + batch) * heads
@@ -464,12 +464,16 @@ def varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
     """Launch on checked inputs (``varlen_attention`` checks them and allocates out [Tq, H, Dv] and lse
     [Tq, H] float32); requires ``varlen_sm90_supported(q, k, v)`` and softmax_scale > 0 (the softmax keeps
     unscaled row maxima). Each call zeroes its own tile counter (one small memset on the stream), so
-    concurrent calls on other streams and CUDA-graph replays do not share it."""
+    concurrent calls on other streams and CUDA-graph replays do not share it. cu_seqlens_q must start at 0
+    (the public contract): the per-sequence numbering counts row tiles from row 0."""
     if not varlen_sm90_supported(q, k, v):
         raise ValueError("config: HOPPER needs an sm_90 GPU, Triton's Gluon, bf16/fp16 q/k/v, q/k head dim 64, "
                          "128 or 192 and value head dim 64 or 128")
     tq, h, dk = q.shape
     tk, hk, dv = v.shape
+    batch = cu_seqlens_q.shape[0] - 1
+    if tq == 0 or batch == 0 or max_seqlen_q == 0:  # no query row belongs to a sequence
+        return
     if tk == 0:  # no keys at all (a TMA descriptor cannot describe an empty tensor)
         out.zero_()
         lse.fill_(float("-inf"))
@@ -479,9 +483,6 @@ def varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
     # A non-contiguous input is copied here (varlen_attention's default avoids that for short queries).
     q2, k2, v2 = (tma_rows(x.reshape(x.shape[0], -1)) for x in (q, k, v))
     pe_width = dk2 or 64  # without a rope part the pe descriptors are passed but never used
-    batch = cu_seqlens_q.shape[0] - 1
-    if tq == 0 or batch == 0 or max_seqlen_q == 0:
-        return
     tiles, per_sequence = varlen_sm90_plan(max_seqlen_q, tq, h, batch)
     if tiles >= MAX_TILES:
         raise ValueError(f"max_seqlen_q: {max_seqlen_q} over {batch} sequences, {tq} rows and {h} heads is {tiles} "
