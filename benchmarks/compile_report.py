@@ -135,7 +135,7 @@ def compile_decode(cfg: DecodeConfig, heads: int, arch: int = 90):
     )
     constants = dict(CAUSAL=True, PAGE=PAGE, SCHED_N=SCHED_N, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DV=DV,
                      NC=cfg.chunks, DR=D - DV, HAS_PE=True, META_W=METADATA_WIDTH, USE_TMA=cfg.use_tma,
-                     CARRY_PAGES=cfg.carry_pages, PRECISION="tf32", PDL=True)
+                     CARRY_PAGES=cfg.carry_pages, PRECISION="tf32")
     target = GPUTarget("cuda", arch, 32)
     backend = CUDABackend(target)
     signature, constexprs, attrs = {}, {}, {}

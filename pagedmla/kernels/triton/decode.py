@@ -27,7 +27,7 @@ import re
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_wait
 
 from pagedmla.kernels.triton.decode_sm90 import decode_sm90_main, pdl_supported, sm90_supported
 from pagedmla.kernels.triton.launch import CachedKernel
@@ -209,13 +209,9 @@ def _decode_split_kernel(
     CAUSAL: tl.constexpr, PAGE: tl.constexpr, SCHED_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DV: tl.constexpr, NC: tl.constexpr, DR: tl.constexpr,
     HAS_PE: tl.constexpr, META_W: tl.constexpr, USE_TMA: tl.constexpr, CARRY_PAGES: tl.constexpr,
-    PRECISION: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     DC: tl.constexpr = DV // NC
-    if PDL:
-        # The grid fits the GPU at once: the combine kernel's programs may be scheduled now (they exit at
-        # once for requests in one piece and wait for this grid's end before reading partials).
-        gdc_launch_dependents()
     pid_m = tl.program_id(0)
     part = tl.program_id(1)
     begin_req = tl.load(meta_ptr + part * META_W + 0)
@@ -400,7 +396,7 @@ def _tma_ok(cfg: DecodeConfig, k_cache: torch.Tensor, d: int) -> bool:
 
 
 def _launch_main(q, k_cache, block_table, cache_seqlens, metadata, num_splits, softmax_scale, causal, cfg,
-                 out, lse, po, plse, pdl: bool) -> None:
+                 out, lse, po, plse) -> None:
     b, q_len, h, d = q.shape
     rows = q_len * h
     head_dim_v = out.shape[-1]
@@ -426,7 +422,7 @@ def _launch_main(q, k_cache, block_table, cache_seqlens, metadata, num_splits, s
         out.stride(0), out.stride(1), out.stride(2),
         CAUSAL=bool(causal), PAGE=page, SCHED_N=SCHED_BLOCK_N,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DV=head_dim_v, NC=cfg.chunks, DR=max(dr, 16), HAS_PE=dr > 0,
-        META_W=METADATA_WIDTH, USE_TMA=use_tma, CARRY_PAGES=cfg.carry_pages, PRECISION=precision, PDL=pdl,
+        META_W=METADATA_WIDTH, USE_TMA=use_tma, CARRY_PAGES=cfg.carry_pages, PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -483,18 +479,18 @@ def paged_decode_triton(
     # Each part boundary cuts at most one request in two: at most b + parts - 1 pieces in all.
     po = torch.empty(b + parts, rows, head_dim_v, dtype=torch.float32, device=q.device)
     plse = torch.empty(b + parts, rows, dtype=torch.float32, device=q.device)
-    # Many requests (about one per part or more) have few pieces each: the combine overlaps the main
-    # kernel's end (PDL) and merges 16 rows per program. Few requests have ~parts / b pieces each, which
-    # small tiles spread over more programs, and the early-scheduled combine would only wait beside the
-    # main grid (benchmarks/NOTES.md, v11).
+    # Many requests (about one per part or more) have few pieces each: the combine merges 16 rows per
+    # program and, after the Hopper main kernel, overlaps its end (PDL; measured there only). Few requests
+    # have ~parts / b pieces each, which small tiles spread over more programs, and the early-scheduled
+    # combine would only wait beside the main grid (benchmarks/NOTES.md, v11).
     many = 2 * b >= parts and rows >= 32
-    pdl = many and pdl_supported(q.device)
+    pdl = many and cfg.use_sm90 and pdl_supported(q.device)
     if cfg.use_sm90:
         decode_sm90_main(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
                          softmax_scale, causal, out, lse, po, plse, pdl)
     else:
         _launch_main(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits, softmax_scale,
-                     causal, cfg, out, lse, po, plse, pdl)
+                     causal, cfg, out, lse, po, plse)
     launch_combine(out, lse, po, plse, num_splits, pdl, block_r=16 if many else 4)
     return out, lse
 
