@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from pagedmla.kernels.triton.decode_sm90 import decode_sm90_main, pdl_supported, sm90_supported
+from pagedmla.kernels.triton.decode_sm90 import decode_sm90_main, sm90_supported
 from pagedmla.kernels.triton.launch import CachedKernel
 from pagedmla.ops import checks
 from pagedmla.ops.providers import register_impl
@@ -484,7 +484,7 @@ def paged_decode_triton(
     # have ~parts / b pieces each, which small tiles spread over more programs, and the early-scheduled
     # combine would only wait beside the main grid (benchmarks/NOTES.md, v11).
     many = 2 * b >= parts and rows >= 32
-    pdl = many and cfg.use_sm90 and pdl_supported(q.device)
+    pdl = many and cfg.use_sm90  # the Hopper kernel runs on sm_90 only, where PDL exists
     if cfg.use_sm90:
         decode_sm90_main(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
                          softmax_scale, causal, out, lse, po, plse, pdl)
@@ -496,8 +496,7 @@ def paged_decode_triton(
 
 
 def launch_combine(out: torch.Tensor, lse: torch.Tensor, po: torch.Tensor, plse: torch.Tensor,
-                   num_splits: torch.Tensor, pdl: bool, block_r: int = 4, block_d: int = 128, num_warps: int = 4,
-                   num_stages: int = 3) -> None:
+                   num_splits: torch.Tensor, pdl: bool, block_r: int = 4) -> None:
     """Merge the partials po [pieces, rows, Dv] fp32 / plse [pieces, rows] (log2) of the requests that
     ``num_splits`` (int32 [b + 1], cumulative) gives more than one piece into out [b, q_len, h, Dv] / lse
     [b, h, q_len] (natural log), and write requests with no piece as output 0, LSE -inf; ``pdl``: launched as
@@ -505,12 +504,12 @@ def launch_combine(out: torch.Tensor, lse: torch.Tensor, po: torch.Tensor, plse:
     b, q_len, h, head_dim_v = out.shape
     rows = q_len * h
     block_r = min(block_r, 1 << (rows - 1).bit_length())
-    block_d = min(block_d, head_dim_v)
+    block_d = min(128, head_dim_v)
     _COMBINE.launch(
         out.device, (b, -(-rows // block_r), head_dim_v // block_d),
         out, lse, po, plse, num_splits, h, q_len, rows,
         out.stride(0), out.stride(1), out.stride(2),
-        DV=head_dim_v, BLOCK_R=block_r, BLOCK_D=block_d, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+        DV=head_dim_v, BLOCK_R=block_r, BLOCK_D=block_d, PDL=pdl, num_warps=4, num_stages=3,
         **({"launch_pdl": True} if pdl else {}),
     )
 

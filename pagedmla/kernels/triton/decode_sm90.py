@@ -75,13 +75,6 @@ def hopper_available(device: torch.device) -> bool:
     return _capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)
 
 
-def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch (a kernel starting while the previous one ends): CUDA, sm_90 and later."""
-    if device.type != "cuda":
-        return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
-
-
 def sm90_supported(q: torch.Tensor, k_cache: torch.Tensor, head_dim_v: int) -> bool:
     """Whether the Gluon kernel can run this call (see the module docstring)."""
     if not (hopper_available(q.device) and k_cache.is_cuda):
