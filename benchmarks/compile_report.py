@@ -62,7 +62,8 @@ def compile_sm90_prefill(arch: int = 90):
 
     signature = _gluon_descs()
     signature.update({name: "*i32" for name in ("bt_ptr", "seqlens_ptr", "qo_ptr")})
-    signature.update(out_ptr="*bf16", lse_ptr="*fp32", H="i32", batch="i32", qk_scale="fp32", stride_btb="i32")
+    signature.update(out_ptr="*bf16", lse_ptr="*fp32", counter="*i32", T="i32", H="i32", batch="i32", qk_scale="fp32",
+                     stride_btb="i32")
     constexprs = dict(CAUSAL=True, PAGE=PAGE, SEARCH_STEPS=4)
     signature.update({name: "constexpr" for name in constexprs})
     src = GluonASTSource(_paged_prefill_sm90_kernel, signature, constexprs=constexprs)

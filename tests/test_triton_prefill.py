@@ -17,6 +17,7 @@ from pagedmla.kernels.triton import merge as tmerge
 from pagedmla.kernels.triton import paged_prefill as tpaged
 from pagedmla.kernels.triton import varlen as tvarlen
 from pagedmla.kernels.triton.decode_sm90 import sm90_supported
+from pagedmla.kernels.triton.paged_prefill_sm90 import paged_prefill_sm90
 from pagedmla.kernels.triton.varlen_sm90 import varlen_sm90_plan, varlen_sm90_supported
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -490,6 +491,45 @@ def test_gpu_paged_prefill_hopper_kernel(h, page, dtype, causal):
     _check_lse(lse, ref_lse, 1e-2)
     _check_out(out, ref, ref_lse, 1e-2)
     assert _cos(out, ref) > 0.9999
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_paged_prefill_hopper_kernel_many_tiles_per_program(causal):
+    """The persistent kernel's hand-off: 5 programs for ~150 tiles, so each runs tiles of several requests in
+    a row (empty ones, rows that see no key, an empty KV among them: the Q and ring bookkeeping must carry
+    across); a second call (its counter starts again) and CUDA-graph replays with new inputs agree."""
+    cache_ok = torch.empty(1, 64, 1, 576, dtype=torch.bfloat16, device="cuda")
+    if not sm90_supported(cache_ok[0, :1], cache_ok, 512):
+        pytest.skip("the Hopper kernel needs an sm_90 GPU and Triton's Gluon")
+    q_lens = [7, 0, 200, 1, 33, 6, 64, 120, 3]
+    kv_lens = [300, 50, 900, 0, 33, 2, 1000, 130, 70]
+    q, cache, bt, lens, qo = _paged_case(q_lens, kv_lens, 16, 64, torch.bfloat16, seed=21)
+    q = (q.float() / 4).bfloat16()
+    out = torch.full((q.shape[0], 16, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((q.shape[0], 16), float("nan"), dtype=torch.float32, device="cuda")
+
+    def call():
+        paged_prefill_sm90(q, cache, bt, lens, qo, 576 ** -0.5, causal, out, lse, programs=5)
+        return out.clone(), lse.clone()
+
+    o, o_lse = call()
+    ref, ref_lse = reference.paged_mla_attention(q.float(), cache.float(), bt, lens, qo, 576 ** -0.5, causal, 512,
+                                                 64)
+    _check_lse(o_lse, ref_lse, 1e-2)
+    _check_out(o, ref, ref_lse, 1e-2)
+    o2, lse2 = call()
+    assert torch.equal(o2, o) and torch.equal(lse2, o_lse)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_prefill_sm90(q, cache, bt, lens, qo, 576 ** -0.5, causal, out, lse, programs=5)
+    # Two replays on new inputs: a counter left at its end value by the first would leave the second's
+    # outputs stale.
+    for _ in range(2):
+        q.copy_(torch.flip(q, [0]))
+        graph.replay()
+        g_o, g_lse = out.clone(), lse.clone()
+        assert torch.equal(g_o, call()[0]) and torch.equal(g_lse, lse)
 
 
 @pytest.mark.gpu

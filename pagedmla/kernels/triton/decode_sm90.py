@@ -75,6 +75,16 @@ def hopper_available(device: torch.device) -> bool:
     return _capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)
 
 
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# The persistent kernels' tile counters and tile ids are int32, and the programs' last claims run past the
+# tile count by up to the number of programs: 2**20 of headroom.
+MAX_TILES = 2 ** 31 - 2 ** 20
+
+
 def sm90_supported(q: torch.Tensor, k_cache: torch.Tensor, head_dim_v: int) -> bool:
     """Whether the Gluon kernel can run this call (see the module docstring)."""
     if not (hopper_available(q.device) and k_cache.is_cuda):

@@ -1,12 +1,17 @@
 """Hopper (sm_90a) variable-q-length paged absorbed attention in Gluon: the decode kernel's structure for
 prefill over a cached prefix.
 
-Contract and grid as ``paged_prefill.py`` (request b's tiles start at ``qo_indptr[b] * H // 64 + b``; each
-program finds its request by binary search, later tiles first); the work of one program is one 64-row
-(token, head) tile of one request over all the keys its rows may see, with the decode kernel's partitions
-and steps (``decode_sm90.py``): a TMA loader warp, warpgroup 0 computing S once per 64-key tile and the
-online softmax, both warpgroups accumulating half of the 512 value columns from the shared P. No split
-of the keys, so no partials: each program writes its rows' output and LSE directly.
+Work tiles as in ``paged_prefill.py``: 64 (token, head) rows of one request over all the keys its rows may
+see (request b's tiles start at ``qo_indptr[b] * H // 64 + b``, found by binary search). Each tile runs the
+decode kernel's partitions and steps (``decode_sm90.py``): a TMA loader warp, warpgroup 0 computing S once
+per 64-key tile and the online softmax, both warpgroups accumulating half of the 512 value columns from the
+shared P. No split of the keys, so no partials: each tile writes its rows' output and LSE directly.
+
+The kernel is persistent: one program per SM, whose loader claims tiles from a global counter (last tile
+first, so the heaviest causal tiles start first and the tiles in flight share one request's keys in L2)
+and hands each to the warpgroups through shared memory, one tile ahead. The next tile's search, Q and
+first KV tiles then load while the warpgroups finish the current one, instead of each tile paying a
+program's start (search, Q and first KV round trips) with the tensor cores idle.
 
 The default for ``paged_varlen_attention`` on sm_90 where it applies (measured on the H200: benchmarks/NOTES.md,
 Prefill); ``config={"HOPPER": False}`` runs the portable kernel instead.
@@ -22,8 +27,10 @@ from pagedmla.kernels.triton.decode_sm90 import (
     D_QK,
     D_V,
     HAVE_GLUON,
+    MAX_TILES,
     descriptor,
     sm90_supported,
+    sm_count,
     tma_rows,
 )
 from pagedmla.kernels.triton.launch import CachedKernel
@@ -54,23 +61,22 @@ _LOG2E = 1.4426950408889634
 if HAVE_GLUON:
 
     @gluon.jit
-    def _tile_work(qo_ptr, seqlens_ptr, H, batch, CAUSAL: gl.constexpr, SEARCH_STEPS: gl.constexpr):
-        """This program's tile: (request, its first q row, rows r0 .. r0 + 63 of its q_len * H, q_len * H,
-        kv_len, first key some row cannot see, end of the keys any row sees)."""
-        pid = gl.num_programs(0) - 1 - gl.program_id(0)
-        # Largest b with tile_start(b) = qo_indptr[b] * H // 64 + b <= pid (tile_start is increasing).
-        lo = gl.program_id(0) * 0
+    def _tile_work(tile, qo_ptr, seqlens_ptr, H, batch, CAUSAL: gl.constexpr, SEARCH_STEPS: gl.constexpr):
+        """Work tile ``tile`` (request-major numbering): (request, its first flat q row, rows r0 .. r0 + 63 of
+        its q_len * H, q_len * H, q_len, kv_len, first key some row cannot see, end of the keys any row sees)."""
+        # Largest b with tile_start(b) = qo_indptr[b] * H // 64 + b <= tile (tile_start is increasing).
+        lo = tile * 0
         hi = lo + batch - 1
         for _ in gl.static_range(SEARCH_STEPS):
             mid = (lo + hi + 1) // 2
             start_mid = (gl.load(qo_ptr + mid).to(gl.int64) * H) // _BM + mid
-            go_up = start_mid <= pid
+            go_up = start_mid <= tile
             lo = gl.where(go_up, mid, lo)
             hi = gl.where(go_up, hi, mid - 1)
         b = lo
         q_start = gl.load(qo_ptr + b)
         q_len = gl.load(qo_ptr + b + 1) - q_start
-        r0 = (pid - ((q_start.to(gl.int64) * H) // _BM + b)).to(gl.int32) * _BM
+        r0 = (tile - ((q_start.to(gl.int64) * H) // _BM + b)).to(gl.int32) * _BM
         n_rows = q_len * H
         kv_len = gl.load(seqlens_ptr + b)
         if CAUSAL:
@@ -82,6 +88,49 @@ if HAVE_GLUON:
             first_masked = kv_len
             end = kv_len
         return b, q_start * H, r0, n_rows, q_len, kv_len, first_masked, end
+
+    @gluon.jit
+    def _publish_tile(i, counter, T, qo_ptr, seqlens_ptr, H, batch, tile_info, tile_ready, tile_free,
+                      CAUSAL: gl.constexpr, SEARCH_STEPS: gl.constexpr):
+        """Loader: claim the next tile from the global counter and hand it to the warpgroups as their i-th
+        (slot i % 2: claim index, first flat q row, r0, rows, q_len, kv_len, first masked key, end). Claims
+        run from the last tile down, so the heaviest causal tiles go first. Returns (request, first flat q row of
+        the tile, end of its keys: 0 when the tile loads nothing, -1 past the last tile)."""
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        s = i % 2
+        mbarrier.wait(tile_free.index(s), ((i // 2) & 1) ^ 1)
+        slot = tile_info.index(s)
+        fetched = gl.atomic_add(counter + gl.zeros([1], gl.int32, one), gl.full([1], 1, gl.int32, one))
+        slot.slice(0, 1).store(fetched)
+        # One lane holds the claimed index: every lane reads it back from shared memory.
+        gl.thread_barrier()
+        claim = gl.max(slot.slice(0, 1).load(one), axis=0)
+        # Past the last tile the bounds are tile 0's (in range); the warpgroups then only read the claim index.
+        b, row0, r0, n_rows, q_len, kv_len, first_masked, end = _tile_work(
+            gl.maximum(T - 1 - claim, 0), qo_ptr, seqlens_ptr, H, batch, CAUSAL, SEARCH_STEPS)
+        k = gl.arange(0, 8, layout=one)
+        slot.store(gl.where(k == 0, claim, gl.where(k == 1, row0, gl.where(k == 2, r0, gl.where(
+            k == 3, n_rows, gl.where(k == 4, q_len, gl.where(k == 5, kv_len, gl.where(k == 6, first_masked, end))))))))
+        gl.thread_barrier()
+        mbarrier.arrive(tile_ready.index(s), count=1)
+        return b, row0 + r0, gl.where(claim < T, gl.where(r0 < n_rows, end, 0), -1)
+
+    @gluon.jit
+    def _receive_tile(i, tile_info, tile_ready, tile_free):
+        """A warpgroup's i-th tile as the loader published it (``_publish_tile``'s eight fields)."""
+        s = i % 2
+        mbarrier.wait(tile_ready.index(s), (i // 2) & 1)
+        # Every thread holds the whole slot: the fields come out without cross-thread reductions.
+        layout: gl.constexpr = gl.BlockedLayout([8], [32], [4], [0])
+        info = tile_info.index(s).load(layout)
+        # Every warp has read the slot before it is handed back (the arrive is one thread's).
+        gl.thread_barrier()
+        mbarrier.arrive(tile_free.index(s), count=1)
+        k = gl.arange(0, 8, layout=layout)
+        return (gl.sum(gl.where(k == 0, info, 0), axis=0), gl.sum(gl.where(k == 1, info, 0), axis=0),
+                gl.sum(gl.where(k == 2, info, 0), axis=0), gl.sum(gl.where(k == 3, info, 0), axis=0),
+                gl.sum(gl.where(k == 4, info, 0), axis=0), gl.sum(gl.where(k == 5, info, 0), axis=0),
+                gl.sum(gl.where(k == 6, info, 0), axis=0), gl.sum(gl.where(k == 7, info, 0), axis=0))
 
     @gluon.jit
     def _store_rows(o, scale, lse2, col0, out_ptr, lse_ptr, row0, r0, n_rows, WRITE_LSE: gl.constexpr,
@@ -98,82 +147,122 @@ if HAVE_GLUON:
             gl.store(lse_ptr + flat, lse2 * 0.6931471805599453, mask=ok)
 
     @gluon.jit
-    def _prefill_loader(q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, seqlens_ptr, qo_ptr, H, batch,
-                        q_smem, q_pe_smem, kv_ring, kv_pe_ring, q_ready, kv_ready, kv_empty,
-                        CAUSAL: gl.constexpr, PAGE: gl.constexpr, SEARCH_STEPS: gl.constexpr):
-        b, row0, r0, n_rows, _, _, _, end = _tile_work(qo_ptr, seqlens_ptr, H, batch, CAUSAL, SEARCH_STEPS)
-        if r0 < n_rows:
-            _load_q(q_desc, q_pe_desc, row0 + r0, q_smem, q_pe_smem, q_ready)
-            bt_row = bt_ptr + b.to(gl.int64) * stride_btb
-            for n0 in range(0, end, _BN):
-                _load_kv_tile(kv_desc, kv_pe_desc, bt_row, n0, n0 // _BN, kv_ring, kv_pe_ring, kv_ready, kv_empty,
-                              PAGE)
+    def _prefill_loader(q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, seqlens_ptr, qo_ptr, counter, T,
+                        H, batch, q_smem, q_pe_smem, kv_ring, kv_pe_ring, tile_info, tile_ready, tile_free, q_ready,
+                        q_free, kv_ready, kv_empty, CAUSAL: gl.constexpr, PAGE: gl.constexpr,
+                        SEARCH_STEPS: gl.constexpr):
+        b, q_row, end = _publish_tile(0, counter, T, qo_ptr, seqlens_ptr, H, batch, tile_info, tile_ready, tile_free,
+                                      CAUSAL, SEARCH_STEPS)
+        i = 1
+        nq = 0
+        it = 0
+        while end >= 0:
+            # The next tile is claimed and published before this one's loads: its search (a few dependent
+            # loads) then runs while the warpgroups still work on the previous tile.
+            b_n, q_row_n, end_n = _publish_tile(i, counter, T, qo_ptr, seqlens_ptr, H, batch, tile_info, tile_ready,
+                                                tile_free, CAUSAL, SEARCH_STEPS)
+            i += 1
+            if end > 0:
+                # Q of the previous tile stays until warpgroup 0's last S of it is done.
+                mbarrier.wait(q_free, (nq & 1) ^ 1)
+                _load_q(q_desc, q_pe_desc, q_row, q_smem, q_pe_smem, q_ready)
+                nq += 1
+                bt_row = bt_ptr + b.to(gl.int64) * stride_btb
+                for n0 in range(0, end, _BN):
+                    _load_kv_tile(kv_desc, kv_pe_desc, bt_row, n0, it, kv_ring, kv_pe_ring, kv_ready, kv_empty, PAGE)
+                    it += 1
+            b, q_row, end = b_n, q_row_n, end_n
 
     @gluon.jit
     def _prefill_softmax_warpgroup(
-        q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, kv_ready, kv_empty, p_ready,
-        p_free, seqlens_ptr, qo_ptr, out_ptr, lse_ptr, H, batch, qk_scale,
-        CAUSAL: gl.constexpr, SEARCH_STEPS: gl.constexpr,
+        q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, tile_info, tile_ready, tile_free, q_ready,
+        q_free, kv_ready, kv_empty, p_ready, p_free, out_ptr, lse_ptr, T, H, qk_scale, CAUSAL: gl.constexpr,
     ):
         s_layout: gl.constexpr = _S_LAYOUT
         o_layout: gl.constexpr = _O_LAYOUT
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
-        b, row0, r0, n_rows, q_len, kv_len, first_masked, end = _tile_work(qo_ptr, seqlens_ptr, H, batch, CAUSAL,
-                                                                           SEARCH_STEPS)
-        if r0 < n_rows:
-            tok = (r0 + gl.arange(0, _BM, layout=row_l)) // H
-            if CAUSAL:
-                lim = gl.minimum(kv_len - q_len + 1 + tok, kv_len)
-            else:
-                lim = gl.zeros([_BM], dtype=gl.int32, layout=row_l) + kv_len
-            m_i = gl.full([_BM], float("-inf"), dtype=gl.float32, layout=row_l)
-            l_i = gl.zeros([_BM], dtype=gl.float32, layout=row_l)
-            o = gl.zeros([_BM, 256], dtype=gl.float32, layout=o_layout)
-            mbarrier.wait(q_ready, 0)
-            for n0 in range(0, end, _BN):
-                # One tile per program: Q is never reloaded, so "Q free" is never signalled (release_q False).
-                o, m_i, l_i = _softmax_tile(o, m_i, l_i, n0 // _BN, n0 // _BN, n0, first_masked, lim, kv_len,
-                                            False, qk_scale, q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem,
-                                            scale_smem, q_free, kv_ready, kv_empty, p_ready, p_free, s_layout,
-                                            o_layout)
-            inv_l, lse2 = _softmax_finish(m_i, l_i, qk_scale, gl.cdiv(end, _BN), scale_smem, p_ready, p_free)
-            _store_rows(o, gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)),
-                        gl.convert_layout(lse2, gl.SliceLayout(1, o_layout)), 0, out_ptr, lse_ptr, row0, r0, n_rows,
-                        True, o_layout)
+        i = 0
+        nq = 0
+        it = 0
+        npm = 0
+        claim = 0
+        while claim < T:
+            claim, row0, r0, n_rows, q_len, kv_len, first_masked, end = _receive_tile(i, tile_info, tile_ready,
+                                                                                       tile_free)
+            i += 1
+            if (claim < T) & (r0 < n_rows):
+                if CAUSAL:
+                    tok = (r0 + gl.arange(0, _BM, layout=row_l)) // H
+                    lim = gl.minimum(kv_len - q_len + 1 + tok, kv_len)
+                else:
+                    lim = gl.zeros([_BM], dtype=gl.int32, layout=row_l) + kv_len
+                m_i = gl.full([_BM], float("-inf"), dtype=gl.float32, layout=row_l)
+                l_i = gl.zeros([_BM], dtype=gl.float32, layout=row_l)
+                o = gl.zeros([_BM, 256], dtype=gl.float32, layout=o_layout)
+                if end > 0:
+                    mbarrier.wait(q_ready, nq & 1)
+                    nq += 1
+                for n0 in range(0, end, _BN):
+                    # The last S of the tile hands Q back to the loader for the next one.
+                    o, m_i, l_i = _softmax_tile(o, m_i, l_i, it, npm, n0, first_masked, lim, kv_len, n0 + _BN >= end,
+                                                qk_scale, q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem,
+                                                q_free, kv_ready, kv_empty, p_ready, p_free, s_layout, o_layout)
+                    it += 1
+                    npm += 1
+                inv_l, lse2 = _softmax_finish(m_i, l_i, qk_scale, npm, scale_smem, p_ready, p_free)
+                npm += 1
+                _store_rows(o, gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)),
+                            gl.convert_layout(lse2, gl.SliceLayout(1, o_layout)), 0, out_ptr, lse_ptr, row0, r0, n_rows,
+                            True, o_layout)
 
     @gluon.jit
-    def _prefill_value_warpgroup(kv_ring, p_smem, scale_smem, kv_ready, kv_empty, p_ready, p_free, seqlens_ptr,
-                                 qo_ptr, out_ptr, lse_ptr, H, batch, CAUSAL: gl.constexpr, SEARCH_STEPS: gl.constexpr):
+    def _prefill_value_warpgroup(kv_ring, p_smem, scale_smem, tile_info, tile_ready, tile_free, kv_ready, kv_empty,
+                                 p_ready, p_free, out_ptr, lse_ptr, T):
         o_layout: gl.constexpr = _O_LAYOUT
-        _, row0, r0, n_rows, _, kv_len, _, end = _tile_work(qo_ptr, seqlens_ptr, H, batch, CAUSAL, SEARCH_STEPS)
-        if r0 < n_rows:
-            o = gl.zeros([_BM, 256], dtype=gl.float32, layout=o_layout)
-            for n0 in range(0, end, _BN):
-                o = _value_tile(o, n0 // _BN, n0 // _BN, n0, kv_len, kv_ring, p_smem, scale_smem, kv_ready, kv_empty,
-                                p_ready, p_free, o_layout)
-            inv_l = _value_finish(gl.cdiv(end, _BN), scale_smem, p_ready, p_free, o_layout)
-            _store_rows(o, inv_l, inv_l, 256, out_ptr, lse_ptr, row0, r0, n_rows, False, o_layout)
+        i = 0
+        it = 0
+        npm = 0
+        claim = 0
+        while claim < T:
+            claim, row0, r0, n_rows, _, kv_len, _, end = _receive_tile(i, tile_info, tile_ready, tile_free)
+            i += 1
+            if (claim < T) & (r0 < n_rows):
+                o = gl.zeros([_BM, 256], dtype=gl.float32, layout=o_layout)
+                for n0 in range(0, end, _BN):
+                    o = _value_tile(o, it, npm, n0, kv_len, kv_ring, p_smem, scale_smem, kv_ready, kv_empty, p_ready,
+                                    p_free, o_layout)
+                    it += 1
+                    npm += 1
+                inv_l = _value_finish(npm, scale_smem, p_ready, p_free, o_layout)
+                npm += 1
+                _store_rows(o, inv_l, inv_l, 256, out_ptr, lse_ptr, row0, r0, n_rows, False, o_layout)
 
     @gluon.jit
     def _paged_prefill_sm90_kernel(
-        q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, seqlens_ptr, qo_ptr, out_ptr, lse_ptr,
-        H, batch, qk_scale, stride_btb,
+        q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, seqlens_ptr, qo_ptr, out_ptr, lse_ptr, counter,
+        T, H, batch, qk_scale, stride_btb,
         CAUSAL: gl.constexpr, PAGE: gl.constexpr, SEARCH_STEPS: gl.constexpr,
     ):
-        # q_free is allocated but never arrived on: one tile per program, Q is never reloaded.
         (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, p_ready, p_free, kv_ready,
          kv_empty) = _mla_buffers(q_desc, q_pe_desc, kv_desc, kv_pe_desc)
+        tile_info = gl.allocate_shared_memory(gl.int32, [2, 8], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+        tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        tile_free = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        for s in gl.static_range(2):
+            mbarrier.init(tile_ready.index(s), count=1)
+            mbarrier.init(tile_free.index(s), count=2)  # one arrive per warpgroup
         gl.warp_specialize(
-            [(_prefill_softmax_warpgroup, (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready,
-                                           q_free, kv_ready, kv_empty, p_ready, p_free, seqlens_ptr, qo_ptr, out_ptr,
-                                           lse_ptr, H, batch, qk_scale, CAUSAL, SEARCH_STEPS)),
-             (_prefill_value_warpgroup, (kv_ring, p_smem, scale_smem, kv_ready, kv_empty, p_ready, p_free,
-                                         seqlens_ptr, qo_ptr, out_ptr, lse_ptr, H, batch, CAUSAL, SEARCH_STEPS)),
-             (_prefill_loader, (q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, seqlens_ptr, qo_ptr, H,
-                                batch, q_smem, q_pe_smem, kv_ring, kv_pe_ring, q_ready, kv_ready, kv_empty, CAUSAL,
-                                PAGE, SEARCH_STEPS))],
+            [(_prefill_softmax_warpgroup, (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, tile_info,
+                                           tile_ready, tile_free, q_ready, q_free, kv_ready, kv_empty, p_ready, p_free,
+                                           out_ptr, lse_ptr, T, H, qk_scale, CAUSAL)),
+             (_prefill_value_warpgroup, (kv_ring, p_smem, scale_smem, tile_info, tile_ready, tile_free, kv_ready,
+                                         kv_empty, p_ready, p_free, out_ptr, lse_ptr, T)),
+             (_prefill_loader, (q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, seqlens_ptr, qo_ptr,
+                                counter, T, H, batch, q_smem, q_pe_smem, kv_ring, kv_pe_ring, tile_info, tile_ready,
+                                tile_free, q_ready, q_free, kv_ready, kv_empty, CAUSAL, PAGE, SEARCH_STEPS))],
             worker_num_warps=[4, 1],
-            worker_num_regs=[232, 24],
+            worker_num_regs=[232, 32],
         )
 
     _MAIN = CachedKernel(_paged_prefill_sm90_kernel)
@@ -181,23 +270,32 @@ if HAVE_GLUON:
 
 def paged_prefill_sm90(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
                        cache_seqlens: torch.Tensor, qo_indptr: torch.Tensor, softmax_scale: float, causal: bool,
-                       out: torch.Tensor, lse: torch.Tensor) -> None:
+                       out: torch.Tensor, lse: torch.Tensor, programs: int | None = None) -> None:
     """Launch on checked inputs (``paged_varlen_attention`` checks them): q [T, H, 576], out [T, H, 512]
-    contiguous, lse [T, H] float32; requires ``sm90_supported(q, k_cache, 512)``."""
+    contiguous, lse [T, H] float32; requires ``sm90_supported(q, k_cache, 512)``. One program per SM
+    (``programs``, if given, caps the grid: tests use it to make each program run many tiles). Each call
+    zeroes its own tile counter (one small memset on the stream), so concurrent calls on other streams and
+    CUDA-graph replays do not share it."""
     if not sm90_supported(q, k_cache, D_V):
         raise ValueError("config: HOPPER needs an sm_90 GPU, Triton's Gluon, bf16/fp16 q and cache, head dims "
                          "576/512, pages a multiple of 64 and a contiguous cache")
     t, h, d = q.shape
     batch = qo_indptr.shape[0] - 1
+    tiles = (t * h) // BLOCK_M + batch
+    if tiles >= MAX_TILES:
+        raise ValueError(f"q: {t} tokens x {h} heads over {batch} requests are {tiles} work tiles; the Hopper "
+                         f"kernel's int32 tile counter takes fewer than {MAX_TILES} (the portable kernel has no such "
+                         "limit)")
     nope, pe = _tile_layout(D_V, q.dtype), _tile_layout(D_QK - D_V, q.dtype)
     q_flat = tma_rows(q.reshape(t * h, d))
     kv_flat = k_cache.view(-1, d)
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     _MAIN.launch(
-        q.device, ((t * h) // BLOCK_M + batch,),
+        q.device, (min(tiles, programs or sm_count(q.device)),),
         descriptor(q_flat, [BLOCK_M, D_V], nope), descriptor(q_flat, [BLOCK_M, D_QK - D_V], pe),
         descriptor(kv_flat, [BLOCK_N, D_V], nope), descriptor(kv_flat, [BLOCK_N, D_QK - D_V], pe),
-        block_table, cache_seqlens, qo_indptr, out, lse,
-        h, batch, softmax_scale * _LOG2E, block_table.stride(0),
+        block_table, cache_seqlens, qo_indptr, out, lse, counter,
+        tiles, h, batch, softmax_scale * _LOG2E, block_table.stride(0),
         CAUSAL=bool(causal), PAGE=k_cache.shape[1], SEARCH_STEPS=max(1, batch.bit_length()),
         num_warps=4,
     )

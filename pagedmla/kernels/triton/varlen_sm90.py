@@ -36,7 +36,15 @@ import functools
 
 import torch
 
-from pagedmla.kernels.triton.decode_sm90 import HAVE_GLUON, _gl_dtype, descriptor, hopper_available, tma_rows
+from pagedmla.kernels.triton.decode_sm90 import (
+    HAVE_GLUON,
+    MAX_TILES,
+    _gl_dtype,
+    descriptor,
+    hopper_available,
+    sm_count,
+    tma_rows,
+)
 
 if HAVE_GLUON:
     from pagedmla.kernels.triton.decode_sm90 import _zero_tail_rows
@@ -59,11 +67,6 @@ if HAVE_GLUON:
     _WM = gl.constexpr(64)
     _BN = gl.constexpr(BLOCK_N)
     _STAGES = gl.constexpr(2)
-
-
-# The tile counter and tile ids are int32, and the programs' last fetches run past the tile count by up to
-# the number of programs: 2**20 of headroom.
-MAX_TILES = 2 ** 31 - 2 ** 20
 
 
 def varlen_sm90_plan(max_seqlen_q: int, total_q: int, heads: int, batch: int) -> tuple[int, bool]:
@@ -449,11 +452,6 @@ if HAVE_GLUON:
 
 
 @functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@functools.cache
 def _layout(rows: int, width: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, width], _gl_dtype(dtype))
 
@@ -490,7 +488,7 @@ def varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
                          "portable kernel has no such limit)")
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     _MAIN.launch(
-        q.device, (min(tiles, _sm_count(q.device)),),
+        q.device, (min(tiles, sm_count(q.device)),),
         descriptor(q2, [64, dk1], _layout(64, dk1, q.dtype)),
         descriptor(q2, [64, pe_width], _layout(64, pe_width, q.dtype)),
         descriptor(k2, [BLOCK_N, dk1], _layout(BLOCK_N, dk1, q.dtype)),
