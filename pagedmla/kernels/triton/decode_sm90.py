@@ -160,8 +160,9 @@ if HAVE_GLUON:
                       PAGE: gl.constexpr):
         """Loader step: KV tokens n0 .. n0 + 63 of one request into ring slot it % STAGES."""
         s = it % _STAGES
-        mbarrier.wait(kv_empty.index(s), ((it // _STAGES) & 1) ^ 1)
+        # The page id does not depend on the slot: its load runs while the slot drains, not after.
         page_id = gl.load(bt_row + n0 // PAGE)
+        mbarrier.wait(kv_empty.index(s), ((it // _STAGES) & 1) ^ 1)
         row = page_id * PAGE + n0 % PAGE
         ready = kv_ready.index(s)
         mbarrier.expect(ready, kv_desc.block_type.nbytes + kv_pe_desc.block_type.nbytes)
