@@ -105,7 +105,7 @@ def compile_sm90(arch: int = 90):
     signature.update({name: "*i32" for name in ("bt_ptr", "seqlens_ptr", "meta_ptr", "splits_ptr")})
     signature.update(out_ptr="*bf16", lse_ptr="*fp32", po_ptr="*fp32", plse_ptr="*fp32")
     signature.update({name: "i32" for name in ("H", "Q_LEN", "ROWS")}, qk_scale="fp32")
-    signature.update({name: "i32" for name in ("stride_btb", "stride_ob", "stride_ot", "stride_oh")})
+    signature.update({name: "i32" for name in ("stride_btb", "max_pages", "stride_ob", "stride_ot", "stride_oh")})
     constexprs = dict(CAUSAL=True, PAGE=PAGE, META_W=METADATA_WIDTH, PDL=True)
     signature.update({name: "constexpr" for name in constexprs})
     src = GluonASTSource(_decode_sm90_kernel, signature, constexprs=constexprs)

@@ -50,18 +50,19 @@ def test_hopper_kernel_structure():
     assert rep["wgmma"] == {"m64n64k16": 36, "m64n256k16": 8}, rep
     assert rep["kv_buffers"] == [2] and rep["tma_loads"] > 0 and not rep["mma_sync"], rep
     assert rep["spill_store_load_bytes"] == [0, 0], rep
-    assert rep["shared_bytes"] <= 227 * 1024 and 24 in rep["setmaxnreg"], rep
+    assert rep["shared_bytes"] <= 227 * 1024 and 32 in rep["setmaxnreg"], rep
 
 
 def test_hopper_prefill_kernel_structure():
     """The paged-prefill Hopper kernel reuses the decode kernel's steps: the same MMAs and ring. Its loader
-    warp (32 registers) carries the next tile's bounds and spills a word or two per tile (read off the SASS on
-    2026-11-30, none in the warpgroups), bounded at today's 16 / 16 bytes so that any new spill fails here."""
+    warp (32 registers) carries the next tile's bounds and the next page id and spills a few words per tile
+    (read off the SASS on 2026-11-30, none in the warpgroups), bounded at today's 24 / 24 bytes so that any
+    new spill fails here."""
     pytest.importorskip("triton.experimental.gluon")
     (rep,) = _reports(extra=("--prefill-sm90",))
     assert rep["wgmma"] == {"m64n64k16": 36, "m64n256k16": 8}, rep
     assert rep["kv_buffers"] == [2] and rep["tma_loads"] > 0, rep
-    assert rep["spill_store_load_bytes"][0] <= 16 and rep["spill_store_load_bytes"][1] <= 16, rep
+    assert rep["spill_store_load_bytes"][0] <= 24 and rep["spill_store_load_bytes"][1] <= 24, rep
     assert rep["shared_bytes"] <= 227 * 1024 and 32 in rep["setmaxnreg"], rep
 
 

@@ -156,18 +156,26 @@ if HAVE_GLUON:
         tma.async_copy_global_to_shared(q_pe_desc, [q_row, _DV], q_ready, q_pe_smem)
 
     @gluon.jit
-    def _load_kv_tile(kv_desc, kv_pe_desc, bt_row, n0, it, kv_ring, kv_pe_ring, kv_ready, kv_empty,
-                      PAGE: gl.constexpr):
-        """Loader step: KV tokens n0 .. n0 + 63 of one request into ring slot it % STAGES."""
-        s = it % _STAGES
-        # The page id does not depend on the slot: its load runs while the slot drains, not after.
-        page_id = gl.load(bt_row + n0 // PAGE)
-        mbarrier.wait(kv_empty.index(s), ((it // _STAGES) & 1) ^ 1)
-        row = page_id * PAGE + n0 % PAGE
-        ready = kv_ready.index(s)
-        mbarrier.expect(ready, kv_desc.block_type.nbytes + kv_pe_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(kv_desc, [row, 0], ready, kv_ring.index(s))
-        tma.async_copy_global_to_shared(kv_pe_desc, [row, _DV], ready, kv_pe_ring.index(s))
+    def _load_kv_tiles(kv_desc, kv_pe_desc, bt_row, first_page, tok_lo, tok_hi, it, kv_ring, kv_pe_ring, kv_ready,
+                       kv_empty, PAGE: gl.constexpr):
+        """Loader: KV tokens tok_lo .. tok_hi - 1 of one request (tok_lo a multiple of 64, tok_lo < tok_hi)
+        into the ring from slot it on, 64 per slot; first_page is the block-table entry of tok_lo, already
+        loaded. Each tile's page id is loaded one tile ahead, so no refill waits on a block-table read.
+        Returns the ring position after the last tile."""
+        page_id = first_page
+        for n0 in range(tok_lo, tok_hi, _BN):
+            # The last tile's look-ahead re-reads its own entry (inside the row: tok_hi <= the row's capacity).
+            next_page = gl.load(bt_row + gl.minimum(n0 + _BN, tok_hi - 1) // PAGE)
+            s = it % _STAGES
+            mbarrier.wait(kv_empty.index(s), ((it // _STAGES) & 1) ^ 1)
+            row = page_id * PAGE + n0 % PAGE
+            ready = kv_ready.index(s)
+            mbarrier.expect(ready, kv_desc.block_type.nbytes + kv_pe_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(kv_desc, [row, 0], ready, kv_ring.index(s))
+            tma.async_copy_global_to_shared(kv_pe_desc, [row, _DV], ready, kv_pe_ring.index(s))
+            page_id = next_page
+            it += 1
+        return it
 
     @gluon.jit
     def _softmax_tile(o, m_i, l_i, it, npm, n0, first_masked, lim, seqlen, release_q, qk_scale,
@@ -251,7 +259,7 @@ if HAVE_GLUON:
         return inv_l
 
     @gluon.jit
-    def _loader(q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, seqlens_ptr, meta_ptr, ROWS,
+    def _loader(q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, max_pages, seqlens_ptr, meta_ptr, ROWS,
                 q_smem, q_pe_smem, kv_ring, kv_pe_ring, q_ready, q_free, kv_ready, kv_empty,
                 PAGE: gl.constexpr, META_W: gl.constexpr):
         pid_m = gl.program_id(0)
@@ -259,6 +267,11 @@ if HAVE_GLUON:
         it = 0
         nq = 0
         for b in range(begin_req, end_req + 1):
+            bt_row = bt_ptr + b.to(gl.int64) * stride_btb
+            # The slice's first page id does not depend on the length: it loads alongside it (masked: an
+            # empty slice may start past the row's last entry).
+            first = gl.where(b == begin_req, begin_blk, 0) * _BN // PAGE
+            first_page = gl.load(bt_row + first, mask=first < max_pages, other=0)
             seqlen, tok_lo, tok_hi = _request_tokens(seqlens_ptr, b, begin_req, begin_blk, end_req, end_blk,
                                                      _BN)
             if tok_lo < tok_hi:
@@ -266,10 +279,8 @@ if HAVE_GLUON:
                 mbarrier.wait(q_free, (nq & 1) ^ 1)
                 _load_q(q_desc, q_pe_desc, b * ROWS + pid_m * _BM, q_smem, q_pe_smem, q_ready)
                 nq += 1
-                bt_row = bt_ptr + b.to(gl.int64) * stride_btb
-                for n0 in range(tok_lo, tok_hi, _BN):
-                    _load_kv_tile(kv_desc, kv_pe_desc, bt_row, n0, it, kv_ring, kv_pe_ring, kv_ready, kv_empty, PAGE)
-                    it += 1
+                it = _load_kv_tiles(kv_desc, kv_pe_desc, bt_row, first_page, tok_lo, tok_hi, it, kv_ring, kv_pe_ring,
+                                    kv_ready, kv_empty, PAGE)
 
     @gluon.jit
     def _softmax_warpgroup(
@@ -383,7 +394,7 @@ if HAVE_GLUON:
     def _decode_sm90_kernel(
         q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, seqlens_ptr, meta_ptr, splits_ptr,
         out_ptr, lse_ptr, po_ptr, plse_ptr,
-        H, Q_LEN, ROWS, qk_scale, stride_btb, stride_ob, stride_ot, stride_oh,
+        H, Q_LEN, ROWS, qk_scale, stride_btb, max_pages, stride_ob, stride_ot, stride_oh,
         CAUSAL: gl.constexpr, PAGE: gl.constexpr, META_W: gl.constexpr, PDL: gl.constexpr,
     ):
         if PDL:
@@ -401,11 +412,12 @@ if HAVE_GLUON:
              (_value_warpgroup, (kv_ring, p_smem, scale_smem, kv_ready, kv_empty, p_ready, p_free, seqlens_ptr,
                                  meta_ptr, splits_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, H, Q_LEN, ROWS,
                                  stride_ob, stride_ot, stride_oh, META_W)),
-             (_loader, (q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, seqlens_ptr, meta_ptr, ROWS,
+             (_loader, (q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, max_pages, seqlens_ptr,
+                        meta_ptr, ROWS,
                         q_smem, q_pe_smem, kv_ring, kv_pe_ring, q_ready, q_free, kv_ready, kv_empty, PAGE,
                         META_W))],
             worker_num_warps=[4, 1],
-            worker_num_regs=[232, 24],
+            worker_num_regs=[232, 32],
         )
 
 
@@ -456,7 +468,7 @@ def decode_sm90_main(q, k_cache, block_table, cache_seqlens, metadata, num_split
         descriptor(kv_flat, [BLOCK_N, D_V], nope), descriptor(kv_flat, [BLOCK_N, D_QK - D_V], pe),
         block_table, cache_seqlens, metadata, num_splits,
         out, lse, po, plse,
-        h, q_len, rows, softmax_scale * _LOG2E, block_table.stride(0),
+        h, q_len, rows, softmax_scale * _LOG2E, block_table.stride(0), block_table.shape[1],
         out.stride(0), out.stride(1), out.stride(2),
         CAUSAL=bool(causal), PAGE=page, META_W=METADATA_WIDTH, PDL=pdl,
         num_warps=4,

@@ -46,7 +46,7 @@ if HAVE_GLUON:
         _DV,
         _O_LAYOUT,
         _S_LAYOUT,
-        _load_kv_tile,
+        _load_kv_tiles,
         _load_q,
         _mla_buffers,
         _softmax_finish,
@@ -168,9 +168,8 @@ if HAVE_GLUON:
                 _load_q(q_desc, q_pe_desc, q_row, q_smem, q_pe_smem, q_ready)
                 nq += 1
                 bt_row = bt_ptr + b.to(gl.int64) * stride_btb
-                for n0 in range(0, end, _BN):
-                    _load_kv_tile(kv_desc, kv_pe_desc, bt_row, n0, it, kv_ring, kv_pe_ring, kv_ready, kv_empty, PAGE)
-                    it += 1
+                it = _load_kv_tiles(kv_desc, kv_pe_desc, bt_row, gl.load(bt_row), 0, end, it, kv_ring, kv_pe_ring,
+                                    kv_ready, kv_empty, PAGE)
             b, q_row, end = b_n, q_row_n, end_n
 
     @gluon.jit
