@@ -496,7 +496,7 @@ def test_gpu_paged_prefill_hopper_kernel(h, page, dtype, causal):
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [True, False])
 def test_gpu_paged_prefill_hopper_kernel_many_tiles_per_program(causal):
-    """The persistent kernel's hand-off: 5 programs for ~150 tiles, so each runs tiles of several requests in
+    """The persistent kernel's hand-off: 5 programs for 117 tiles, so each runs tiles of several requests in
     a row (empty ones, rows that see no key, an empty KV among them: the Q and ring bookkeeping must carry
     across); a second call (its counter starts again) and CUDA-graph replays with new inputs agree."""
     cache_ok = torch.empty(1, 64, 1, 576, dtype=torch.bfloat16, device="cuda")
@@ -530,6 +530,30 @@ def test_gpu_paged_prefill_hopper_kernel_many_tiles_per_program(causal):
         graph.replay()
         g_o, g_lse = out.clone(), lse.clone()
         assert torch.equal(g_o, call()[0]) and torch.equal(g_lse, lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_paged_prefill_hopper_kernel_negative_length(causal):
+    """A negative cache length reaching the kernel (value checks are off under graph capture and with
+    PAGEDMLA_VALIDATE=shapes) reads as an empty history: that request's rows get 0 / -inf, the others are
+    exact, and the persistent programs finish (a negative tile end once stopped the loader early)."""
+    cache_ok = torch.empty(1, 64, 1, 576, dtype=torch.bfloat16, device="cuda")
+    if not sm90_supported(cache_ok[0, :1], cache_ok, 512):
+        pytest.skip("the Hopper kernel needs an sm_90 GPU and Triton's Gluon")
+    q_lens, kv_lens = [40, 9, 70, 5], [100, 0, 200, 64]
+    q, cache, bt, lens, qo = _paged_case(q_lens, kv_lens, 16, 64, torch.bfloat16, seed=5)
+    q = (q.float() / 4).bfloat16()
+    ref, ref_lse = reference.paged_mla_attention(q.float(), cache.float(), bt, lens, qo, 576 ** -0.5, causal, 512,
+                                                 64)
+    lens[1] = -7
+    out = torch.full((q.shape[0], 16, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((q.shape[0], 16), float("nan"), dtype=torch.float32, device="cuda")
+    paged_prefill_sm90(q, cache, bt, lens, qo, 576 ** -0.5, causal, out, lse, programs=3)
+    torch.cuda.synchronize()
+    _check_lse(lse, ref_lse, 1e-2)
+    _check_out(out, ref, ref_lse, 1e-2)
+    assert (out[40:49] == 0).all() and torch.isneginf(lse[40:49]).all()
 
 
 @pytest.mark.gpu

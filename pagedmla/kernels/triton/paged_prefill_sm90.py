@@ -8,10 +8,11 @@ per 64-key tile and the online softmax, both warpgroups accumulating half of the
 shared P. No split of the keys, so no partials: each tile writes its rows' output and LSE directly.
 
 The kernel is persistent: one program per SM, whose loader claims tiles from a global counter (last tile
-first, so the heaviest causal tiles start first and the tiles in flight share one request's keys in L2)
-and hands each to the warpgroups through shared memory, one tile ahead. The next tile's search, Q and
-first KV tiles then load while the warpgroups finish the current one, instead of each tile paying a
-program's start (search, Q and first KV round trips) with the tensor cores idle.
+first: requests from the last, and within a request the heaviest causal tiles first; the tiles in flight
+share one request's keys in L2) and hands each to the warpgroups through shared memory, one tile ahead.
+The next tile's search, Q and first KV tiles then load while the warpgroups finish the current one,
+instead of each tile paying a program's start (search, Q and first KV round trips) with the tensor cores
+idle.
 
 The default for ``paged_varlen_attention`` on sm_90 where it applies (measured on the H200: benchmarks/NOTES.md,
 Prefill); ``config={"HOPPER": False}`` runs the portable kernel instead.
@@ -78,7 +79,9 @@ if HAVE_GLUON:
         q_len = gl.load(qo_ptr + b + 1) - q_start
         r0 = (tile - ((q_start.to(gl.int64) * H) // _BM + b)).to(gl.int32) * _BM
         n_rows = q_len * H
-        kv_len = gl.load(seqlens_ptr + b)
+        # A negative length (garbage reaching the kernel with value checks off) reads as empty: every row of
+        # such a tile gets output 0 / LSE -inf, and the tile's end stays >= 0 (-1 means "no more tiles").
+        kv_len = gl.maximum(gl.load(seqlens_ptr + b), 0)
         if CAUSAL:
             # Token t of the request sees keys 0 .. kv_len - q_len + t.
             last_tok = (gl.minimum(r0 + _BM, n_rows) - 1) // H
@@ -94,8 +97,8 @@ if HAVE_GLUON:
                       CAUSAL: gl.constexpr, SEARCH_STEPS: gl.constexpr):
         """Loader: claim the next tile from the global counter and hand it to the warpgroups as their i-th
         (slot i % 2: claim index, first flat q row, r0, rows, q_len, kv_len, first masked key, end). Claims
-        run from the last tile down, so the heaviest causal tiles go first. Returns (request, first flat q row of
-        the tile, end of its keys: 0 when the tile loads nothing, -1 past the last tile)."""
+        run from the last tile down: within a request, the heaviest causal tiles first. Returns (request, first
+        flat q row of the tile, end of its keys: 0 when the tile loads nothing, -1 past the last tile)."""
         one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         s = i % 2
         mbarrier.wait(tile_free.index(s), ((i // 2) & 1) ^ 1)
@@ -281,16 +284,18 @@ def paged_prefill_sm90(q: torch.Tensor, k_cache: torch.Tensor, block_table: torc
     t, h, d = q.shape
     batch = qo_indptr.shape[0] - 1
     tiles = (t * h) // BLOCK_M + batch
-    if tiles >= MAX_TILES:
-        raise ValueError(f"q: {t} tokens x {h} heads over {batch} requests are {tiles} work tiles; the Hopper "
-                         f"kernel's int32 tile counter takes fewer than {MAX_TILES} (the portable kernel has no such "
-                         "limit)")
+    if t * h >= 2 ** 31 or tiles >= MAX_TILES:
+        raise ValueError(f"q: {t} tokens x {h} heads over {batch} requests; the Hopper kernel's row and tile "
+                         f"arithmetic is int32 (fewer than 2**31 rows and {MAX_TILES} tiles; the portable kernel "
+                         "has no such limit)")
+    if programs is not None and programs < 1:
+        raise ValueError(f"programs: expected at least 1, got {programs}")
     nope, pe = _tile_layout(D_V, q.dtype), _tile_layout(D_QK - D_V, q.dtype)
     q_flat = tma_rows(q.reshape(t * h, d))
     kv_flat = k_cache.view(-1, d)
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     _MAIN.launch(
-        q.device, (min(tiles, programs or sm_count(q.device)),),
+        q.device, (min(tiles, sm_count(q.device), programs or tiles),),
         descriptor(q_flat, [BLOCK_M, D_V], nope), descriptor(q_flat, [BLOCK_M, D_QK - D_V], pe),
         descriptor(kv_flat, [BLOCK_N, D_V], nope), descriptor(kv_flat, [BLOCK_N, D_QK - D_V], pe),
         block_table, cache_seqlens, qo_indptr, out, lse, counter,
