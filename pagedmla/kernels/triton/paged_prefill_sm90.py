@@ -9,10 +9,10 @@ shared P. No split of the keys, so no partials: each tile writes its rows' outpu
 
 The kernel is persistent: one program per SM, whose loader claims tiles from a global counter (last tile
 first: requests from the last, and within a request the heaviest causal tiles first; the tiles in flight
-share one request's keys in L2) and hands each to the warpgroups through shared memory, one tile ahead.
-The next tile's search, Q and first KV tiles then load while the warpgroups finish the current one,
-instead of each tile paying a program's start (search, Q and first KV round trips) with the tensor cores
-idle.
+share one request's keys in L2) and hands each to the warpgroups through shared memory once the current
+tile's loads are issued. The next tile's search, Q and first KV tiles then load while the warpgroups
+finish the current one, instead of each tile paying a program's start (search, Q and first KV round
+trips) with the tensor cores idle.
 
 The default for ``paged_varlen_attention`` on sm_90 where it applies (measured on the H200: benchmarks/NOTES.md,
 Prefill); ``config={"HOPPER": False}`` runs the portable kernel instead.
@@ -160,11 +160,6 @@ if HAVE_GLUON:
         nq = 0
         it = 0
         while end >= 0:
-            # The next tile is claimed and published before this one's loads: its search (a few dependent
-            # loads) then runs while the warpgroups still work on the previous tile.
-            b_n, q_row_n, end_n = _publish_tile(i, counter, T, qo_ptr, seqlens_ptr, H, batch, tile_info, tile_ready,
-                                                tile_free, CAUSAL, SEARCH_STEPS)
-            i += 1
             if end > 0:
                 # Q of the previous tile stays until warpgroup 0's last S of it is done.
                 mbarrier.wait(q_free, (nq & 1) ^ 1)
@@ -173,7 +168,12 @@ if HAVE_GLUON:
                 bt_row = bt_ptr + b.to(gl.int64) * stride_btb
                 it = _load_kv_tiles(kv_desc, kv_pe_desc, bt_row, gl.load(bt_row), 0, end, it, kv_ring, kv_pe_ring,
                                     kv_ready, kv_empty, PAGE)
-            b, q_row, end = b_n, q_row_n, end_n
+            # The next tile is claimed once this one's loads are all issued (the warpgroups are then about two
+            # KV tiles from its end): late enough that a program never sits on a claimed tile it has not
+            # started while others run out of work, early enough for the search to finish before it is needed.
+            b, q_row, end = _publish_tile(i, counter, T, qo_ptr, seqlens_ptr, H, batch, tile_info, tile_ready,
+                                          tile_free, CAUSAL, SEARCH_STEPS)
+            i += 1
 
     @gluon.jit
     def _prefill_softmax_warpgroup(
