@@ -469,7 +469,7 @@ class MLABackend:
         g.seq_lens[:bs].copy_(seq_lens[:bs])
         parts = num_sm_parts_for(self.device, q_len * self.heads, 1)
         md = g.tile_scheduler_metadata[:parts]
-        schedule_into(g.seq_lens[:bs], md, g.num_splits[: bs + 1], q_len * self.heads)
+        schedule_into(g.seq_lens[:bs], md, g.num_splits[: bs + 1], q_len * self.heads, default_plan=True)
         g.captured[(bs, forward_mode)] = parts
         self.metadata = ForwardMetadata(mode=forward_mode, bs=bs, form="absorbed", seq_lens=g.seq_lens[:bs],
                                         block_table=g.block_table[:bs], q_len=q_len, tile_scheduler_metadata=md,
@@ -502,7 +502,7 @@ class MLABackend:
         g.seq_lens[raw:bs].fill_(self.get_cuda_graph_seq_len_fill_value())
         q_len = self._decode_q_len(forward_mode)
         schedule_into(g.seq_lens[:bs], g.tile_scheduler_metadata[: g.captured[key]], g.num_splits[: bs + 1],
-                      q_len * self.heads)
+                      q_len * self.heads, default_plan=True)
         self.metadata = ForwardMetadata(mode=forward_mode, bs=bs, form="absorbed", seq_lens=g.seq_lens[:bs],
                                         block_table=g.block_table[:bs], q_len=q_len,
                                         tile_scheduler_metadata=g.tile_scheduler_metadata[: g.captured[key]],

@@ -15,12 +15,13 @@ import random
 import pytest
 import torch
 
-from pagedmla.kernels.triton.decode import DecodeConfig, launch_combine, paged_decode_triton
+from pagedmla.kernels.triton.decode import DecodeConfig, few_requests_block_r, launch_combine, paged_decode_triton
 from pagedmla.kernels.triton.decode_sm90 import sm90_supported
 from pagedmla.kernels.triton.schedule import schedule_into as schedule_kernel_into
 from pagedmla.ops import flash_mla_with_kvcache, get_mla_metadata
+from pagedmla.ops import schedule as ops_schedule
 from pagedmla.ops.schedule import BLOCK_N as SCHED_N
-from pagedmla.ops.schedule import overhead_blocks
+from pagedmla.ops.schedule import PIECE_COST_RATIO, min_part_units, overhead_blocks
 from pagedmla.reference import paged_mla_attention
 
 # fp16 elementwise bounds: P is rounded to fp16 before P @ V and the output to fp16 (2**-11 relative each);
@@ -203,13 +204,57 @@ def test_schedule_kernel_equals_tensor_ops(seed, device):
     big = device == "cuda"
     for b in (1, 2, 7, 40, rng.randint(1, 100)) + ((2500,) if big else ()):
         lens = torch.tensor(_random_lengths(rng, b), dtype=torch.int32, device=device)
-        for parts, rows in itertools.product((1, 3, 66, 132, 264) if big else (1, 3, 20), (16, 128)):
-            want_md, want_ns = get_mla_metadata(lens.cpu(), rows, 1, num_sm_parts=parts)
+        # Many parts over one or two requests: where the default plan's minimum part length binds.
+        part_counts = (1, 3, 66, 132, 264) if big else (1, 3, 20) + ((132,) if b <= 2 else ())
+        for parts, rows, default_plan in itertools.product(part_counts, (16, 128), (False, True)):
+            want_md = torch.empty(parts, 8, dtype=torch.int32)
+            want_ns = torch.empty(b + 1, dtype=torch.int32)
+            ops_schedule._fill(lens.cpu(), want_md, want_ns, overhead_blocks(rows), default_plan)  # tensor ops
             md = torch.full((parts, 8), -7, dtype=torch.int32, device=device)
             ns = torch.full((b + 1,), -7, dtype=torch.int32, device=device)
-            schedule_kernel_into(lens, md, ns, overhead_blocks(rows))
-            assert torch.equal(md.cpu(), want_md), (b, parts, rows)
-            assert torch.equal(ns.cpu(), want_ns), (b, parts, rows)
+            schedule_kernel_into(lens, md, ns, overhead_blocks(rows), default_plan)
+            assert torch.equal(md.cpu(), want_md), (b, parts, rows, default_plan)
+            assert torch.equal(ns.cpu(), want_ns), (b, parts, rows, default_plan)
+
+
+def test_min_part_units_is_an_exact_integer_square_root():
+    n = torch.arange(0, 20000, dtype=torch.int64)
+    k = min_part_units(n)
+    assert (k >= 1).all() and (k * k * PIECE_COST_RATIO >= n).all()
+    assert ((k - 1) * (k - 1) * PIECE_COST_RATIO < n)[1:].all(), "not the smallest such k"
+    assert min_part_units(torch.tensor(100)).item() == 4
+
+
+def test_default_schedule_gives_parts_a_minimum_length():
+    """The default plan's parts are at least min_part_units(longest request's blocks) long, so one request
+    over many parts has few pieces; an explicit part count cuts the work as finely as asked; both cover every
+    block once."""
+    lens = torch.tensor([6400], dtype=torch.int32)  # 100 KV blocks after 3 units of fixed cost: units 3 .. 102
+    parts, rows = 132, 128
+    for default_plan, per_part in ((True, 4), (False, 1)):
+        meta = torch.empty(parts, 8, dtype=torch.int32)
+        splits = torch.empty(2, dtype=torch.int32)
+        ops_schedule.schedule_into(lens, meta, splits, rows, default_plan=default_plan)
+        covered, _ = enumerate_schedule(meta, splits, lens.tolist())
+        assert len(covered) == 100 and all(c == 1 for c in covered.values())
+        assert splits.tolist() == [0, 102 // per_part - 3 // per_part + 1], default_plan
+    # get_mla_metadata: the default plan unless num_sm_parts is given.
+    md, ns = get_mla_metadata(lens, rows, 1)
+    want_md = torch.empty_like(md)
+    want_ns = torch.empty_like(ns)
+    ops_schedule.schedule_into(lens, want_md, want_ns, rows, default_plan=True)
+    assert torch.equal(md, want_md) and torch.equal(ns, want_ns)
+    assert get_mla_metadata(lens, rows, 1, num_sm_parts=132)[1].tolist() == [0, 100]
+
+
+def test_few_requests_combine_rows():
+    """Rows per combine program for requests with many pieces: 4 unless that leaves fewer than three
+    programs per SM (512 value columns are four column blocks)."""
+    assert few_requests_block_r(1, 128, 512, 132) == 1  # 4 rows: 128 programs, 2 rows: 256, 1 row: 512
+    assert few_requests_block_r(2, 128, 512, 132) == 2
+    assert few_requests_block_r(4, 128, 512, 132) == 4
+    assert few_requests_block_r(1, 16, 512, 132) == 1
+    assert few_requests_block_r(1, 128, 512, 8) == 4
 
 
 @pytest.mark.parametrize("seed", range(6))

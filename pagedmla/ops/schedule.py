@@ -34,6 +34,13 @@ HOPPER_MIN_ROWS = 17
 # rows and 3 for more; FlashMLA's 5 left the parts that start several requests ending 10-20% early.
 OVERHEAD_BLOCKS_SMALL = 2
 OVERHEAD_BLOCKS = 3
+# The default plan's parts are at least ceil(sqrt(n / PIECE_COST_RATIO)) units long, n the longest request's
+# KV blocks. A small batch over many parts would give each part a block or two: every part keeps its fixed
+# cost, and a request cut into p pieces ends with a combine whose merge loop runs p times, each pass about a
+# tenth of a KV block's time (measured on the H200 at 128 heads, benchmarks/NOTES.md v15: 1.0 us per block
+# per part, 0.1 us per piece). A part of k blocks and n / k pieces cost about k + n / (10 k): least at
+# k = sqrt(n / 10). Batches with more work than parts have longer parts anyway.
+PIECE_COST_RATIO = 10
 METADATA_WIDTH = 8
 
 
@@ -84,9 +91,11 @@ def get_mla_metadata(
 
     cache_seqlens: int32 [bs] KV lengths (this step's tokens included);
     num_q_tokens_per_head_k: q_len * num_heads_q // num_heads_k; num_heads_k: KV heads (1 for MLA).
-    ``num_sm_parts`` overrides the part count (tests use it to force splits on small problems).
-    No host synchronisation: safe to call while capturing a CUDA graph (during a capture the tensor-op
-    version runs, so that a first call never has to compile and load the Triton kernel inside it).
+    The default cuts the work into ``num_sm_parts_for`` parts, each at least ``min_part_units`` long (a small
+    batch leaves the last parts idle); ``num_sm_parts`` cuts it into exactly that many equal parts instead
+    (FlashMLA's rule; tests use it to force splits on small problems). No host synchronisation: safe to
+    call while capturing a CUDA graph (during a capture the tensor-op version runs, so that a first call
+    never has to compile and load the Triton kernel inside it).
     """
     if not isinstance(cache_seqlens, torch.Tensor):
         raise TypeError(f"cache_seqlens: expected a torch.Tensor, got {type(cache_seqlens).__name__}")
@@ -103,15 +112,17 @@ def get_mla_metadata(
     bs = cache_seqlens.shape[0]
     metadata = torch.empty(parts, METADATA_WIDTH, dtype=torch.int32, device=dev)
     num_splits = torch.empty(bs + 1, dtype=torch.int32, device=dev)
-    _fill(cache_seqlens, metadata, num_splits, overhead_blocks(num_q_tokens_per_head_k))
+    _fill(cache_seqlens, metadata, num_splits, overhead_blocks(num_q_tokens_per_head_k), num_sm_parts is None)
     return metadata, num_splits
 
 
 def schedule_into(cache_seqlens: torch.Tensor, metadata: torch.Tensor, num_splits: torch.Tensor,
-                  num_q_tokens_per_head_k: int) -> None:
+                  num_q_tokens_per_head_k: int, default_plan: bool = False) -> None:
     """``get_mla_metadata(cache_seqlens, num_q_tokens_per_head_k, 1, num_sm_parts=metadata.shape[0])`` into
     given buffers (CUDA-graph state): int32 ``cache_seqlens`` [bs], ``metadata`` int32 [parts,
-    METADATA_WIDTH] and ``num_splits`` int32 [bs + 1], all on one device, the buffers contiguous. No host
+    METADATA_WIDTH] and ``num_splits`` int32 [bs + 1], all on one device, the buffers contiguous;
+    ``default_plan`` gives the default plan's parts instead, at least ``min_part_units`` long (with
+    ``metadata.shape[0]`` from ``num_sm_parts_for``, the default ``get_mla_metadata``). No host
     synchronisation."""
     if isinstance(num_q_tokens_per_head_k, bool) or not isinstance(num_q_tokens_per_head_k, int) \
             or num_q_tokens_per_head_k < 1:
@@ -128,11 +139,22 @@ def schedule_into(cache_seqlens: torch.Tensor, metadata: torch.Tensor, num_split
                          f"got shape {tuple(metadata.shape)}")
     if num_splits.shape != (bs + 1,) or not num_splits.is_contiguous():
         raise ValueError(f"num_splits: expected a contiguous [{bs + 1}] tensor, got shape {tuple(num_splits.shape)}")
-    _fill(cache_seqlens, metadata, num_splits, overhead_blocks(num_q_tokens_per_head_k))
+    _fill(cache_seqlens, metadata, num_splits, overhead_blocks(num_q_tokens_per_head_k), bool(default_plan))
 
 
-def _fill(cache_seqlens: torch.Tensor, metadata: torch.Tensor, num_splits: torch.Tensor, overhead: int) -> None:
-    """The schedule into checked buffers, ``overhead`` units per request: on CUDA one Triton launch
+def min_part_units(max_blocks: torch.Tensor) -> torch.Tensor:
+    """ceil(sqrt(max_blocks / PIECE_COST_RATIO)), at least 1, exactly in integers (int64 tensor in and out):
+    the default plan's shortest part for a batch whose longest request has ``max_blocks`` KV blocks."""
+    k = torch.ceil(torch.sqrt(max_blocks.double() / PIECE_COST_RATIO)).long()
+    k = torch.where((k - 1) * (k - 1) * PIECE_COST_RATIO >= max_blocks, k - 1, k)
+    k = torch.where(k * k * PIECE_COST_RATIO < max_blocks, k + 1, k)
+    return k.clamp(min=1)
+
+
+def _fill(cache_seqlens: torch.Tensor, metadata: torch.Tensor, num_splits: torch.Tensor, overhead: int,
+          default_plan: bool) -> None:
+    """The schedule into checked buffers, ``overhead`` units per request, parts at least ``min_part_units``
+    long when ``default_plan`` (the last parts stay idle when that leaves them nothing): on CUDA one Triton launch
     (``kernels/triton/schedule.py``) except while a CUDA graph is being captured, elsewhere (and then) the
     same arithmetic in tensor ops."""
     bs, parts = cache_seqlens.shape[0], metadata.shape[0]
@@ -144,13 +166,15 @@ def _fill(cache_seqlens: torch.Tensor, metadata: torch.Tensor, num_splits: torch
     if cache_seqlens.is_cuda and not torch.cuda.is_current_stream_capturing():
         from pagedmla.kernels.triton.schedule import schedule_into as launch  # late: that module imports this one
 
-        launch(cache_seqlens.contiguous(), metadata, num_splits, overhead)
+        launch(cache_seqlens.contiguous(), metadata, num_splits, overhead, default_plan)
         return
     dev = cache_seqlens.device
     n = (cache_seqlens.to(torch.int64).clamp(min=0) + BLOCK_N - 1) // BLOCK_N
     unit_end = torch.cumsum(n + overhead, 0)  # end of request b's units (exclusive)
     first = unit_end - n  # unit of request b's first KV block
     per_part = torch.clamp((unit_end[-1] + parts - 1) // parts, min=1)
+    if default_plan:
+        per_part = torch.maximum(per_part, min_part_units(n.max()))
     lo = torch.arange(parts, device=dev, dtype=torch.int64) * per_part
     hi = lo + per_part
     begin_req = torch.searchsorted(unit_end, lo, right=True)

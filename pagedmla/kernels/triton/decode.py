@@ -491,8 +491,26 @@ def paged_decode_triton(
     else:
         _launch_main(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits, softmax_scale,
                      causal, cfg, out, lse, po, plse)
-    launch_combine(out, lse, po, plse, num_splits, pdl, block_r=16 if many else 4)
+    if many:
+        block_r = 16
+    else:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
+        block_r = few_requests_block_r(b, rows, head_dim_v, sms)
+    launch_combine(out, lse, po, plse, num_splits, pdl, block_r=block_r)
     return out, lse
+
+
+def few_requests_block_r(b: int, rows: int, head_dim_v: int, sms: int) -> int:
+    """Query rows per combine program when requests have many pieces each: 4, or fewer when that leaves
+    under three programs per SM (``sms``). Each program merges its rows' pieces in one loop of dependent
+    loads, so a batch of 1-2 requests runs faster with its rows spread over more programs (measured on the
+    H200, benchmarks/NOTES.md v15: batch 1 at 128 heads, 60 pieces, 8.6 us with 1 row per program against
+    13.6 us with 4; from batch 4 at 128 rows 4 rows per program was fastest)."""
+    programs = b * max(1, head_dim_v // 128)  # launch_combine's column blocks
+    for block_r in (4, 2):
+        if programs * -(-rows // block_r) >= 3 * sms:
+            return block_r
+    return 1
 
 
 def launch_combine(out: torch.Tensor, lse: torch.Tensor, po: torch.Tensor, plse: torch.Tensor,

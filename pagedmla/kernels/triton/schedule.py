@@ -16,7 +16,7 @@ import triton.language as tl
 
 from pagedmla.kernels.triton.launch import CachedKernel
 from pagedmla.ops.providers import triton_interpreting
-from pagedmla.ops.schedule import BLOCK_N, METADATA_WIDTH
+from pagedmla.ops.schedule import BLOCK_N, METADATA_WIDTH, PIECE_COST_RATIO
 
 # Under the interpreter (CPU tests) small chunks exercise the multi-chunk walk on small batches.
 CHUNK = 32 if triton_interpreting() else 1024
@@ -35,12 +35,21 @@ def _chunk(seqlens_ptr, c, bs, carry, BLOCK: tl.constexpr, OVERHEAD: tl.constexp
 
 @triton.jit
 def _schedule_kernel(seqlens_ptr, meta_ptr, splits_ptr, bs, parts,
-                     BLOCK: tl.constexpr, OVERHEAD: tl.constexpr, META_W: tl.constexpr, CHUNK: tl.constexpr):
+                     BLOCK: tl.constexpr, OVERHEAD: tl.constexpr, META_W: tl.constexpr, CHUNK: tl.constexpr,
+                     DEFAULT_PLAN: tl.constexpr, RATIO: tl.constexpr):
     p = tl.program_id(0)
     total = tl.zeros([], dtype=tl.int64)
+    n_max = tl.zeros([], dtype=tl.int64)
     for c in range(0, bs, CHUNK):
-        total = tl.max(_chunk(seqlens_ptr, c, bs, total, BLOCK, OVERHEAD, CHUNK)[2], 0)
+        _, n, unit_end, _ = _chunk(seqlens_ptr, c, bs, total, BLOCK, OVERHEAD, CHUNK)
+        total = tl.max(unit_end, 0)
+        n_max = tl.maximum(n_max, tl.max(n, 0))
     per_part = tl.maximum((total + parts - 1) // parts, 1)
+    if DEFAULT_PLAN:  # ops.schedule.min_part_units, in the same exact integer steps
+        k = tl.ceil(tl.sqrt(n_max.to(tl.float64) / RATIO)).to(tl.int64)
+        k = tl.where((k - 1) * (k - 1) * RATIO >= n_max, k - 1, k)
+        k = tl.where(k * k * RATIO < n_max, k + 1, k)
+        per_part = tl.maximum(per_part, k)
     lo = p.to(tl.int64) * per_part
     hi = lo + per_part
     # begin_req: requests whose units all end at or before lo; end_req: the last request starting before hi
@@ -93,11 +102,12 @@ _SCHEDULE = CachedKernel(_schedule_kernel)
 
 
 def schedule_into(cache_seqlens: torch.Tensor, metadata: torch.Tensor, num_splits: torch.Tensor,
-                  overhead: int) -> None:
+                  overhead: int, default_plan: bool = False) -> None:
     """Write the schedule of ``cache_seqlens`` (int32 [bs], contiguous, bs >= 1) into ``metadata`` (int32
     [parts, METADATA_WIDTH], contiguous) and ``num_splits`` (int32 [bs + 1]), ``overhead`` units per request
-    (``ops.schedule.overhead_blocks``); checked by the caller."""
+    (``ops.schedule.overhead_blocks``), parts at least ``ops.schedule.min_part_units`` long when
+    ``default_plan``; checked by the caller."""
     bs, parts = cache_seqlens.shape[0], metadata.shape[0]
     _SCHEDULE.launch(cache_seqlens.device, (parts,), cache_seqlens, metadata, num_splits, bs, parts,
                      BLOCK=BLOCK_N, OVERHEAD=overhead, META_W=METADATA_WIDTH, CHUNK=CHUNK,
-                     num_warps=4)
+                     DEFAULT_PLAN=bool(default_plan), RATIO=PIECE_COST_RATIO, num_warps=4)
