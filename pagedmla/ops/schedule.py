@@ -2,7 +2,9 @@
 
 The work of a batch is laid on one line of "units": request b costs ``overhead_blocks(rows)`` units (its
 q load, output write and combine share) followed by one unit per ``BLOCK_N``-token KV block. The line is
-cut into ``num_sm_parts`` equal pieces; part p processes the blocks whose units fall into its piece. A
+cut into ``num_sm_parts`` pieces of ``per_part`` units (equal, or longer in the default plan: see
+``PIECE_COST_RATIO``; trailing parts past the line are idle); part p processes the blocks whose units fall
+into its piece. A
 request whose blocks all fall into one part is written directly; one spread over several parts ("split")
 writes fp32 partial results that the combine kernel merges. Everything is computed on the device (no host
 synchronisation), so the call can be captured in a CUDA graph: on CUDA by one Triton launch
@@ -39,7 +41,8 @@ OVERHEAD_BLOCKS = 3
 # cost, and a request cut into p pieces ends with a combine whose merge loop runs p times, each pass about a
 # tenth of a KV block's time (measured on the H200 at 128 heads, benchmarks/NOTES.md v15: 1.0 us per block
 # per part, 0.1 us per piece). A part of k blocks and n / k pieces cost about k + n / (10 k): least at
-# k = sqrt(n / 10). Batches with more work than parts have longer parts anyway.
+# k = sqrt(n / 10). It binds when total units / parts < sqrt(n / 10): small batches, or one long request at
+# 16 rows (264 parts); every batch-128 cell of the benchmark has longer parts.
 PIECE_COST_RATIO = 10
 METADATA_WIDTH = 8
 

@@ -501,7 +501,8 @@ def paged_decode_triton(
 
 
 def few_requests_block_r(b: int, rows: int, head_dim_v: int, sms: int) -> int:
-    """Query rows per combine program when requests have many pieces each: 4, or fewer when that leaves
+    """Query rows per combine program outside the many-requests case (fewer requests than half the parts,
+    or fewer than 32 rows per request): 4, or fewer when that leaves
     under three programs per SM (``sms``). Each program merges its rows' pieces in one loop of dependent
     loads, so a batch of 1-2 requests runs faster with its rows spread over more programs (measured on the
     H200, benchmarks/NOTES.md v15: batch 1 at 128 heads, 60 pieces, 8.6 us with 1 row per program against

@@ -3,8 +3,9 @@
 Same arithmetic as the tensor-op version in ``pagedmla/ops/schedule.py`` (which documents the metadata
 and runs off CUDA): that version is ~25 small torch ops, half a millisecond of host time per decode step
 on the H200 machine's CPU; this is one launch. Program p writes metadata row p; program 0 also writes
-``num_splits``. Each program walks the lengths in ``CHUNK``-request blocks three times (total units, then
-its part's first and last request, then those requests' first unit and block count): a few microseconds of
+``num_splits``. Each program walks the lengths in ``CHUNK``-request blocks three times (total units and the longest
+request, then its part's first and last request, then those requests' first unit and block count; program
+0 a fourth time for ``num_splits``): a few microseconds of
 GPU time for thousands of requests, no host synchronisation, capturable in a CUDA graph.
 """
 
@@ -45,7 +46,7 @@ def _schedule_kernel(seqlens_ptr, meta_ptr, splits_ptr, bs, parts,
         total = tl.max(unit_end, 0)
         n_max = tl.maximum(n_max, tl.max(n, 0))
     per_part = tl.maximum((total + parts - 1) // parts, 1)
-    if DEFAULT_PLAN:  # ops.schedule.min_part_units, in the same exact integer steps
+    if DEFAULT_PLAN:  # ops.schedule.min_part_units's integer steps (k < 1 only when per_part >= 1 wins)
         k = tl.ceil(tl.sqrt(n_max.to(tl.float64) / RATIO)).to(tl.int64)
         k = tl.where((k - 1) * (k - 1) * RATIO >= n_max, k - 1, k)
         k = tl.where(k * k * RATIO < n_max, k + 1, k)
