@@ -4,11 +4,10 @@ The work of a batch is laid on one line of "units": request b costs ``overhead_b
 q load, output write and combine share) followed by one unit per ``BLOCK_N``-token KV block. The line is
 cut into ``num_sm_parts`` pieces of ``per_part`` units (equal, or longer in the default plan: see
 ``PIECE_COST_RATIO``; trailing parts past the line are idle); part p processes the blocks whose units fall
-into its piece. A
-request whose blocks all fall into one part is written directly; one spread over several parts ("split")
-writes fp32 partial results that the combine kernel merges. Everything is computed on the device (no host
-synchronisation), so the call can be captured in a CUDA graph: on CUDA by one Triton launch
-(``kernels/triton/schedule.py``), elsewhere with the tensor ops below.
+into its piece. A request whose blocks all fall into one part is written directly; one spread over several
+parts ("split") writes fp32 partial results that the combine kernel merges. Everything is computed on the
+device (no host synchronisation), so the call can be captured in a CUDA graph: on CUDA by one Triton
+launch (``kernels/triton/schedule.py``), elsewhere with the tensor ops below.
 
 Metadata row of part p (int32 [num_sm_parts, METADATA_WIDTH]):
   0 begin_req, 1 begin_block, 2 end_req (inclusive), 3 end_block (exclusive, within end_req),
@@ -156,10 +155,10 @@ def min_part_units(max_blocks: torch.Tensor) -> torch.Tensor:
 
 def _fill(cache_seqlens: torch.Tensor, metadata: torch.Tensor, num_splits: torch.Tensor, overhead: int,
           default_plan: bool) -> None:
-    """The schedule into checked buffers, ``overhead`` units per request, parts at least ``min_part_units``
-    long when ``default_plan`` (the last parts stay idle when that leaves them nothing): on CUDA one Triton launch
-    (``kernels/triton/schedule.py``) except while a CUDA graph is being captured, elsewhere (and then) the
-    same arithmetic in tensor ops."""
+    """The schedule into checked buffers, ``overhead`` units per request, parts at least
+    ``min_part_units`` long when ``default_plan`` (the last parts stay idle when that leaves them nothing):
+    on CUDA one Triton launch (``kernels/triton/schedule.py``) except while a CUDA graph is being captured,
+    elsewhere (and then) the same arithmetic in tensor ops."""
     bs, parts = cache_seqlens.shape[0], metadata.shape[0]
     if bs == 0:
         metadata.zero_()

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from pagedmla.kernels.triton.decode_sm90 import decode_sm90_main, sm90_supported
+from pagedmla.kernels.triton.decode_sm90 import decode_sm90_main, sm90_supported, sm_count
 from pagedmla.kernels.triton.launch import CachedKernel
 from pagedmla.ops import checks
 from pagedmla.ops.providers import register_impl
@@ -494,19 +494,18 @@ def paged_decode_triton(
     if many:
         block_r = 16
     else:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
-        block_r = few_requests_block_r(b, rows, head_dim_v, sms)
+        block_r = few_requests_block_r(b, rows, head_dim_v, sm_count(q.device) if q.is_cuda else 8)
     launch_combine(out, lse, po, plse, num_splits, pdl, block_r=block_r)
     return out, lse
 
 
 def few_requests_block_r(b: int, rows: int, head_dim_v: int, sms: int) -> int:
     """Query rows per combine program outside the many-requests case (fewer requests than half the parts,
-    or fewer than 32 rows per request): 4, or fewer when that leaves
-    under three programs per SM (``sms``). Each program merges its rows' pieces in one loop of dependent
-    loads, so a batch of 1-2 requests runs faster with its rows spread over more programs (measured on the
-    H200, benchmarks/NOTES.md v15: batch 1 at 128 heads, 60 pieces, 8.6 us with 1 row per program against
-    13.6 us with 4; from batch 4 at 128 rows 4 rows per program was fastest)."""
+    or fewer than 32 rows per request): 4, or fewer when that leaves under three programs per SM (``sms``).
+    Each program merges its rows' pieces in one loop of dependent loads, so a batch of 1-2 requests runs
+    faster with its rows spread over more programs (measured on the H200, benchmarks/NOTES.md v15: batch 1
+    at 128 heads, 60 pieces, 8.6 us with 1 row per program against 13.6 us with 4; from batch 4 at 128 rows
+    4 rows per program was fastest)."""
     programs = b * max(1, head_dim_v // 128)  # launch_combine's column blocks
     for block_r in (4, 2):
         if programs * -(-rows // block_r) >= 3 * sms:

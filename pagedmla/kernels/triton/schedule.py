@@ -3,10 +3,10 @@
 Same arithmetic as the tensor-op version in ``pagedmla/ops/schedule.py`` (which documents the metadata
 and runs off CUDA): that version is ~25 small torch ops, half a millisecond of host time per decode step
 on the H200 machine's CPU; this is one launch. Program p writes metadata row p; program 0 also writes
-``num_splits``. Each program walks the lengths in ``CHUNK``-request blocks three times (total units and the longest
-request, then its part's first and last request, then those requests' first unit and block count; program
-0 a fourth time for ``num_splits``): a few microseconds of
-GPU time for thousands of requests, no host synchronisation, capturable in a CUDA graph.
+``num_splits``. Each program walks the lengths in ``CHUNK``-request blocks three times (total units and
+the longest request, then its part's first and last request, then those requests' first unit and block
+count; program 0 a fourth time for ``num_splits``): a few microseconds of GPU time for thousands of
+requests, no host synchronisation, capturable in a CUDA graph.
 """
 
 from __future__ import annotations
