@@ -15,16 +15,18 @@ number the tiles (``varlen_sm90_plan`` picks one per call):
   ``cu_seqlens_q`` and hands over its bounds. For one long prompt among many short ones the first numbering
   would hand out mostly empty tiles, one atomic and one hand-off each (2.3-3.7x slower on such batches,
   benchmarks/NOTES.md); on equal lengths the second was 2-6% slower (its search sits between two tiles). Per tile
-the loader streams Q and the sequence's K and V in 128-key tiles through two two-stage shared-memory rings
-(K and V separately, with TMA, each K tile before the previous V tile), and the next tile's Q and first keys
-while the consumers finish the current one. Two consumer warpgroups each own 64 query rows (their S = Q K^T,
-online softmax, P kept in registers as the A operand of O += P V). Within a warpgroup, S of key tile j is
-issued before P V of key tile j - 1 and the softmax of tile j runs while that P V is on the tensor cores
-(FA3's intra-warpgroup overlap); a K slot is freed as soon as its S is done, so the split rings keep the
-loader a tile ahead. The warpgroups share every K/V tile but are otherwise independent, so one's softmax
-also overlaps the other's MMAs. A key tile that runs past a sequence's end holds the next sequence's rows,
-spare rows of the caller's buffer (anything, NaN included) or TMA's zero fill: their scores are masked, and
-each warpgroup zeroes those value rows in shared memory before its P V (0 * NaN would poison the output).
+the loader streams Q and the sequence's K and V in 128-key tiles through two two-stage shared-memory rings (K
+and V separately, with TMA, each K tile before the previous V tile), and the next tile's Q and first keys
+while the consumers finish the current one (each warpgroup's half of Q as soon as that warpgroup's last S is
+done, warpgroup 0's half and the first K tile before warpgroup 1's half). Two consumer warpgroups each own 64
+query rows (their S = Q K^T, online softmax, P kept in registers as the A operand of O += P V). Within a
+warpgroup, S of key tile j is issued before P V of key tile j - 1 and the softmax of tile j runs while that P
+V is on the tensor cores (FA3's intra-warpgroup overlap); a K slot is freed as soon as its S is done, so the
+split rings keep the loader a tile ahead. The warpgroups share every K/V tile but are otherwise independent,
+so one's softmax also overlaps the other's MMAs. A key tile that runs past a sequence's end holds the next
+sequence's rows, spare rows of the caller's buffer (anything, NaN included) or TMA's zero fill: their scores
+are masked, and each warpgroup zeroes those value rows in shared memory before its P V (0 * NaN would poison
+the output).
 
 The default for ``varlen_attention`` on sm_90 where it applies (measured on the H200: benchmarks/NOTES.md,
 Prefill); ``config={"HOPPER": False}`` runs the portable kernel instead.
@@ -182,6 +184,19 @@ if HAVE_GLUON:
         return t
 
     @gluon.jit
+    def _load_q_half(q_desc, q_pe_desc, q_smem, q_pe_smem, q_ready, q_free, nq, row0, q_col, W: gl.constexpr,
+                     DK1: gl.constexpr, DK2: gl.constexpr):
+        """Warpgroup W's 64 query rows of a tile, once its previous tile's last S is done (the nq-th load)."""
+        mbarrier.wait(q_free.index(W), (nq & 1) ^ 1)
+        q_bytes: gl.constexpr = q_desc.block_type.nbytes + (q_pe_desc.block_type.nbytes if DK2 > 0 else 0)
+        ready = q_ready.index(W)
+        mbarrier.expect(ready, q_bytes)
+        row = row0 + W * _WM
+        tma.async_copy_global_to_shared(q_desc, [row, q_col], ready, q_smem.index(W))
+        if DK2 > 0:
+            tma.async_copy_global_to_shared(q_pe_desc, [row, q_col + DK1], ready, q_pe_smem.index(W))
+
+    @gluon.jit
     def _varlen_loader(q_desc, q_pe_desc, k_desc, k_pe_desc, v_desc, cu_q, cu_k, counter, GROUP, H, NM, T, batch,
                        q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids, tile_ready, tile_free, q_ready, q_free,
                        k_ready, k_empty, v_ready, v_empty,
@@ -219,19 +234,12 @@ if HAVE_GLUON:
                 else:
                     h, q_start, lq, m0, k_start, _, _, hi = _tile_bounds(t, NM, H, cu_q, cu_k, CAUSAL)
                 if m0 < lq:
-                    # Q of the previous tile stays until both warpgroups' last S of it is done.
-                    mbarrier.wait(q_free, (nq & 1) ^ 1)
-                    nq += 1
                     q_col = h * (DK1 + DK2)
-                    q_bytes: gl.constexpr = 2 * (q_desc.block_type.nbytes
-                                                 + (q_pe_desc.block_type.nbytes if DK2 > 0 else 0))
-                    mbarrier.expect(q_ready, q_bytes)
-                    for w in gl.static_range(2):
-                        row = q_start + m0 + w * _WM
-                        tma.async_copy_global_to_shared(q_desc, [row, q_col], q_ready, q_smem.index(w))
-                        if DK2 > 0:
-                            tma.async_copy_global_to_shared(q_pe_desc, [row, q_col + DK1], q_ready,
-                                                            q_pe_smem.index(w))
+                    # Warpgroup 0's half of Q, then the first K tile, then warpgroup 1's half: each half waits
+                    # only for its own warpgroup's last S of the previous tile, so the warpgroup that finishes
+                    # first starts the next tile without waiting for the other.
+                    _load_q_half(q_desc, q_pe_desc, q_smem, q_pe_smem, q_ready, q_free, nq, q_start + m0, q_col, 0,
+                                 DK1, DK2)
                     kh = h // GROUP
                     k_col = kh * (DK1 + DK2)
                     v_col = kh * v_desc.block_type.shape[1]
@@ -249,6 +257,10 @@ if HAVE_GLUON:
                             if DK2 > 0:
                                 tma.async_copy_global_to_shared(k_pe_desc, [k_start + j * _BN, k_col + DK1], ready,
                                                                 k_pe_ring.index(s))
+                        if j == 0:
+                            _load_q_half(q_desc, q_pe_desc, q_smem, q_pe_smem, q_ready, q_free, nq, q_start + m0,
+                                         q_col, 1, DK1, DK2)
+                            nq += 1
                         if j > 0:
                             c = base + j - 1
                             s = c % _STAGES
@@ -333,7 +345,7 @@ if HAVE_GLUON:
                     m_i = gl.full([_WM], float("-inf"), dtype=gl.float32, layout=row_l)
                     l_i = gl.zeros([_WM], dtype=gl.float32, layout=row_l)
                     o = gl.zeros([_WM, DV], dtype=gl.float32, layout=o_layout)
-                    mbarrier.wait(q_ready, nq & 1)
+                    mbarrier.wait(q_ready.index(W), nq & 1)
                     nq += 1
                     if n_my > 0:
                         mbarrier.wait(k_ready.index(base % _STAGES), (base // _STAGES) & 1)
@@ -359,7 +371,7 @@ if HAVE_GLUON:
                             o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
                             p_op = gl.convert_layout(p.to(q.dtype), p_layout)
                         # This warpgroup's last S is done: the loader may bring the next tile's Q.
-                        mbarrier.arrive(q_free, count=1)
+                        mbarrier.arrive(q_free.index(W), count=1)
                         # Only a sequence's last key tile can run past its keys (earlier V tiles are whole).
                         j = n_my - 1
                         c = base + j
@@ -373,7 +385,7 @@ if HAVE_GLUON:
                         o = warpgroup_mma_wait(num_outstanding=0, deps=(o, v))[0]
                         mbarrier.arrive(v_empty.index(sv), count=1)
                     else:
-                        mbarrier.arrive(q_free, count=1)
+                        mbarrier.arrive(q_free.index(W), count=1)
                     # Key tiles past this warpgroup's last visible key are only released (the other needs them).
                     n_tiles = gl.cdiv(hi, _BN)
                     for j in range(n_my, n_tiles):
@@ -417,17 +429,17 @@ if HAVE_GLUON:
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
         tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
         tile_free = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-        q_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-        q_free = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)  # per consumer warpgroup's half of Q
+        q_free = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
         k_ready = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], bar_layout)
         k_empty = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], bar_layout)
         v_ready = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], bar_layout)
         v_empty = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], bar_layout)
-        mbarrier.init(q_ready, count=1)
-        mbarrier.init(q_free, count=2)  # one arrive per consumer warpgroup, as for every "free"/"empty" barrier
         for i in gl.static_range(2):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_free.index(i), count=1)  # each warpgroup frees its own half
             mbarrier.init(tile_ready.index(i), count=1)
-            mbarrier.init(tile_free.index(i), count=2)
+            mbarrier.init(tile_free.index(i), count=2)  # one arrive per consumer warpgroup
         for i in gl.static_range(_STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(k_empty.index(i), count=2)
