@@ -35,7 +35,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import CUDABackend
 
-from pagedmla.kernels.triton.decode import _LOG2E, DecodeConfig, _decode_split_kernel, default_config
+from pagedmla.kernels.triton.common import LOG2E
+from pagedmla.kernels.triton.decode import DecodeConfig, _decode_split_kernel, default_config
 from pagedmla.ops.schedule import BLOCK_N as SCHED_N
 from pagedmla.ops.schedule import METADATA_WIDTH
 
@@ -62,8 +63,8 @@ def compile_sm90_prefill(arch: int = 90):
 
     signature = _gluon_descs()
     signature.update({name: "*i32" for name in ("bt_ptr", "seqlens_ptr", "qo_ptr")})
-    signature.update(out_ptr="*bf16", lse_ptr="*fp32", counter="*i32", T="i32", H="i32", batch="i32", qk_scale="fp32",
-                     stride_btb="i32")
+    signature.update(out_ptr="*bf16", lse_ptr="*fp32", counter="*i32", err_ptr="*i32", T="i32", H="i32", batch="i32",
+                     T_rows="i32", qk_scale="fp32", stride_btb="i32", max_pages="i32", num_pages="i32")
     constexprs = dict(CAUSAL=True, PAGE=PAGE, SEARCH_STEPS=4)
     signature.update({name: "constexpr" for name in constexprs})
     src = GluonASTSource(_paged_prefill_sm90_kernel, signature, constexprs=constexprs)
@@ -86,8 +87,8 @@ def compile_varlen_sm90(arch: int = 90, dk: int = 192, dv: int = 128, per_seq: b
     pe = (dk - dk1) or 64
     signature = {"q_desc": desc(64, dk1), "q_pe_desc": desc(64, pe), "k_desc": desc(BLOCK_N, dk1),
                  "k_pe_desc": desc(BLOCK_N, pe), "v_desc": desc(BLOCK_N, dv), "out_ptr": "*bf16", "lse_ptr": "*fp32",
-                 "cu_q": "*i32", "cu_k": "*i32", "counter": "*i32", "H": "i32", "GROUP": "i32", "NM": "i32",
-                 "T": "i32", "batch": "i32", "qk_scale": "fp32",
+                 "cu_q": "*i32", "cu_k": "*i32", "counter": "*i32", "err_ptr": "*i32", "H": "i32", "GROUP": "i32",
+                 "NM": "i32", "T": "i32", "batch": "i32", "Tq": "i32", "Tk": "i32", "MAXQ": "i32", "qk_scale": "fp32",
                  "stride_ot": "i32", "stride_oh": "i32"}
     constexprs = dict(DK1=dk1, DK2=dk - dk1, DV=dv, CAUSAL=True, SEARCH_STEPS=5 if per_seq else 1, PER_SEQ=per_seq)
     signature.update({name: "constexpr" for name in constexprs})
@@ -103,9 +104,10 @@ def compile_sm90(arch: int = 90):
 
     signature = _gluon_descs()
     signature.update({name: "*i32" for name in ("bt_ptr", "seqlens_ptr", "meta_ptr", "splits_ptr")})
-    signature.update(out_ptr="*bf16", lse_ptr="*fp32", po_ptr="*fp32", plse_ptr="*fp32")
-    signature.update({name: "i32" for name in ("H", "Q_LEN", "ROWS")}, qk_scale="fp32")
-    signature.update({name: "i32" for name in ("stride_btb", "max_pages", "stride_ob", "stride_ot", "stride_oh")})
+    signature.update(out_ptr="*bf16", lse_ptr="*fp32", partials_ptr="*fp32", err_ptr="*i32")
+    signature.update({name: "i32" for name in ("B", "PARTS", "H", "Q_LEN", "ROWS")}, qk_scale="fp32")
+    signature.update({name: "i32" for name in ("stride_btb", "PIECES", "CAPACITY", "num_pages", "stride_ob",
+                                                "stride_ot", "stride_oh")})
     constexprs = dict(CAUSAL=True, PAGE=PAGE, META_W=METADATA_WIDTH, PDL=True)
     signature.update({name: "constexpr" for name in constexprs})
     src = GluonASTSource(_decode_sm90_kernel, signature, constexprs=constexprs)
@@ -129,8 +131,8 @@ def compile_decode(cfg: DecodeConfig, heads: int, arch: int = 90):
     values = dict(
         q_ptr=MockTensor(bf16), kv_ptr=MockTensor(bf16), bt_ptr=MockTensor(i32), seqlens_ptr=MockTensor(i32),
         meta_ptr=MockTensor(i32), splits_ptr=MockTensor(i32), out_ptr=MockTensor(bf16), lse_ptr=MockTensor(f32),
-        po_ptr=MockTensor(f32), plse_ptr=MockTensor(f32), desc=desc, desc_pe=desc_pe,
-        H=heads, Q_LEN=1, ROWS=heads, qk_scale=D ** -0.5 * _LOG2E,
+        part_ptr=MockTensor(f32), err_ptr=MockTensor(i32), desc=desc, desc_pe=desc_pe,
+        B=128, H=heads, Q_LEN=1, ROWS=heads, NUM_PAGES=4099, MAX_PAGES=67, qk_scale=D ** -0.5 * LOG2E,
         stride_qb=heads * D, stride_qt=heads * D, stride_qh=D, stride_page=PAGE * D, stride_tok=D, stride_btb=64,
         stride_ob=heads * DV, stride_ot=heads * DV, stride_oh=DV,
     )

@@ -5,6 +5,13 @@ engine already holds on the host, plus device tensors built without synchronisat
 calls ``forward(...)`` (or ``forward_decode`` / ``forward_extend``) once per layer. The backend owns
 ``seq_lens`` and the block-table rows from planning on: kernels never take them from the model.
 
+No step path synchronises with the host: planning reads only the host values the engine passes
+(``*_cpu`` fields), host-built index arrays reach the device through pinned staging memory with
+non-blocking copies, and device values (request slots, lengths, page ids, cache slots) are guarded by the
+kernels (``pagedmla.errors``): a request whose slot, length or pages are bad gets NaN rows, the others are
+unaffected, and the device error word says what was wrong. ``PAGEDMLA_VALIDATE=all`` checks those values
+on the host instead, raising the ``ValueError`` that names them (a synchronisation per step and layer).
+
 Attention forms (``attention_form`` after planning):
   "mha"      EXTEND without any cached prefix: ragged MHA over the new tokens (q/k 192, v 128).
   "chunked"  EXTEND with a prefix, MHA form: causal over the new tokens, then each prefix chunk
@@ -22,8 +29,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedmla import errors
 from pagedmla.cache import MLAKVCache
 from pagedmla.config import MLAConfig
+from pagedmla.ops import checks
 from pagedmla.ops.providers import available_providers, resolve
 from pagedmla.ops.schedule import get_mla_metadata, num_sm_parts_for, schedule_into
 
@@ -110,10 +119,40 @@ def _layer_id(layer) -> int:
     return lid
 
 
+def _to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host integers on ``device`` without a synchronisation: through pinned staging memory (the caching
+    host allocator keeps it until the copy has run) and a non-blocking copy."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
+def select_requests(table: torch.Tensor, index: torch.Tensor, lens: torch.Tensor, out_table: torch.Tensor,
+                    out_lens: torch.Tensor) -> None:
+    """out_table[i] = table[index[i], :width] and out_lens[i] = lens[i] for the step's requests; a request
+    slot outside the table gives page-0 rows and length -1 (NaN rows in attention) and sets
+    ``errors.REQUEST_SLOT``. No host synchronisation."""
+    if table.is_cuda:
+        from pagedmla.kernels.triton.rows import select_requests as launch
+
+        launch(table, index, lens, out_table, out_lens)
+        return
+    ok = (index >= 0) & (index < table.shape[0])
+    rows = table.index_select(0, torch.where(ok, index, 0).to(torch.int64))[:, : out_table.shape[1]]
+    out_table.copy_(rows.masked_fill(~ok.unsqueeze(1), 0))
+    out_lens.copy_(torch.where(ok, lens, -1))
+    errors.error_word(table.device).bitwise_or_((~ok).any().to(torch.int32) * errors.REQUEST_SLOT)
+
+
 def _host_lens(values, name: str, count: int) -> list[int]:
     if values is None:
         raise ValueError(f"{name}: required on the host for this forward mode")
-    values = values.tolist() if isinstance(values, torch.Tensor) else [int(v) for v in values]
+    if isinstance(values, torch.Tensor):
+        if values.device.type != "cpu":
+            # Reading a device tensor back would synchronise the step with the host.
+            raise ValueError(f"{name}: expected host values (a list or a CPU tensor), got a tensor on {values.device}")
+        values = values.tolist()
+    else:
+        values = [int(v) for v in values]
     if len(values) != count:
         raise ValueError(f"{name}: expected {count} entries, got {len(values)}")
     if any(v < 0 for v in values):
@@ -147,6 +186,7 @@ class MLABackend:
             raise ValueError(f"kv_cache_dtype: the {self.provider!r} provider runs bfloat16/float16 caches; "
                              "float32 caches need provider='torch'")
         self.metadata: ForwardMetadata | None = None
+        self._host_checks = False  # PAGEDMLA_VALIDATE=all, read at each planning
         self._graph: _GraphState | None = None
         self._num_extends_override: int | None = None
 
@@ -176,17 +216,23 @@ class MLABackend:
             self.metadata = ForwardMetadata(mode=mode, bs=0, form="absorbed")
             return
         self._check_batch_tensors(batch)
-        block_table = batch.block_table
         seq_cpu = None if batch.seq_lens_cpu is None else _host_lens(batch.seq_lens_cpu, "seq_lens_cpu", bs)
+        width = batch.block_table.shape[1]
         if seq_cpu is not None:
             # Host lengths bound the pages any request reads: narrower rows, less work for providers
-            # whose cost follows the table width (the reference pads every row to it).
-            self._check_capacity(seq_cpu, block_table.shape[1])
+            # whose cost follows the table width (the reference pads every row to it). A device length
+            # beyond them reads as beyond the table: that request's rows are NaN.
+            self._check_capacity(seq_cpu, width)
             width = max(1, -(-max(seq_cpu) // self.config.page_size))
-            block_table = block_table[:, :width]
-        block_table = block_table.index_select(0, batch.req_pool_indices.to(torch.int64))
-        # The backend owns the step's lengths: the engine may update its tensor before the layers run.
-        seq_lens = batch.seq_lens.clone()
+        # The backend reads device values back only when asked to (PAGEDMLA_VALIDATE=all), on every device:
+        # a step never synchronises otherwise, the kernels guard the values.
+        self._host_checks = errors.validate_mode() == "all"
+        if self._host_checks:
+            self._check_batch_values(batch, width)
+        # The backend owns the step's lengths and rows: the engine may update its tensors before the layers run.
+        block_table = torch.empty(bs, width, dtype=torch.int32, device=self.device)
+        seq_lens = torch.empty(bs, dtype=torch.int32, device=self.device)
+        select_requests(batch.block_table, batch.req_pool_indices, batch.seq_lens, block_table, seq_lens)
         if mode.is_decode_like():
             q_len = self._decode_q_len(mode)
             md, ns = get_mla_metadata(seq_lens, q_len * self.heads, 1)
@@ -251,6 +297,19 @@ class MLABackend:
             raise ValueError("batch.block_table: expected 2-D [max_requests, max_pages], got "
                              f"{tuple(batch.block_table.shape)}")
 
+    def _check_batch_values(self, batch: ForwardBatch, width: int) -> None:
+        """``PAGEDMLA_VALIDATE=all``: the device values of the batch, read back (one synchronisation)."""
+        idx = batch.req_pool_indices.to(torch.int64)
+        lo, hi = (int(v) for v in torch.stack([idx.min(), idx.max()]).tolist())
+        if lo < 0 or hi >= batch.block_table.shape[0]:
+            raise ValueError(f"batch.req_pool_indices: request slots must lie in 0..{batch.block_table.shape[0] - 1}, "
+                             f"got range {lo}..{hi}")
+        lens = batch.seq_lens.to(torch.int64)
+        lo, hi = (int(v) for v in torch.stack([lens.min(), lens.max()]).tolist())
+        if lo < 0 or hi > width * self.config.page_size:
+            raise ValueError(f"batch.seq_lens: lengths must lie in 0..{width * self.config.page_size} "
+                             f"({width} pages x {self.config.page_size}), got range {lo}..{hi}")
+
     def _check_capacity(self, seq_cpu: list[int], max_pages: int) -> None:
         capacity = max_pages * self.config.page_size
         for i, s in enumerate(seq_cpu):
@@ -283,7 +342,7 @@ class MLABackend:
         indptr = [0]
         for e in ext:
             indptr.append(indptr[-1] + e)
-        meta.qo_indptr = torch.tensor(indptr, dtype=torch.int32, device=self.device)
+        meta.qo_indptr = _to_device(indptr, torch.int32, self.device)
         meta.max_q_len = max(ext) if ext else 0
         meta.num_tokens = indptr[-1]
 
@@ -303,7 +362,7 @@ class MLABackend:
             for length in lens:
                 cu.append(cu[-1] + length)
             # One host-to-device copy per loop: [cu (n + 1) | lens (n) | starts (n)].
-            packed = torch.tensor(cu + lens + starts, dtype=torch.int64, device=self.device)
+            packed = _to_device(cu + lens + starts, torch.int64, self.device)
             cu_dev, lens_dev, starts_dev = packed[: n + 1], packed[n + 1: 2 * n + 1], packed[2 * n + 1:]
             req = torch.repeat_interleave(rows, lens_dev, output_size=total)
             pos = torch.arange(total, device=self.device) - cu_dev[:-1][req] + starts_dev[req]
@@ -341,8 +400,14 @@ class MLABackend:
             raise ValueError(f"{name}: expected a floating dtype, got {q.dtype}")
 
     def save_kv(self, latent: torch.Tensor, layer, out_cache_loc: torch.Tensor, cache: MLAKVCache) -> None:
-        """Write this step's latent rows ([T, 576] or [T, 1, 576]) at ``out_cache_loc``."""
-        cache.write(_layer_id(layer), out_cache_loc, latent, validate=False)
+        """Write this step's latent rows ([T, 576] or [T, 1, 576]) at ``out_cache_loc`` (a slot outside the
+        cache is dropped and reported, ``pagedmla.errors``)."""
+        cache.write(_layer_id(layer), out_cache_loc, latent, validate=self._host_checks)
+
+    def _check_pages(self, meta: ForwardMetadata, cache: MLAKVCache) -> None:
+        """``PAGEDMLA_VALIDATE=all``: the step's page ids against this cache, read back."""
+        if self._host_checks and errors.host_value_checks(self.device):  # never inside a graph capture
+            checks.paged_values(meta.block_table, meta.seq_lens, cache.num_pages, cache.page_size)
 
     def forward(self, q, k, v, layer, out_cache_loc, cache: MLAKVCache, save_kv_cache: bool = True, **kwargs):
         """Route to forward_decode or forward_extend by the planned mode."""
@@ -371,6 +436,7 @@ class MLABackend:
         lid = _layer_id(layer)
         if save_kv_cache:
             self.save_kv(k, lid, out_cache_loc, cache)
+        self._check_pages(meta, cache)
         out, _ = self._decode_impl(q.view(bs, meta.q_len, self.heads, self.kv_dim), cache.paged_view(lid),
                                    meta.block_table, meta.seq_lens, self.v_dim, meta.tile_scheduler_metadata,
                                    meta.num_splits, self.scale, True)
@@ -397,6 +463,7 @@ class MLABackend:
             self._check_q(q, meta.num_tokens, self.kv_dim)
             if save_kv_cache:
                 self.save_kv(k, lid, out_cache_loc, cache)
+            self._check_pages(meta, cache)
             out, _ = self._varlen_paged_impl(q, cache.paged_view(lid), meta.block_table, meta.seq_lens,
                                              meta.qo_indptr, self.v_dim, self.scale, True, meta.max_q_len)
             return out.reshape(meta.num_tokens, self.heads * self.v_dim)
@@ -413,8 +480,10 @@ class MLABackend:
         if meta.form == "chunked":
             if kv_decompress is None:
                 raise ValueError("kv_decompress: the chunked-prefix form needs it to expand prefix rows")
+            self._check_pages(meta, cache)
             for chunk in meta.prefix_chunks:
-                rows = cache.layer(lid).view(-1, self.kv_dim).index_select(0, chunk.slots)
+                # A bad page id gives a slot outside the cache: NaN rows, so the request's output is NaN.
+                rows = cache.gather(lid, chunk.slots, validate=False)
                 kc, vc = kv_decompress(rows)
                 o2, l2 = self.forward_extend_chunked(q, kc, vc, self.scale, cum_seq_lens_q=meta.qo_indptr,
                                                      cum_seq_lens_kv=chunk.cu_seqlens, max_q_len=meta.max_q_len,
@@ -444,6 +513,7 @@ class MLABackend:
             raise ValueError(f"max_bs: expected an int in 1..{self.config.max_batch_size}, got {max_bs!r}")
         pages = max_pages_per_request or self.config.max_pages_per_request
         parts = max(num_sm_parts_for(self.device, q * self.heads, 1) for q in {1, self.config.decode_q_len})
+        errors.error_word(self.device)  # before any capture: created inside one, its zeroing would be captured
         self._graph = _GraphState(
             max_bs=max_bs,
             seq_lens=torch.ones(max_bs, dtype=torch.int32, device=self.device),
@@ -494,11 +564,10 @@ class MLABackend:
             raise ValueError(f"block_table: {block_table.shape[1]} columns exceed the graph buffers' "
                              f"{g.block_table.shape[1]} (init_cuda_graph_state's max_pages_per_request)")
         width = block_table.shape[1]
-        rows = block_table.index_select(0, req_pool_indices[:raw].to(torch.int64))
-        g.block_table[:raw, :width].copy_(rows[:, :width])
+        select_requests(block_table, req_pool_indices[:raw], seq_lens[:raw], g.block_table[:raw, :width],
+                        g.seq_lens[:raw])
         g.block_table[:raw, width:].zero_()
         g.block_table[raw:bs].zero_()
-        g.seq_lens[:raw].copy_(seq_lens[:raw])
         g.seq_lens[raw:bs].fill_(self.get_cuda_graph_seq_len_fill_value())
         q_len = self._decode_q_len(forward_mode)
         schedule_into(g.seq_lens[:bs], g.tile_scheduler_metadata[: g.captured[key]], g.num_splits[: bs + 1],

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from pagedmla import errors
 from pagedmla.ops import checks
 
 
@@ -209,8 +210,10 @@ class MLAKVCache:
     def write(self, layer_id: int, out_cache_loc: torch.Tensor, latent: torch.Tensor, validate: bool = True) -> None:
         """Store full latent rows: latent [T, kv_dim] or [T, 1, kv_dim] at slots out_cache_loc int64 [T].
 
-        ``validate=False`` skips the slot-range check (one host synchronisation) for callers that
-        built the slots themselves, such as the backend inside a step."""
+        ``validate`` checks the slot range on the host where ``pagedmla.errors.host_value_checks`` says (a
+        synchronisation on CUDA with ``PAGEDMLA_VALIDATE=all``); ``validate=False`` never does, for callers
+        inside a step such as the backend. Either way a slot outside the cache is never written: that row
+        is dropped and the device error word reports it (``errors.CACHE_SLOT``)."""
         buf = self.layer(layer_id)
         checks.tensor(latent, "latent", dtypes=checks.FLOAT_DTYPES)
         if tuple(latent.shape[1:]) not in ((self.kv_dim,), (1, self.kv_dim)):
@@ -218,11 +221,20 @@ class MLAKVCache:
                              f"got {tuple(latent.shape)}")
         rows = latent.reshape(latent.shape[0], self.kv_dim)
         self._check_slots(out_cache_loc, rows.shape[0], check_values=validate)
-        buf.view(self.num_slots, self.kv_dim).index_copy_(0, out_cache_loc, rows.to(self.dtype))
+        flat = buf.view(self.num_slots, self.kv_dim)
+        if flat.is_cuda:
+            from pagedmla.kernels.triton.rows import store_rows
+
+            store_rows(flat, out_cache_loc, rows if rows.stride(-1) == 1 else rows.contiguous())
+            return
+        ok = self._live_slots(out_cache_loc)
+        # A row with a bad slot rewrites slot 0 (the reserved page: no request's data) with what it holds.
+        flat.index_copy_(0, torch.where(ok, out_cache_loc, 0), torch.where(ok.unsqueeze(1), rows.to(self.dtype),
+                                                                             flat[0]))
 
     def write_split(self, layer_id: int, out_cache_loc: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
         """Store rows given as their two parts: c_kv [T, kv_lora_rank] and k_pe [T, rope_dim] (or [T, 1, *])."""
-        buf = self.layer(layer_id)
+        self.layer(layer_id)
         c = checks.tensor(c_kv, "c_kv", dtypes=checks.FLOAT_DTYPES)
         r = checks.tensor(k_pe, "k_pe", dtypes=checks.FLOAT_DTYPES)
         # [T, 1, w] rows are [T, w] rows; explicit widths keep zero-row inputs reshapeable.
@@ -232,15 +244,28 @@ class MLAKVCache:
             raise ValueError(f"c_kv/k_pe: widths must add up to {self.kv_dim} over the same T rows, got "
                              f"{tuple(c_kv.shape)} and {tuple(k_pe.shape)}")
         self._check_slots(out_cache_loc, c.shape[0])
-        flat = buf.view(self.num_slots, self.kv_dim)
-        flat[:, : c.shape[1]].index_copy_(0, out_cache_loc, c.to(self.dtype))
-        flat[:, c.shape[1]:].index_copy_(0, out_cache_loc, r.to(self.dtype))
+        self.write(layer_id, out_cache_loc, torch.cat([c.to(self.dtype), r.to(self.dtype)], dim=1), validate=False)
 
-    def gather(self, layer_id: int, slots: torch.Tensor) -> torch.Tensor:
-        """Rows at ``slots`` (int64 [n]) as [n, kv_dim]."""
+    def gather(self, layer_id: int, slots: torch.Tensor, validate: bool = True) -> torch.Tensor:
+        """Rows at ``slots`` (int64 [n]) as [n, kv_dim]; ``validate`` as in ``write``. A slot outside the cache
+        gives a NaN row (and sets ``errors.CACHE_SLOT``)."""
         buf = self.layer(layer_id)
-        self._check_slots(slots, None, name="slots")
-        return buf.view(self.num_slots, self.kv_dim).index_select(0, slots)
+        self._check_slots(slots, None, name="slots", check_values=validate)
+        flat = buf.view(self.num_slots, self.kv_dim)
+        if flat.is_cuda:
+            from pagedmla.kernels.triton.rows import gather_rows
+
+            return gather_rows(flat, slots)
+        ok = self._live_slots(slots)
+        rows = flat.index_select(0, torch.where(ok, slots, 0))
+        return rows.masked_fill(~ok.unsqueeze(1), float("nan"))
+
+    def _live_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """Which slots lie in the cache (bool [n]); the others are reported in the error word."""
+        ok = (slots >= 0) & (slots < self.num_slots)
+        word = errors.error_word(slots.device)
+        word.bitwise_or_((~ok).any().to(torch.int32) * errors.CACHE_SLOT)
+        return ok
 
     def _check_slots(self, slots: torch.Tensor, count: int | None, name: str = "out_cache_loc",
                      check_values: bool = True) -> None:
@@ -248,7 +273,7 @@ class MLAKVCache:
         if count is not None and slots.shape[0] != count:
             raise ValueError(f"{name}: expected {count} slots (one per row), got {slots.shape[0]}")
         checks.same_device(self.buffers[0], **{name: slots})
-        if check_values and slots.numel() and checks.value_checks_enabled(slots.device):
+        if check_values and slots.numel() and errors.host_value_checks(slots.device):
             lo, hi = torch.stack([slots.min(), slots.max()]).tolist()
             if lo < 0 or hi >= self.num_slots:
                 raise ValueError(f"{name}: slots must lie in 0..{self.num_slots - 1}, got range {lo}..{hi}")

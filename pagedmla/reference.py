@@ -3,7 +3,10 @@
 These functions are the `torch` provider and the yardstick every kernel is tested against. The paged
 one is written with static shapes only (no host synchronisation), so it also runs inside a captured
 CUDA graph. Conventions (DESIGN §2): LSE is the natural log of the softmax denominator (scaled scores);
-a query row that sees no key returns output 0 and LSE -inf; causal masks are bottom-right aligned.
+a query row that sees no key returns output 0 and LSE -inf; causal masks are bottom-right aligned; a NaN
+score makes its row's output and LSE NaN. Bad index values get the kernels' defined results
+(``pagedmla.errors``): nothing is read outside the tensors, and the requests they belong to get NaN rows
+(every row, when the query index array is not a partition of the rows).
 """
 
 from __future__ import annotations
@@ -19,13 +22,27 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 def _softmax_rows(scores: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masked softmax over the last dim; rows with no valid key give p = 0 and lse = -inf."""
+    """Masked softmax over the last dim; rows with no valid key give p = 0 and lse = -inf, rows with a NaN
+    score give NaN (the corruption propagates instead of passing for an empty row)."""
     scores = scores.masked_fill(~valid, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    finite = torch.isfinite(lse)
-    p = torch.exp(scores - torch.where(finite, lse, torch.zeros_like(lse)).unsqueeze(-1))
-    p = torch.where(valid & finite.unsqueeze(-1), p, torch.zeros_like(p))
+    empty = torch.isneginf(lse)
+    p = torch.exp(scores - torch.where(empty, torch.zeros_like(lse), lse).unsqueeze(-1))
+    p = torch.where(valid, p, torch.zeros_like(p))
     return p, lse
+
+
+def _is_partition(indptr: torch.Tensor, total: int) -> torch.Tensor:
+    """Whether ``indptr`` starts at 0, never decreases and ends at ``total`` (a 0-d bool tensor: no sync)."""
+    ok = (indptr[0] == 0) & (indptr[-1] == total)
+    return ok & (indptr[1:] >= indptr[:-1]).all() if indptr.shape[0] > 1 else ok
+
+
+def _poison(out: torch.Tensor, lse: torch.Tensor, bad_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NaN into the rows (first dim) of out / lse where ``bad_rows`` (bool [T], or a 0-d bool for all) is set."""
+    mask = bad_rows.reshape(-1, *([1] * (lse.dim() - 1))) if bad_rows.dim() else bad_rows
+    nan = float("nan")
+    return out.masked_fill(mask.unsqueeze(-1), nan), lse.masked_fill(mask, nan)
 
 
 def paged_mla_attention(
@@ -51,18 +68,28 @@ def paged_mla_attention(
     bs, max_pages = block_table.shape
     dev = q.device
     cache = kv_cache.reshape(-1, kv_cache.shape[-1])
+    num_pages = cache.shape[0] // page_size
     out = torch.zeros(T, H, head_dim_v, dtype=cdt, device=dev)
     lse = torch.full((T, H), float("-inf"), dtype=torch.float32 if cdt == torch.float32 else cdt, device=dev)
     if T == 0 or bs == 0:
         return out, lse
     qo_indptr = qo_indptr.to(device=dev, dtype=torch.int64)
-    seq_lens = seq_lens.to(device=dev, dtype=torch.int64)
+    rows_ok = _is_partition(qo_indptr, T)
+    max_kv = max_pages * page_size
+    raw_lens = seq_lens.to(device=dev, dtype=torch.int64)
+    # Per request: a length outside 0 .. the row's capacity, or a page id outside the cache among the pages
+    # it reads, poisons it; the reads use the clamped length and page 0 instead.
+    seq_lens = raw_lens.clamp(0, max_kv)
+    pages_used = (seq_lens + page_size - 1) // page_size
+    used = torch.arange(max_pages, device=dev).unsqueeze(0) < pages_used.unsqueeze(1)
+    bad_page = (block_table < 0) | (block_table >= num_pages)
+    bad_req = (raw_lens != seq_lens) | (used & bad_page).any(dim=1)
+    block_table = torch.where(bad_page, torch.zeros_like(block_table), block_table)
     tok = torch.arange(T, device=dev)
     req = (torch.searchsorted(qo_indptr[1:], tok, right=True)).clamp_(max=bs - 1)
     q_len = (qo_indptr[1:] - qo_indptr[:-1])[req]
     q_idx = tok - qo_indptr[req]
     kv_len = seq_lens[req]
-    max_kv = max_pages * page_size
     offsets = torch.arange(page_size, device=dev)
     # Each query row gathers its request's [max_kv, D] rows and scores [H, max_kv]: bound both.
     rows_per_chunk = max(1, _SCORE_BUDGET // max(1, max_kv * max(H, D)))
@@ -82,7 +109,7 @@ def paged_mla_attention(
         p, l = _softmax_rows(scores, valid.unsqueeze(1))
         out[sl] = torch.einsum("thk,tkd->thd", p, kv[..., :head_dim_v])
         lse[sl] = l.to(lse.dtype)
-    return out, lse
+    return _poison(out, lse, bad_req[req] | ~rows_ok)
 
 
 def varlen_attention(
@@ -93,12 +120,16 @@ def varlen_attention(
     cu_seqlens_k: torch.Tensor,
     softmax_scale: float,
     causal: bool,
+    max_seqlen_q: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged attention over packed sequences (MHA or GQA; q/k head dim may differ from v's).
 
     q: [Tq, H, Dqk], k: [Tk, Hk, Dqk], v: [Tk, Hk, Dv] with H a multiple of Hk; sequence b owns rows
     cu_seqlens_q[b]:cu_seqlens_q[b+1] of q and cu_seqlens_k[b]:cu_seqlens_k[b+1] of k and v.
-    Returns out [Tq, H, Dv] and lse [Tq, H] in the compute dtype. Reads the lengths on the host.
+    Returns out [Tq, H, Dv] and lse [Tq, H] in the compute dtype. Reads the lengths on the host (a
+    synchronisation on CUDA: the oracle is not a step-path kernel). A cu_seqlens_q that is not a partition
+    of the rows makes every row NaN; a sequence whose key range lies outside k, or longer than
+    ``max_seqlen_q`` when given, gets NaN rows.
     """
     cdt = _compute_dtype(q)
     Tq, H, _ = q.shape
@@ -108,10 +139,16 @@ def varlen_attention(
     lse = torch.full((Tq, H), float("-inf"), dtype=torch.float32 if cdt == torch.float32 else cdt, device=q.device)
     cq = cu_seqlens_q.tolist()
     ck = cu_seqlens_k.tolist()
+    if cq[0] != 0 or cq[-1] != Tq or any(b < a for a, b in zip(cq, cq[1:])):
+        return out.fill_(float("nan")), lse.fill_(float("nan"))
+    Tk = k.shape[0]
     for b in range(len(cq) - 1):
         q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
         lq, lk = q1 - q0, k1 - k0
         if lq == 0:
+            continue
+        if not 0 <= k0 <= k1 <= Tk or (max_seqlen_q is not None and lq > max_seqlen_q):
+            out[q0:q1], lse[q0:q1] = float("nan"), float("nan")
             continue
         qb = q[q0:q1].to(cdt)
         kb = k[k0:k1].to(cdt).repeat_interleave(group, dim=1)

@@ -3,6 +3,7 @@ full history, kept outside the cache (a shadow), with NaN-poisoned unused slots 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
 
@@ -42,6 +43,7 @@ class Harness:
         self.table = RequestTable(self.alloc, page_size, max_bs, self.cfg.max_pages_per_request, device)
         self.hist: dict[int, torch.Tensor] = {}
         self.w_kv = torch.randn(LORA, heads, NOPE + VDIM, generator=self.gen, dtype=torch.float64) / LORA ** 0.5
+        self._w_kv = {self.device.type: self.w_kv.to(self.device), "cpu": self.w_kv}  # no copy inside a step
 
     @property
     def heads(self) -> int:
@@ -64,7 +66,7 @@ class Harness:
         return t.to(self.device, self.dtype)
 
     def decompress(self, rows: torch.Tensor):
-        kv = torch.einsum("nc,chd->nhd", rows[:, :LORA].to(torch.float64), self.w_kv.to(rows.device))
+        kv = torch.einsum("nc,chd->nhd", rows[:, :LORA].to(torch.float64), self._w_kv[rows.device.type])
         k = torch.cat([kv[..., :NOPE], rows[:, None, LORA:].to(torch.float64).expand(-1, self.heads, -1)], -1)
         return k.to(rows.dtype), kv[..., NOPE:].to(rows.dtype)
 
@@ -78,8 +80,10 @@ class Harness:
             out[slot] = hashlib.sha1(flat[slots].float().cpu().numpy().tobytes()).hexdigest()
         return out
 
-    def step(self, mode: ForwardMode, slots: list[int], new: list[int], num_extends: int = 0, form_check=None):
-        """Run one step in which request slots[i] appends new[i] tokens; checks output and cache safety."""
+    def step(self, mode: ForwardMode, slots: list[int], new: list[int], num_extends: int = 0, form_check=None,
+             around=contextlib.nullcontext):
+        """Run one step in which request slots[i] appends new[i] tokens; checks output and cache safety.
+        ``around()`` is entered for the planning and the forward alone (e.g. a sync-debug mode)."""
         pre = [self.hist[s].shape[0] for s in slots]
         seq = [p + n for p, n in zip(pre, new)]
         locs = []
@@ -94,7 +98,7 @@ class Harness:
                              extend_seq_lens_cpu=new[:num_extends] if mode == ForwardMode.MIXED else new,
                              extend_prefix_lens_cpu=pre[:num_extends] if mode == ForwardMode.MIXED else pre,
                              num_extends=num_extends)
-        self.backend.init_forward_metadata(batch)
+        self.backend.init_forward_metadata(batch)  # once outside ``around`` to learn the form
         form = self.backend.attention_form
         if form_check is not None:
             assert form == form_check
@@ -104,15 +108,21 @@ class Harness:
             self.hist[s] = torch.cat([self.hist[s], rows])
         if form == "absorbed":
             q = self.rand(T, self.heads, LORA + ROPE)
-            out = self.backend.forward(self.dev(q), self.dev(latent)[:, None], None, 0, loc, self.cache)
+            q_dev, lat_dev = self.dev(q), self.dev(latent)[:, None]
+            with around():
+                self.backend.init_forward_metadata(batch)
+                out = self.backend.forward(q_dev, lat_dev, None, 0, loc, self.cache)
             out = out.view(T, self.heads, LORA).double().cpu()
             refs = [dense_absorbed(qr, self.hist[s], self.cfg.softmax_scale, True, LORA)[0]
                     for s, qr in zip(slots, q.split(new))]
         else:
             q = self.rand(T, self.heads, NOPE + ROPE)
             k, v = self.decompress(self.dev(latent))
-            out = self.backend.forward(self.dev(q), k, v, 0, loc, self.cache, latent=self.dev(latent),
-                                       kv_decompress=self.decompress)
+            q_dev, lat_dev = self.dev(q), self.dev(latent)
+            with around():
+                self.backend.init_forward_metadata(batch)
+                out = self.backend.forward(q_dev, k, v, 0, loc, self.cache, latent=lat_dev,
+                                           kv_decompress=self.decompress)
             out = out.view(T, self.heads, VDIM).double().cpu()
             refs = []
             for s, qr in zip(slots, q.split(new)):

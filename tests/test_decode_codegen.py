@@ -44,25 +44,31 @@ def test_carried_page_ids_double_buffer_the_small_tiles():
 def test_hopper_kernel_structure():
     """The Gluon kernel's plan (decode_sm90.py): S computed once (36 m64n64k16 MMAs per tile), P V split in
     two warpgroups (4 m64n256k16 each), a two-stage KV ring loaded by TMA, register budgets set per
-    partition, nothing spilled, within the 227 KB of shared memory one CTA may use."""
+    partition, within the 227 KB of shared memory one CTA may use. The only local-memory traffic is four
+    words that LLVM computes once from kernel arguments before the partitions split (the guards' batch
+    bound, the partials' LSE offset) and hands to them through local memory, each partition reading them
+    once per request (read off the SASS on 2026-12-01; no spill in the warpgroups' tile loop), bounded at
+    today's 16 / 24 bytes so that any real spill fails here."""
     pytest.importorskip("triton.experimental.gluon")
     (rep,) = _reports("m64n64w8s2c1h")
     assert rep["wgmma"] == {"m64n64k16": 36, "m64n256k16": 8}, rep
     assert rep["kv_buffers"] == [2] and rep["tma_loads"] > 0 and not rep["mma_sync"], rep
-    assert rep["spill_store_load_bytes"] == [0, 0], rep
+    assert rep["spill_store_load_bytes"][0] <= 16 and rep["spill_store_load_bytes"][1] <= 24, rep
     assert rep["shared_bytes"] <= 227 * 1024 and 32 in rep["setmaxnreg"], rep
 
 
 def test_hopper_prefill_kernel_structure():
     """The paged-prefill Hopper kernel reuses the decode kernel's steps: the same MMAs and ring. Its loader
     warp (32 registers) carries the next tile's bounds and the next page id and spills a few words per tile
-    (read off the SASS on 2026-11-30, none in the warpgroups), bounded at today's 24 / 24 bytes so that any
-    new spill fails here."""
+    (read off the SASS on 2026-11-30, none in the warpgroups) and, since the value guards (2026-12-01), a few
+    words computed once from kernel arguments before the partitions split and passed through local memory
+    (the qo_indptr end pointer, the row count), bounded at today's 24 / 48 bytes so that any new spill fails
+    here."""
     pytest.importorskip("triton.experimental.gluon")
     (rep,) = _reports(extra=("--prefill-sm90",))
     assert rep["wgmma"] == {"m64n64k16": 36, "m64n256k16": 8}, rep
     assert rep["kv_buffers"] == [2] and rep["tma_loads"] > 0, rep
-    assert rep["spill_store_load_bytes"][0] <= 24 and rep["spill_store_load_bytes"][1] <= 24, rep
+    assert rep["spill_store_load_bytes"][0] <= 24 and rep["spill_store_load_bytes"][1] <= 48, rep
     assert rep["shared_bytes"] <= 227 * 1024 and 32 in rep["setmaxnreg"], rep
 
 
@@ -73,11 +79,12 @@ def test_hopper_varlen_kernel_structure():
     rings. The persistent tile loop spills a few words (kernel arguments reloaded once per work tile in the
     epilogue, read off the SASS on 2026-11-30), bounded at today's 24 / 32 bytes so that any new spill fails here
     (then read the SASS: one in the key loop costs far more than these); the per-sequence tile numbering
-    (NOTES, Prefill v6) reloads 16 more bytes."""
+    (NOTES, Prefill v6) reloads 16 more bytes; the value guards (2026-12-01) moved a few bytes between the
+    two numberings (a padded launch now reloads max_seqlen_q and the key count for its guard)."""
     pytest.importorskip("triton.experimental.gluon")
     (padded,) = _reports(extra=("--varlen-sm90",))
     (per_seq,) = _reports(extra=("--varlen-sm90", "--per-seq"))
-    for rep, (stores, loads) in ((padded, (24, 32)), (per_seq, (24, 48))):
+    for rep, (stores, loads) in ((padded, (24, 48)), (per_seq, (24, 48))):
         assert rep["wgmma"] == {"m64n128k16": 80} and rep["wgmma_wait_depths"] == [0, 1], rep
         assert rep["kv_buffers"] == [2] and rep["tma_loads"] > 0, rep
         assert rep["spill_store_load_bytes"][0] <= stores and rep["spill_store_load_bytes"][1] <= loads, rep

@@ -417,9 +417,13 @@ def enumerate_schedule(meta: torch.Tensor, splits: torch.Tensor, lens: list[int]
     nblocks = [-(-max(0, x) // schedule.BLOCK_N) for x in lens]
     seen: dict[tuple[int, int], int] = {}
     pieces: dict[int, list[int]] = {b: [] for b in range(len(lens))}
+    # Row 0 carries the fingerprint of the block counts and splits (what the decode kernels verify).
+    want = [int(f) for f in schedule.fingerprint(torch.tensor(nblocks, dtype=torch.int64), splits.cpu(),
+                                                  meta.shape[0])]
     for p, row in enumerate(meta.tolist()):
         begin_req, begin_block, end_req, end_block, begin_split = row[:5]
-        assert row[5:] == [0] * (len(row) - 5), f"part {p}: reserved columns not zero: {row}"
+        reserved = [0] * (len(row) - 5) if p else want + [0] * (len(row) - 7)
+        assert row[5:] == reserved, f"part {p}: reserved columns {row[5:]}, expected {reserved}"
         if begin_req > end_req:
             continue  # idle part
         assert 0 <= begin_req and end_req < len(lens), f"part {p}: requests {begin_req}..{end_req} out of range"

@@ -449,7 +449,12 @@ def test_combine_kernel_tile_shapes(block_r):
     plse[splits[4]] = float("-inf")  # a piece that saw no key: it must not contribute
     out = torch.full((len(counts), q_len, heads, dv), float("nan"), dtype=torch.float16)
     lse = torch.full((len(counts), heads, q_len), float("nan"))
-    launch_combine(out, lse, po, plse, splits, False, block_r=block_r)
+    # The partials buffer as the main kernel leaves it (decode.partials_size: b + parts pieces of values,
+    # then their LSEs, then the schedule verdict 1.0), with lengths that need exactly ``counts`` pieces.
+    parts = pieces - len(counts)
+    partials = torch.cat([po.reshape(-1), plse.reshape(-1), torch.ones(1)])
+    lens = torch.tensor([64 * n for n in counts], dtype=torch.int32)
+    launch_combine(out, lse, partials, splits, lens, parts, capacity=1 << 20, block_r=block_r)
     for r, n in enumerate(counts):
         got_o, got_l = out[r].reshape(rows, dv), lse[r].transpose(0, 1).reshape(rows)
         if n == 1:

@@ -4,13 +4,23 @@ Conventions for every call: LSE is the natural log of the softmax denominator ov
 float32 (float64 when the torch provider gets float64 inputs);
 a query row that attends to no key returns output 0 and LSE -inf; with ``causal=True`` and several
 query tokens per request the mask is bottom-right aligned (query i of q_len sees keys
-0 .. seq_len - q_len + i).
+0 .. seq_len - q_len + i). Shapes, dtypes and devices are checked on the host on every call; argument
+values only where ``pagedmla.errors`` says (bad values otherwise give NaN rows and an error bit).
+
+Host cost. Engines call these once per layer per step, so a call's own checks are memoised: the first
+call with a given combination of shapes, dtypes, devices and scalar arguments runs every check and
+resolves the provider; later calls with the same combination look it up (one tuple hash) and go straight
+to the provider.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+
 import torch
 
+from pagedmla import errors
 from pagedmla.ops import checks
 from pagedmla.ops.providers import resolve
 
@@ -20,6 +30,21 @@ _KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 def _same_dtype(q: torch.Tensor, name: str, other: torch.Tensor) -> None:
     if other.dtype != q.dtype:
         raise ValueError(f"{name}: dtype {other.dtype} differs from q's {q.dtype}")
+
+
+# Checked call signatures of flash_mla_with_kvcache -> (implementation, softmax scale).
+_decode_signatures: dict[tuple, tuple[Callable, float]] = {}
+
+
+def _signature(*tensors: torch.Tensor) -> tuple:
+    """What the host checks of a call depend on, per tensor: shape, dtype and device (index, -1 for CPU)."""
+    return tuple((t.shape, t.dtype, t.get_device()) for t in tensors)
+
+
+def _scalars(*values) -> tuple:
+    """Scalar arguments as a memo key: with their types, since 32 == 32.0 == True-like values must not share
+    the checks of a valid call."""
+    return tuple((v.__class__, v) for v in values)
 
 
 def flash_mla_with_kvcache(
@@ -42,8 +67,33 @@ def flash_mla_with_kvcache(
     head_dim_v: value width, the first head_dim_v columns of each row (512);
     tile_scheduler_metadata, num_splits: from ``get_mla_metadata(cache_seqlens, q_len * h_q, 1)``.
     softmax_scale defaults to D ** -0.5. Returns out [b, q_len, h_q, head_dim_v] (q's dtype) and
-    lse [b, h_q, q_len] float32.
+    lse [b, h_q, q_len] float32. A request whose length is negative or beyond its block-table row, or that
+    reads a page id outside the cache, gets NaN rows; metadata made for other lengths makes every row NaN
+    (``pagedmla.errors``).
     """
+    try:
+        key = (_signature(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits),
+               _scalars(head_dim_v, softmax_scale), provider, os.environ.get("PAGEDMLA_PROVIDER"))
+    except AttributeError:  # not tensors: the full checks below say which
+        key = None
+    entry = _decode_signatures.get(key)
+    if entry is None:
+        entry = _check_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                              num_splits, softmax_scale, provider)
+        if key is not None:
+            if len(_decode_signatures) > 4096:
+                _decode_signatures.clear()
+            _decode_signatures[key] = entry
+    impl, scale = entry
+    if errors.host_value_checks(q.device):
+        checks.paged_values(block_table, cache_seqlens, k_cache.shape[0], k_cache.shape[1])
+    return impl(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits, scale,
+                bool(causal))
+
+
+def _check_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
+                  softmax_scale, provider) -> tuple[Callable, float]:
+    """Every host check of ``flash_mla_with_kvcache``; returns (implementation, softmax scale)."""
     checks.tensor(q, "q", ndim=4, dtypes=_KV_DTYPES)
     b, q_len, h_q, d = q.shape
     checks.paged_kv(k_cache, d, head_dim_v)
@@ -59,10 +109,8 @@ def flash_mla_with_kvcache(
     checks.same_device(q, k_cache=k_cache, block_table=block_table, cache_seqlens=cache_seqlens,
                        tile_scheduler_metadata=tile_scheduler_metadata, num_splits=num_splits)
     scale = checks.softmax_scale(softmax_scale, d ** -0.5)
-    checks.paged_values(block_table, cache_seqlens, k_cache.shape[0], k_cache.shape[1])
     _, impl = resolve("paged_decode", q.device, provider)
-    return impl(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                scale, bool(causal))
+    return impl, scale
 
 
 def flash_mla_varlen_with_kvcache(
@@ -84,9 +132,44 @@ def flash_mla_varlen_with_kvcache(
     q: [T, h_q, D] packed; request b's tokens are rows qo_indptr[b] .. qo_indptr[b+1]-1 and are the
     last tokens of its KV (bottom-right causal); qo_indptr: int32 [b + 1], starting at 0, ending at T;
     k_cache, block_table, cache_seqlens, head_dim_v as in ``flash_mla_with_kvcache``.
-    max_q_len: the largest q length, when the caller knows it on the host (saves a synchronisation).
-    Returns out [T, h_q, head_dim_v] (q's dtype) and lse [T, h_q] float32.
+    max_q_len: the largest q length, when the caller knows it on the host (checked only with host value
+    checks: the kernels do not need it). Returns out [T, h_q, head_dim_v] (q's dtype) and lse [T, h_q]
+    float32. Bad values (``pagedmla.errors``): a request with a length outside 0 .. its block-table row's
+    capacity or a page id outside the cache gets NaN rows; a qo_indptr that is not a partition of the T rows
+    makes every row NaN.
     """
+    if max_q_len is not None and (isinstance(max_q_len, bool) or not isinstance(max_q_len, int) or max_q_len < 0):
+        raise ValueError(f"max_q_len: expected an int >= 0, got {max_q_len!r}")
+    try:
+        key = (_signature(q, k_cache, block_table, cache_seqlens, qo_indptr), _scalars(head_dim_v, softmax_scale),
+               provider, os.environ.get("PAGEDMLA_PROVIDER"))
+    except AttributeError:  # not tensors: the full checks below say which
+        key = None
+    entry = _paged_varlen_signatures.get(key)
+    if entry is None:
+        entry = _check_paged_varlen(q, k_cache, block_table, cache_seqlens, qo_indptr, head_dim_v, softmax_scale,
+                                    provider)
+        if key is not None:
+            if len(_paged_varlen_signatures) > 4096:
+                _paged_varlen_signatures.clear()
+            _paged_varlen_signatures[key] = entry
+    impl, scale = entry
+    if errors.host_value_checks(q.device):
+        checks.indptr_values(qo_indptr, "qo_indptr", q.shape[0])
+        if max_q_len is not None and qo_indptr.shape[0] > 1:
+            longest = int((qo_indptr[1:] - qo_indptr[:-1]).max())
+            if longest > max_q_len:
+                raise ValueError(f"max_q_len: {max_q_len} is below the longest q length {longest}")
+        checks.paged_values(block_table, cache_seqlens, k_cache.shape[0], k_cache.shape[1])
+    return impl(q, k_cache, block_table, cache_seqlens, qo_indptr, head_dim_v, scale, bool(causal), max_q_len)
+
+
+_paged_varlen_signatures: dict[tuple, tuple[Callable, float]] = {}
+
+
+def _check_paged_varlen(q, k_cache, block_table, cache_seqlens, qo_indptr, head_dim_v, softmax_scale,
+                        provider) -> tuple[Callable, float]:
+    """Every host check of ``flash_mla_varlen_with_kvcache``; returns (implementation, softmax scale)."""
     checks.tensor(q, "q", ndim=3, dtypes=_KV_DTYPES)
     t, h_q, d = q.shape
     checks.paged_kv(k_cache, d, head_dim_v)
@@ -97,17 +180,10 @@ def flash_mla_varlen_with_kvcache(
         raise ValueError("qo_indptr: expected batch + 1 >= 1 entries, got 0")
     checks.block_table_and_lens(block_table, cache_seqlens, b)
     checks.same_device(q, k_cache=k_cache, block_table=block_table, cache_seqlens=cache_seqlens, qo_indptr=qo_indptr)
-    checks.indptr(qo_indptr, "qo_indptr", b + 1, t)
-    if max_q_len is not None and (isinstance(max_q_len, bool) or not isinstance(max_q_len, int) or max_q_len < 0):
-        raise ValueError(f"max_q_len: expected an int >= 0, got {max_q_len!r}")
-    if max_q_len is not None and b > 0 and checks.value_checks_enabled(q.device):
-        longest = int((qo_indptr[1:] - qo_indptr[:-1]).max())
-        if longest > max_q_len:
-            raise ValueError(f"max_q_len: {max_q_len} is below the longest q length {longest}")
+    checks.indptr_shape(qo_indptr, "qo_indptr", b + 1, t)
     scale = checks.softmax_scale(softmax_scale, d ** -0.5)
-    checks.paged_values(block_table, cache_seqlens, k_cache.shape[0], k_cache.shape[1])
     _, impl = resolve("paged_varlen", q.device, provider)
-    return impl(q, k_cache, block_table, cache_seqlens, qo_indptr, head_dim_v, scale, bool(causal), max_q_len)
+    return impl, scale
 
 
 def flash_attn_varlen_func(
@@ -134,7 +210,47 @@ def flash_attn_varlen_func(
     ``return_attn_probs`` is set. With the ``triton`` provider on an sm_90 GPU (fp16/bf16, Dqk 64/128/192,
     Dv 64/128) a Hopper kernel runs; it needs contiguous q/k/v and copies strided ones when the queries are
     long enough to pay for it (``kernels/triton/varlen.py``), so pass contiguous tensors where you can.
+    Bad values (``pagedmla.errors``): a cu_seqlens_q that is not a partition of the q rows makes every row
+    NaN; a sequence whose key range lies outside k, or longer than max_seqlen_q, gets NaN rows.
     """
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
+    try:
+        key = (_signature(q, k, v, cu_seqlens_q, cu_seqlens_k, *(() if out is None else (out,))),
+               _scalars(softmax_scale), provider, os.environ.get("PAGEDMLA_PROVIDER"))
+    except AttributeError:  # not tensors: the full checks below say which
+        key = None
+    entry = _varlen_signatures.get(key)
+    if entry is None:
+        entry = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, out, provider)
+        if key is not None:
+            if len(_varlen_signatures) > 4096:
+                _varlen_signatures.clear()
+            _varlen_signatures[key] = entry
+    impl, scale = entry
+    if errors.host_value_checks(q.device):
+        checks.indptr_values(cu_seqlens_q, "cu_seqlens_q", q.shape[0])
+        checks.indptr_values(cu_seqlens_k, "cu_seqlens_k", k.shape[0])
+        if cu_seqlens_q.shape[0] > 1:
+            lq = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()
+            lk = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()
+            lq, lk = torch.stack([lq, lk]).tolist()
+            if lq > max_seqlen_q:
+                raise ValueError(f"max_seqlen_q: {max_seqlen_q} is below the longest q sequence {lq}")
+            if lk > max_seqlen_k:
+                raise ValueError(f"max_seqlen_k: {max_seqlen_k} is below the longest k sequence {lk}")
+    o, lse = impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, bool(causal), out)
+    if return_attn_probs:
+        return o, lse.transpose(0, 1).contiguous(), None
+    return o
+
+
+_varlen_signatures: dict[tuple, tuple[Callable, float]] = {}
+
+
+def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, out, provider) -> tuple[Callable, float]:
+    """Every host check of ``flash_attn_varlen_func``; returns (implementation, softmax scale)."""
     checks.tensor(q, "q", ndim=3, dtypes=_KV_DTYPES)
     checks.tensor(k, "k", ndim=3)
     checks.tensor(v, "v", ndim=3)
@@ -149,31 +265,17 @@ def flash_attn_varlen_func(
     if hk < 1 or h % hk:
         raise ValueError(f"k: q's {h} heads must be a multiple of k's {hk} heads")
     b = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) else -1
-    checks.indptr(cu_seqlens_q, "cu_seqlens_q", max(b, 0) + 1, tq)
-    checks.indptr(cu_seqlens_k, "cu_seqlens_k", max(b, 0) + 1, tk)
-    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
+    checks.indptr_shape(cu_seqlens_q, "cu_seqlens_q", max(b, 0) + 1, tq)
+    checks.indptr_shape(cu_seqlens_k, "cu_seqlens_k", max(b, 0) + 1, None)
     if out is not None:
         checks.tensor(out, "out", ndim=3)
         if tuple(out.shape) != (tq, h, v.shape[2]) or out.dtype != q.dtype:
             raise ValueError(f"out: expected {q.dtype} of shape {(tq, h, v.shape[2])}, "
                              f"got {out.dtype} {tuple(out.shape)}")
     checks.same_device(q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, out=out)
-    if checks.value_checks_enabled(q.device) and b > 0:
-        lq = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()
-        lk = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()
-        lq, lk = torch.stack([lq, lk]).tolist()
-        if lq > max_seqlen_q:
-            raise ValueError(f"max_seqlen_q: {max_seqlen_q} is below the longest q sequence {lq}")
-        if lk > max_seqlen_k:
-            raise ValueError(f"max_seqlen_k: {max_seqlen_k} is below the longest k sequence {lk}")
     scale = checks.softmax_scale(softmax_scale, dqk ** -0.5)
     _, impl = resolve("varlen", q.device, provider)
-    o, lse = impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, bool(causal), out)
-    if return_attn_probs:
-        return o, lse.transpose(0, 1).contiguous(), None
-    return o
+    return impl, scale
 
 
 def merge_state(

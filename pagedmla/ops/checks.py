@@ -1,27 +1,22 @@
 """Argument checks shared by the public ops: each failure is a ValueError/TypeError naming the argument.
 
-Shape and dtype checks are free. Checks of tensor *values* (lengths within the block table, page ids
-within the cache, monotone indptrs) need one device-to-host copy per call; they run unless a CUDA graph
-is being captured or ``PAGEDMLA_VALIDATE=shapes`` is set (for engines that validate on the host once
-per step, as ``MLABackend`` does).
+Shape and dtype checks are free and always run. Checks of tensor *values* (lengths within the block
+table, page ids within the cache, monotone indptrs) need the values on the host: they run where
+``pagedmla.errors.host_value_checks`` says (CPU tensors by default, CUDA tensors with
+``PAGEDMLA_VALIDATE=all``); elsewhere the kernels guard the values themselves (``pagedmla.errors``).
 """
 
 from __future__ import annotations
 
 import numbers
-import os
 from collections.abc import Iterable
 
 import torch
 
+from pagedmla.errors import host_value_checks
+
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-def value_checks_enabled(device: torch.device) -> bool:
-    if os.environ.get("PAGEDMLA_VALIDATE", "all") == "shapes":
-        return False
-    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
 def tensor(t, name: str, *, ndim: int | None = None, dtypes: Iterable[torch.dtype] | None = None) -> torch.Tensor:
@@ -89,7 +84,7 @@ def block_table_and_lens(block_table: torch.Tensor, cache_seqlens: torch.Tensor,
 
 def paged_values(block_table: torch.Tensor, cache_seqlens: torch.Tensor, num_pages: int, page_size: int) -> None:
     """Lengths non-negative and within the block table; every page a request reads is a real page."""
-    if not value_checks_enabled(block_table.device) or block_table.shape[0] == 0:
+    if not host_value_checks(block_table.device) or block_table.shape[0] == 0:
         return
     capacity = block_table.shape[1] * page_size
     lens = cache_seqlens.to(torch.int64)
@@ -109,11 +104,25 @@ def paged_values(block_table: torch.Tensor, cache_seqlens: torch.Tensor, num_pag
 
 
 def indptr(t: torch.Tensor, name: str, size: int, total: int | None) -> None:
-    """An int32 [size] cumulative index starting at 0, non-decreasing, ending at ``total`` if given."""
+    """An int32 [size] cumulative index starting at 0, non-decreasing, ending at ``total`` if given (the
+    values checked where ``host_value_checks`` says)."""
+    indptr_shape(t, name, size, total)
+    indptr_values(t, name, total)
+
+
+def indptr_shape(t: torch.Tensor, name: str, size: int, total: int | None) -> None:
+    """The host half of ``indptr``: an int32 1-D tensor of ``size`` entries (with no entries past the first
+    there are no sequences, so ``total`` must be 0)."""
     tensor(t, name, ndim=1, dtypes=(torch.int32,))
     if t.shape[0] != size:
         raise ValueError(f"{name}: expected {size} entries, got {t.shape[0]}")
-    if not value_checks_enabled(t.device) or size == 0:
+    if size == 1 and total:
+        raise ValueError(f"{name}: one entry (no sequences) cannot cover {total} rows")
+
+
+def indptr_values(t: torch.Tensor, name: str, total: int | None) -> None:
+    """The value half of ``indptr`` (one synchronisation on CUDA), where ``host_value_checks`` says."""
+    if not host_value_checks(t.device) or t.shape[0] == 0:
         return
     first, last, decreasing = torch.stack(
         [t[0].to(torch.int64), t[-1].to(torch.int64), (t[1:] < t[:-1]).any().to(torch.int64)]).tolist()

@@ -11,7 +11,9 @@ launch (``kernels/triton/schedule.py``), elsewhere with the tensor ops below.
 
 Metadata row of part p (int32 [num_sm_parts, METADATA_WIDTH]):
   0 begin_req, 1 begin_block, 2 end_req (inclusive), 3 end_block (exclusive, within end_req),
-  4 split index of begin_req's piece, 5-7 zero.
+  4 split index of begin_req's piece, 5-7 zero, except in row 0: 5 and 6 hold the schedule's fingerprint
+  (``fingerprint``), with which the decode kernels check, without a host synchronisation, that the
+  metadata and ``num_splits`` they are given were made for the lengths they are given.
 An idle part has begin_req > end_req. ``num_splits`` (int32 [bs + 1]) is the cumulative count of pieces
 per request; request b's partials live at rows num_splits[b] .. num_splits[b+1]-1 of the partial buffer.
 A request with no KV has 0 pieces.
@@ -44,6 +46,12 @@ OVERHEAD_BLOCKS = 3
 # 16 rows (264 parts); every batch-128 cell of the benchmark has longer parts.
 PIECE_COST_RATIO = 10
 METADATA_WIDTH = 8
+# Row 0's columns holding the fingerprint, and the three odd constants of each of its two hash mixes (of the
+# KV block counts and of num_splits plus the part count): a multiply-xorshift per element, summed mod 2**32.
+FINGERPRINT_COLUMNS = (5, 6)
+BLOCKS_MIX = (0x9E3779B1, 0x85EBCA77, 0x2C1B3C6D)
+SPLITS_MIX = (0xC2B2AE3D, 0x27D4EB2F, 0x165667B1)
+_M32 = 0xFFFFFFFF
 
 
 def tile_plan(rows: int, hopper: bool = False) -> tuple[int, int]:
@@ -153,6 +161,32 @@ def min_part_units(max_blocks: torch.Tensor) -> torch.Tensor:
     return k.clamp(min=1)
 
 
+def _mix(x, i, c: tuple[int, int, int]):
+    """One element's hash, values < 2**32 (int64 tensors or Python ints; the kernels' ``mix`` is the same)."""
+    v = (x * c[0] + (i + 1) * c[1]) & _M32
+    v = v ^ (v >> 15)
+    v = (v * c[2]) & _M32
+    return v ^ (v >> 13)
+
+
+def _as_int32(v: torch.Tensor) -> torch.Tensor:
+    """A value in 0 .. 2**32 - 1 (int64) as the int32 with the same bits."""
+    v = v & _M32
+    return (v - (v >= 2 ** 31).to(torch.int64) * 2 ** 32).to(torch.int32)
+
+
+def fingerprint(blocks: torch.Tensor, num_splits: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two int32 words a schedule stores in metadata row 0 (``FINGERPRINT_COLUMNS``): hashes of the
+    requests' KV block counts (int64 [bs]) and of ``num_splits`` (int [bs + 1]) with the part count."""
+    bs = blocks.shape[0]
+    idx = torch.arange(bs + 1, device=blocks.device, dtype=torch.int64)
+    f_blocks = _mix(blocks.to(torch.int64), idx[:bs], BLOCKS_MIX).sum()
+    # The part count's term is a host integer (the same arithmetic on Python ints).
+    f_splits = _mix(num_splits.to(torch.int64), idx, SPLITS_MIX).sum() + _mix(parts, bs + 1, SPLITS_MIX)
+    return _as_int32(f_blocks), _as_int32(f_splits)
+
+
+
 def _fill(cache_seqlens: torch.Tensor, metadata: torch.Tensor, num_splits: torch.Tensor, overhead: int,
           default_plan: bool) -> None:
     """The schedule into checked buffers, ``overhead`` units per request, parts at least
@@ -164,6 +198,7 @@ def _fill(cache_seqlens: torch.Tensor, metadata: torch.Tensor, num_splits: torch
         metadata.zero_()
         metadata[:, 2].fill_(-1)
         num_splits.zero_()
+        _store_fingerprint(metadata, cache_seqlens.to(torch.int64), num_splits)
         return
     if cache_seqlens.is_cuda and not torch.cuda.is_current_stream_capturing():
         from pagedmla.kernels.triton.schedule import schedule_into as launch  # late: that module imports this one
@@ -198,3 +233,10 @@ def _fill(cache_seqlens: torch.Tensor, metadata: torch.Tensor, num_splits: torch
     # CUDA-graph capture rejects.
     num_splits[:1].zero_()
     num_splits[1:].copy_(torch.cumsum(pieces, 0))
+    _store_fingerprint(metadata, n, num_splits)
+
+
+def _store_fingerprint(metadata: torch.Tensor, blocks: torch.Tensor, num_splits: torch.Tensor) -> None:
+    f_blocks, f_splits = fingerprint(blocks, num_splits, metadata.shape[0])
+    metadata[0, FINGERPRINT_COLUMNS[0]].copy_(f_blocks)
+    metadata[0, FINGERPRINT_COLUMNS[1]].copy_(f_splits)

@@ -29,7 +29,7 @@ def paged_varlen(q, k_cache, block_table, cache_seqlens, qo_indptr, head_dim_v, 
 
 
 def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, out):
-    o, lse = reference.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
+    o, lse = reference.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, max_seqlen_q)
     if out is None:
         return o.to(q.dtype), lse.to(_lse_dtype(q))
     out.copy_(o)

@@ -29,15 +29,24 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from pagedmla.kernels.triton.decode_sm90 import decode_sm90_main, sm90_supported, sm_count
-from pagedmla.kernels.triton.launch import CachedKernel
+from pagedmla import errors
+from pagedmla.kernels.triton.common import (
+    _LN2,
+    BLOCK_TABLE,
+    LOG2E,
+    SCHEDULE,
+    checked_length,
+    checked_page,
+    finish_rows,
+    report,
+)
+from pagedmla.kernels.triton.decode_sm90 import sm90_main_args, sm90_supported, sm_count, tma_rows
+from pagedmla.kernels.triton.launch import CachedKernel, current_stream
+from pagedmla.kernels.triton.schedule import part_bounds, request_span, schedule_matches
 from pagedmla.ops import checks
 from pagedmla.ops.providers import register_impl
 from pagedmla.ops.schedule import BLOCK_N as SCHED_BLOCK_N
 from pagedmla.ops.schedule import HOPPER_MIN_ROWS, METADATA_WIDTH, tile_plan
-
-_LOG2E = 1.4426950408889634
-_LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +133,7 @@ def _kv_cols(kv_ptr, desc, tok, row, in_seq, col0,
 @triton.jit
 def _attend_tile(
     acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, q_pe,
-    kv_ptr, desc, desc_pe, bt_row, n0, seqlen, lim, stride_page, stride_tok, qk_scale, page_id,
+    kv_ptr, desc, desc_pe, bt_row, n0, seqlen, lim, stride_page, stride_tok, qk_scale, page_id, num_pages,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DC: tl.constexpr, NC: tl.constexpr, DR: tl.constexpr,
     HAS_PE: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr, CARRY_PAGES: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -133,13 +142,15 @@ def _attend_tile(
 
     Each [BLOCK_N, 576] tile is loaded once, as NC value/key column chunks plus the rope-key part; the
     chunks serve as K in Q K^T and as V in P V. With CARRY_PAGES the caller passes the tile's page id
-    (pages of at least BLOCK_N tokens); otherwise it is read here.
+    (pages of at least BLOCK_N tokens, already checked); otherwise it is read and checked here. Returns the
+    updated state and whether a page id of the tile was outside the cache (read as page 0 instead).
     """
     offs_n = n0 + tl.arange(0, BLOCK_N)
     in_seq = offs_n < seqlen
     row = 0
+    bad_page = False
     if PAGE >= BLOCK_N and not CARRY_PAGES:
-        page_id = tl.load(bt_row + n0 // PAGE)
+        page_id, bad_page = checked_page(tl.load(bt_row + n0 // PAGE), num_pages)
     if USE_TMA:
         # Pages hold a multiple of BLOCK_N tokens: the tile is BLOCK_N consecutive cache rows.
         row = page_id * PAGE + n0 % PAGE
@@ -148,8 +159,9 @@ def _attend_tile(
         tok = page_id.to(tl.int64) * stride_page + (n0 % PAGE + tl.arange(0, BLOCK_N)) * stride_tok
     else:
         # Several pages per tile: one page-id lookup per token; past the end read page 0 (never used).
-        pages = tl.load(bt_row + offs_n // PAGE, mask=in_seq, other=0).to(tl.int64)
-        tok = pages * stride_page + (offs_n % PAGE) * stride_tok
+        pages, bad = checked_page(tl.load(bt_row + offs_n // PAGE, mask=in_seq, other=0), num_pages)
+        bad_page = tl.max(bad.to(tl.int32), 0) > 0
+        tok = pages.to(tl.int64) * stride_page + (offs_n % PAGE) * stride_tok
     k0 = _kv_cols(kv_ptr, desc, tok, row, in_seq, 0, DC, MASKED, USE_TMA)
     s = tl.dot(q0, tl.trans(k0), input_precision=PRECISION)
     k1 = k0
@@ -182,7 +194,7 @@ def _attend_tile(
     if NC == 4:
         acc2 = tl.dot(p, k2, acc2 * alpha[:, None], input_precision=PRECISION)
         acc3 = tl.dot(p, k3, acc3 * alpha[:, None], input_precision=PRECISION)
-    return acc0, acc1, acc2, acc3, m_new, l_i
+    return acc0, acc1, acc2, acc3, m_new, l_i, bad_page
 
 
 @triton.jit
@@ -201,8 +213,8 @@ def _store_rows(ptrs, acc0, acc1, acc2, acc3, scale, row_ok, DC: tl.constexpr, N
 @triton.jit
 def _decode_split_kernel(
     q_ptr, kv_ptr, bt_ptr, seqlens_ptr, meta_ptr, splits_ptr,
-    out_ptr, lse_ptr, po_ptr, plse_ptr, desc, desc_pe,
-    H, Q_LEN, ROWS, qk_scale,
+    out_ptr, lse_ptr, part_ptr, err_ptr, desc, desc_pe,
+    B, H, Q_LEN, ROWS, NUM_PAGES, MAX_PAGES, qk_scale,
     stride_qb, stride_qt, stride_qh,
     stride_page, stride_tok, stride_btb,
     stride_ob, stride_ot, stride_oh,
@@ -214,11 +226,13 @@ def _decode_split_kernel(
     DC: tl.constexpr = DV // NC
     pid_m = tl.program_id(0)
     part = tl.program_id(1)
-    begin_req = tl.load(meta_ptr + part * META_W + 0)
-    begin_blk = tl.load(meta_ptr + part * META_W + 1)
-    end_req = tl.load(meta_ptr + part * META_W + 2)
-    end_blk = tl.load(meta_ptr + part * META_W + 3)
-    begin_split = tl.load(meta_ptr + part * META_W + 4)
+    parts = tl.num_programs(1)
+    begin_req, begin_blk, end_req, end_blk, begin_split = part_bounds(meta_ptr, part, B - 1, META_W)
+    # The partials buffer (``partials_size``): pieces x rows x DV values, pieces x rows log2 LSEs, and the
+    # schedule verdict that program (0, 0) writes and the combine kernel reads.
+    pieces_cap = B + parts
+    plse_ptr = part_ptr + pieces_cap.to(tl.int64) * ROWS * DV
+    capacity = MAX_PAGES * PAGE
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < ROWS
@@ -230,11 +244,8 @@ def _decode_split_kernel(
     lse_row = h * Q_LEN + t
 
     for b in range(begin_req, end_req + 1):
-        seqlen = tl.load(seqlens_ptr + b)
-        blk_lo = tl.where(b == begin_req, begin_blk, 0)
-        blk_hi = tl.where(b == end_req, end_blk, tl.cdiv(seqlen, SCHED_N))
-        tok_lo = blk_lo * SCHED_N
-        tok_hi = tl.minimum(blk_hi * SCHED_N, seqlen)
+        seqlen, tok_lo, tok_hi, bits = request_span(seqlens_ptr, b, begin_req, begin_blk, end_req, end_blk, capacity,
+                                                    SCHED_N)
         if tok_lo < tok_hi:
             q_ptrs = q_ptr + tl.cast(b, tl.int64) * stride_qb + q_row[:, None]
             q0 = tl.load(q_ptrs + offs_dc[None, :], mask=row_ok[:, None], other=0.0)
@@ -269,30 +280,39 @@ def _decode_split_kernel(
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
             carry: tl.constexpr = CARRY_PAGES and PAGE >= BLOCK_N
             page_id = tok_lo * 0
+            bad_page = page_id != 0
             if carry:
-                page_id = tl.load(bt_row + tok_lo // PAGE)
+                page_id, bad_page = checked_page(tl.load(bt_row + tok_lo // PAGE), NUM_PAGES)
             for n0 in range(tok_lo, tok_mid, BLOCK_N):
                 next_id = page_id
+                next_bad = bad_page
                 if carry:
-                    next_id = tl.load(bt_row + (n0 + BLOCK_N) // PAGE, mask=n0 + BLOCK_N < tok_hi, other=0)
-                acc0, acc1, acc2, acc3, m_i, l_i = _attend_tile(
+                    next_id, next_bad = checked_page(
+                        tl.load(bt_row + (n0 + BLOCK_N) // PAGE, mask=n0 + BLOCK_N < tok_hi, other=0), NUM_PAGES)
+                    next_bad = next_bad | bad_page
+                acc0, acc1, acc2, acc3, m_i, l_i, tile_bad = _attend_tile(
                     acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, q_pe,
                     kv_ptr, desc, desc_pe, bt_row, n0, seqlen, lim, stride_page, stride_tok, qk_scale, page_id,
-                    PAGE, BLOCK_N, DC, NC, DR, HAS_PE, False, USE_TMA, carry, PRECISION)
+                    NUM_PAGES, PAGE, BLOCK_N, DC, NC, DR, HAS_PE, False, USE_TMA, carry, PRECISION)
                 page_id = next_id
+                bad_page = next_bad | tile_bad
             for n0 in range(tok_mid, tok_hi, BLOCK_N):
                 next_id = page_id
+                next_bad = bad_page
                 if carry:
-                    next_id = tl.load(bt_row + (n0 + BLOCK_N) // PAGE, mask=n0 + BLOCK_N < tok_hi, other=0)
-                acc0, acc1, acc2, acc3, m_i, l_i = _attend_tile(
+                    next_id, next_bad = checked_page(
+                        tl.load(bt_row + (n0 + BLOCK_N) // PAGE, mask=n0 + BLOCK_N < tok_hi, other=0), NUM_PAGES)
+                    next_bad = next_bad | bad_page
+                acc0, acc1, acc2, acc3, m_i, l_i, tile_bad = _attend_tile(
                     acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, q_pe,
                     kv_ptr, desc, desc_pe, bt_row, n0, seqlen, lim, stride_page, stride_tok, qk_scale, page_id,
-                    PAGE, BLOCK_N, DC, NC, DR, HAS_PE, True, USE_TMA, carry, PRECISION)
+                    NUM_PAGES, PAGE, BLOCK_N, DC, NC, DR, HAS_PE, True, USE_TMA, carry, PRECISION)
                 page_id = next_id
+                bad_page = next_bad | tile_bad
 
-            has_key = l_i > 0.0
-            inv_l = tl.where(has_key, 1.0 / tl.where(has_key, l_i, 1.0), 0.0)
-            lse2 = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), float("-inf"))
+            bits = bits | tl.where(bad_page, BLOCK_TABLE, 0)
+            report(err_ptr, bits)
+            inv_l, lse2 = finish_rows(l_i, m_i, bits != 0)
             s_lo = tl.load(splits_ptr + b)
             pieces = tl.load(splits_ptr + b + 1) - s_lo
             if pieces == 1:
@@ -300,24 +320,32 @@ def _decode_split_kernel(
                             acc0, acc1, acc2, acc3, inv_l, row_ok, DC, NC)
                 tl.store(lse_ptr + tl.cast(b, tl.int64) * ROWS + lse_row, lse2 * _LN2, mask=row_ok)
             else:
-                piece = s_lo + tl.where(b == begin_req, begin_split, 0)
+                # Inside the partials buffer whatever num_splits holds (a schedule made for other lengths is
+                # caught by the verdict below, and the combine kernel then poisons every request).
+                piece = tl.minimum(tl.maximum(s_lo + tl.where(b == begin_req, begin_split, 0), 0), pieces_cap - 1)
                 p_row = piece.to(tl.int64) * ROWS + rows
-                _store_rows(po_ptr + p_row[:, None] * DV, acc0, acc1, acc2, acc3, inv_l, row_ok, DC, NC)
+                _store_rows(part_ptr + p_row[:, None] * DV, acc0, acc1, acc2, acc3, inv_l, row_ok, DC, NC)
                 tl.store(plse_ptr + p_row, lse2, mask=row_ok)
+    if (pid_m == 0) & (part == 0):
+        sched_ok = schedule_matches(seqlens_ptr, meta_ptr, splits_ptr, B, parts, tl.arange(0, 1024), SCHED_N)
+        tl.store(plse_ptr + pieces_cap.to(tl.int64) * ROWS, tl.where(sched_ok, 1.0, 0.0))
+        report(err_ptr, tl.where(sched_ok, 0, SCHEDULE))
 
 
 @triton.jit
 def _decode_combine_kernel(
-    out_ptr, lse_ptr, po_ptr, plse_ptr, splits_ptr,
-    H, Q_LEN, ROWS,
+    out_ptr, lse_ptr, part_ptr, splits_ptr, seqlens_ptr, err_ptr,
+    B, H, Q_LEN, ROWS, PARTS, CAPACITY,
     stride_ob, stride_ot, stride_oh,
     DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     """Merge the partials of request program_id(0), rows block program_id(1), columns block program_id(2).
 
     Also writes requests with no KV (no pieces): output 0, LSE -inf. Requests in one piece were written
-    by the main kernel. With PDL (launched as a programmatic dependent of the main kernel) the programs
-    start while the main kernel runs and wait for its end (``griddepcontrol.wait``) before touching results.
+    by the main kernel, unless the main kernel found the schedule was made for other lengths: then every
+    request's rows are NaN (and a negative length's request with no pieces too). With PDL (launched as a
+    programmatic dependent of the main kernel) the programs start while the main kernel runs and wait for
+    its end (``griddepcontrol.wait``) before touching results.
     """
     if PDL:
         # Every program waits, also those with nothing to merge: the next kernel in the stream is ordered
@@ -328,9 +356,19 @@ def _decode_combine_kernel(
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok = rows < ROWS
+    pieces_cap = B + PARTS
+    plse_ptr = part_ptr + pieces_cap.to(tl.int64) * ROWS * DV
+    bad_schedule = tl.load(plse_ptr + pieces_cap.to(tl.int64) * ROWS) != 1.0
     s_lo = tl.load(splits_ptr + b)
     s_hi = tl.load(splits_ptr + b + 1)
-    if s_hi - s_lo != 1:
+    if (s_hi - s_lo != 1) | bad_schedule:
+        _, bits = checked_length(tl.load(seqlens_ptr + b), CAPACITY)
+        if (tl.program_id(1) == 0) & (tl.program_id(2) == 0) & (s_hi == s_lo):
+            # A request with no pieces never reached the main kernel, which reports the others' lengths.
+            report(err_ptr, bits)
+        # Pieces inside the buffer whatever num_splits holds (a schedule for other lengths poisons anyway).
+        s_lo = tl.minimum(tl.maximum(s_lo, 0), pieces_cap)
+        s_hi = tl.where(bad_schedule, s_lo, tl.minimum(tl.maximum(s_hi, s_lo), pieces_cap))
         acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
         m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
         l = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -338,23 +376,21 @@ def _decode_combine_kernel(
         for s in range(s_lo, s_hi):
             p_row = tl.cast(s, tl.int64) * ROWS + rows
             ls = tl.load(plse_ptr + p_row, mask=row_ok, other=float("-inf"))
-            os = tl.load(po_ptr + p_row[:, None] * DV + cols[None, :], mask=row_ok[:, None], other=0.0)
+            os = tl.load(part_ptr + p_row[:, None] * DV + cols[None, :], mask=row_ok[:, None], other=0.0)
             m_new = tl.maximum(m, ls)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m - m_safe)
-            w = tl.exp2(ls - m_safe)
+            w = tl.exp2(ls - m_safe)  # NaN for a piece of a corrupt request: the sums below stay NaN
             acc = acc * alpha[:, None] + w[:, None] * os
             l = l * alpha + w
             m = m_new
-        has_key = l > 0.0
-        inv_l = tl.where(has_key, 1.0 / tl.where(has_key, l, 1.0), 0.0)
+        inv_l, lse2 = finish_rows(l, m, bad_schedule | (bits != 0))
         t = rows // H
         h = rows % H
         o_ptrs = (out_ptr + tl.cast(b, tl.int64) * stride_ob + (t.to(tl.int64) * stride_ot + h * stride_oh)[:, None]
                   + cols[None, :])
         tl.store(o_ptrs, (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
         if tl.program_id(2) == 0:
-            lse2 = tl.where(has_key, m + tl.log2(tl.where(has_key, l, 1.0)), float("-inf"))
             tl.store(lse_ptr + tl.cast(b, tl.int64) * ROWS + h * Q_LEN + t, lse2 * _LN2, mask=row_ok)
 
 
@@ -377,16 +413,6 @@ def _check_dims(d: int, head_dim_v: int) -> int:
     return dr
 
 
-def _result_buffer(t: torch.Tensor | None, name: str, shape: tuple[int, ...], dtype: torch.dtype,
-                   device: torch.device) -> torch.Tensor:
-    if t is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    if tuple(t.shape) != shape or t.dtype != dtype or t.device != device or not t.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous {dtype} tensor of shape {shape} on {device}, "
-                         f"got {t.dtype} {tuple(t.shape)} on {t.device}")
-    return t
-
-
 def _tma_ok(cfg: DecodeConfig, k_cache: torch.Tensor, d: int) -> bool:
     """TMA tiles are consecutive cache rows: pages a multiple of block_n, rows packed, 16-byte aligned."""
     page = k_cache.shape[1]
@@ -395,14 +421,22 @@ def _tma_ok(cfg: DecodeConfig, k_cache: torch.Tensor, d: int) -> bool:
             and (d * k_cache.element_size()) % 16 == 0)
 
 
-def _launch_main(q, k_cache, block_table, cache_seqlens, metadata, num_splits, softmax_scale, causal, cfg,
-                 out, lse, po, plse) -> None:
+def partials_size(b: int, parts: int, rows: int, head_dim_v: int) -> int:
+    """float32 elements of the partials buffer of a call: at most b + parts - 1 pieces (each part boundary
+    cuts one request in two) of rows x head_dim_v normalised values, then their rows log2 LSEs, then one
+    word for the schedule verdict (1.0 when the metadata was made for these lengths)."""
+    pieces = b + parts
+    return pieces * rows * (head_dim_v + 1) + 1
+
+
+def _portable_main_args(q, k_cache, block_table, cache_seqlens, metadata, num_splits, softmax_scale, causal, cfg,
+                        out, lse, partials, err):
+    """(kernel, grid, args, options) of the portable main kernel."""
     b, q_len, h, d = q.shape
     rows = q_len * h
     head_dim_v = out.shape[-1]
     dr = d - head_dim_v
     page = k_cache.shape[1]
-    parts = metadata.shape[0]
     m_tiles = -(-rows // cfg.block_m)  # plain arithmetic: triton.cdiv costs microseconds of host time per call
     use_tma = _tma_ok(cfg, k_cache, d)
     desc = desc_pe = None
@@ -412,19 +446,114 @@ def _launch_main(q, k_cache, block_table, cache_seqlens, metadata, num_splits, s
         flat = k_cache.view(-1, d)
         desc = TensorDescriptor(flat, list(flat.shape), [d, 1], [cfg.block_n, head_dim_v // cfg.chunks])
         desc_pe = TensorDescriptor(flat, list(flat.shape), [d, 1], [cfg.block_n, max(dr, 16)])
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    _SPLIT.launch(
-        q.device, (m_tiles, parts), q, k_cache, block_table, cache_seqlens, metadata, num_splits,
-        out, lse, po, plse, desc, desc_pe,
-        h, q_len, rows, softmax_scale * _LOG2E,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
-        out.stride(0), out.stride(1), out.stride(2),
-        CAUSAL=bool(causal), PAGE=page, SCHED_N=SCHED_BLOCK_N,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DV=head_dim_v, NC=cfg.chunks, DR=max(dr, 16), HAS_PE=dr > 0,
-        META_W=METADATA_WIDTH, USE_TMA=use_tma, CARRY_PAGES=cfg.carry_pages, PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    args = (q, k_cache, block_table, cache_seqlens, metadata, num_splits, out, lse, partials, err, desc, desc_pe,
+            b, h, q_len, rows, k_cache.shape[0], block_table.shape[1], softmax_scale * LOG2E,
+            q.stride(0), q.stride(1), q.stride(2),
+            k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
+            out.stride(0), out.stride(1), out.stride(2))
+    options = dict(CAUSAL=bool(causal), PAGE=page, SCHED_N=SCHED_BLOCK_N, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                   DV=head_dim_v, NC=cfg.chunks, DR=max(dr, 16), HAS_PE=dr > 0, META_W=METADATA_WIDTH,
+                   USE_TMA=use_tma, CARRY_PAGES=cfg.carry_pages,
+                   PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return _SPLIT, (m_tiles, metadata.shape[0], 1), args, options
+
+
+def _combine_args(out, lse, partials, num_splits, cache_seqlens, err, parts, capacity, pdl, block_r):
+    b, q_len, h, head_dim_v = out.shape
+    rows = q_len * h
+    block_r = min(block_r, 1 << (rows - 1).bit_length())
+    block_d = min(128, head_dim_v)
+    args = (out, lse, partials, num_splits, cache_seqlens, err, b, h, q_len, rows, parts, capacity,
+            out.stride(0), out.stride(1), out.stride(2))
+    options = dict(DV=head_dim_v, BLOCK_R=block_r, BLOCK_D=block_d, PDL=pdl, num_warps=4, num_stages=3,
+                   **({"launch_pdl": True} if pdl else {}))
+    return (b, -(-rows // block_r), head_dim_v // block_d), args, options
+
+
+class _DecodePlan:
+    """Everything about one decode call shape that does not depend on the tensors' addresses: the config,
+    the launch parameters and the result shapes. The first call of a shape builds it (compiling the kernels);
+    every call then allocates the results and launches (``run``), through ``BoundLaunch`` where it applies."""
+
+    def __init__(self, q, k_cache, block_table, head_dim_v, metadata, softmax_scale, causal, config):
+        b, q_len, h, d = q.shape
+        _check_dims(d, head_dim_v)
+        self.rows = q_len * h
+        self.cfg = select_config(q, k_cache, head_dim_v, config)
+        self.device = q.device
+        self.dtype = q.dtype
+        self.out_shape = (b, q_len, h, head_dim_v)
+        self.lse_shape = (b, h, q_len)
+        self.parts = metadata.shape[0]
+        self.capacity = block_table.shape[1] * k_cache.shape[1]
+        self.partials_numel = partials_size(b, self.parts, self.rows, head_dim_v)
+        self.scale, self.causal = softmax_scale, causal
+        # Many requests (about one per part or more) have few pieces each: the combine merges 16 rows per
+        # program and, after the Hopper main kernel, overlaps its end (PDL; measured there only). Few requests
+        # have ~parts / b pieces each, which small tiles spread over more programs, and the early-scheduled
+        # combine would only wait beside the main grid (benchmarks/NOTES.md, v11).
+        many = 2 * b >= self.parts and self.rows >= 32
+        self.pdl = many and self.cfg.use_sm90  # the Hopper kernel runs on sm_90 only, where PDL exists
+        sms = sm_count(q.device) if q.is_cuda else 8
+        self.block_r = 16 if many else few_requests_block_r(b, self.rows, head_dim_v, sms)
+        self.bound: tuple | None = None  # (main, grid, combine, combine grid) once bound
+        self.tried_bind = False
+
+    def run(self, q, k_cache, block_table, cache_seqlens, metadata, num_splits, out, lse):
+        dev = self.device
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=self.dtype, device=dev)
+        if lse is None:
+            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=dev)
+        if self.out_shape[0] == 0:
+            return out, lse
+        partials = torch.empty(self.partials_numel, dtype=torch.float32, device=dev)
+        err = errors.error_word(dev)
+        bound = self.bound
+        if bound is not None:
+            qp, kp, bp = q.data_ptr(), k_cache.data_ptr(), block_table.data_ptr()
+            sp, mp, np_ = cache_seqlens.data_ptr(), metadata.data_ptr(), num_splits.data_ptr()
+            op, lp = out.data_ptr(), lse.data_ptr()
+            # The kernels were compiled for 16-byte aligned arguments (the first call's).
+            if not (qp | kp | bp | sp | mp | np_ | op | lp) & 15:
+                main, grid, combine, cgrid = bound
+                pp, ep = partials.data_ptr(), err.data_ptr()
+                stream = current_stream(dev.index)
+                if self.cfg.use_sm90:
+                    main.launch(grid, stream, (bp, sp, mp, np_, op, lp, pp, ep), (qp, qp, kp, kp))
+                else:
+                    main.launch(grid, stream, (qp, kp, bp, sp, mp, np_, op, lp, pp, ep), (kp, kp))
+                combine.launch(cgrid, stream, (op, lp, pp, np_, sp, ep))
+                return out, lse
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        if self.cfg.use_sm90:
+            q_rows = tma_rows(q.reshape(-1, q.shape[-1]))
+            kernel, grid, args, options = sm90_main_args(q_rows, k_cache, block_table, cache_seqlens, metadata,
+                                                         num_splits, self.scale, self.causal, out, lse, partials,
+                                                         err, self.pdl)
+            own_q = q_rows.data_ptr() == q.data_ptr()
+        else:
+            kernel, grid, args, options = _portable_main_args(q, k_cache, block_table, cache_seqlens, metadata,
+                                                              num_splits, self.scale, self.causal, self.cfg, out,
+                                                              lse, partials, err)
+            own_q = True
+        cgrid, cargs, coptions = _combine_args(out, lse, partials, num_splits, cache_seqlens, err, self.parts,
+                                               self.capacity, self.pdl, self.block_r)
+        if not self.tried_bind and dev.type == "cuda" and own_q:
+            # Bind once, from a call whose tensors the later calls' addresses stand for (no copy of q).
+            self.tried_bind = True
+            main = kernel.bind(dev, grid, *args, **options)
+            combine = _COMBINE.bind(dev, cgrid, *cargs, **coptions)
+            if main is not None and combine is not None:
+                self.bound = (main, grid, combine, cgrid)
+        kernel.launch(dev, grid, *args, **options)
+        _COMBINE.launch(dev, cgrid, *cargs, **coptions)
+        return out, lse
+
+
+_PLANS: dict[tuple, _DecodePlan] = {}
 
 
 def paged_decode_triton(
@@ -449,54 +578,47 @@ def paged_decode_triton(
     q_len * h, 1)`` (any ``num_sm_parts``); softmax_scale: multiplies q.k; causal: bottom-right aligned.
     Returns out [b, q_len, h, head_dim_v] in q's dtype and lse [b, h, q_len] float32 (natural log); a row
     with no visible key gets output 0 and LSE -inf. The value is the first head_dim_v columns of each row.
-    ``out`` / ``lse`` (contiguous, those shapes and dtypes) receive the results when given, e.g. a CUDA
-    graph's static buffers; ``config`` overrides the tile shape (benchmarks sweep it). On sm_90 GPUs,
-    bf16/fp16 with pages a multiple of 64, requests of more than 16 query rows run the Hopper main kernel
-    (``decode_sm90.py``). No host synchronisation: capturable in a CUDA graph.
+    Values only the device sees are guarded (``pagedmla.errors``): a request whose length is negative or
+    beyond its block-table row, or which reads a page id outside the cache, gets NaN rows; metadata made for
+    other lengths makes every row NaN. ``out`` / ``lse`` (contiguous, those shapes and dtypes) receive the
+    results when given, e.g. a CUDA graph's static buffers; ``config`` overrides the tile shape (benchmarks
+    sweep it). On sm_90 GPUs, bf16/fp16 with pages a multiple of 64, requests of more than 16 query rows run
+    the Hopper main kernel (``decode_sm90.py``). No host synchronisation: capturable in a CUDA graph.
     """
-    softmax_scale = checks.positive_scale(softmax_scale)
-    b, q_len, h, d = q.shape
-    _check_dims(d, head_dim_v)
-    rows = q_len * h
-    cfg = select_config(q, k_cache, head_dim_v, config)
-    out = _result_buffer(out, "out", (b, q_len, h, head_dim_v), q.dtype, q.device)
-    lse = _result_buffer(lse, "lse", (b, h, q_len), torch.float32, q.device)
-    if b == 0:
-        return out, lse
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    key = (q.shape, q.stride(), q.dtype, q.get_device(), k_cache.shape, k_cache.stride(), k_cache.dtype,
+           block_table.shape, block_table.stride(), cache_seqlens.is_contiguous(), tile_scheduler_metadata.shape,
+           tile_scheduler_metadata.is_contiguous(), num_splits.is_contiguous(), head_dim_v, softmax_scale, causal,
+           config)
+    plan = _PLANS.get(key)
+    if plan is None:
+        softmax_scale = checks.positive_scale(softmax_scale)
+        if tile_scheduler_metadata.dim() != 2 or tile_scheduler_metadata.shape[1] != METADATA_WIDTH:
+            raise ValueError(f"tile_scheduler_metadata: expected {METADATA_WIDTH} columns, "
+                             f"got shape {tuple(tile_scheduler_metadata.shape)}")
+        plan = _DecodePlan(q, k_cache, block_table, head_dim_v, tile_scheduler_metadata, softmax_scale, causal,
+                           config)
+        if len(_PLANS) > 1024:  # shapes vary with the batch: keep the table bounded
+            _PLANS.clear()
+        _PLANS[key] = plan
+    if out is not None:
+        _check_result(out, "out", plan.out_shape, plan.dtype, plan.device)
+    if lse is not None:
+        _check_result(lse, "lse", plan.lse_shape, torch.float32, plan.device)
     if k_cache.stride(-1) != 1:
         k_cache = k_cache.contiguous()
     if block_table.stride(-1) != 1:
         block_table = block_table.contiguous()
-    # The kernels index these 1-D tensors as dense arrays (a no-op when they already are).
+    # The kernels index these as dense arrays (a no-op when they already are).
     cache_seqlens, num_splits = cache_seqlens.contiguous(), num_splits.contiguous()
-    tile_scheduler_metadata = tile_scheduler_metadata.contiguous()
-    parts = tile_scheduler_metadata.shape[0]
-    if tile_scheduler_metadata.shape[1] != METADATA_WIDTH:
-        raise ValueError(f"tile_scheduler_metadata: expected {METADATA_WIDTH} columns, "
-                         f"got shape {tuple(tile_scheduler_metadata.shape)}")
-    # Each part boundary cuts at most one request in two: at most b + parts - 1 pieces in all.
-    po = torch.empty(b + parts, rows, head_dim_v, dtype=torch.float32, device=q.device)
-    plse = torch.empty(b + parts, rows, dtype=torch.float32, device=q.device)
-    # Many requests (about one per part or more) have few pieces each: the combine merges 16 rows per
-    # program and, after the Hopper main kernel, overlaps its end (PDL; measured there only). Few requests
-    # have ~parts / b pieces each, which small tiles spread over more programs, and the early-scheduled
-    # combine would only wait beside the main grid (benchmarks/NOTES.md, v11).
-    many = 2 * b >= parts and rows >= 32
-    pdl = many and cfg.use_sm90  # the Hopper kernel runs on sm_90 only, where PDL exists
-    if cfg.use_sm90:
-        decode_sm90_main(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
-                         softmax_scale, causal, out, lse, po, plse, pdl)
-    else:
-        _launch_main(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits, softmax_scale,
-                     causal, cfg, out, lse, po, plse)
-    if many:
-        block_r = 16
-    else:
-        block_r = few_requests_block_r(b, rows, head_dim_v, sm_count(q.device) if q.is_cuda else 8)
-    launch_combine(out, lse, po, plse, num_splits, pdl, block_r=block_r)
-    return out, lse
+    return plan.run(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata.contiguous(), num_splits, out,
+                    lse)
+
+
+def _check_result(t: torch.Tensor, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                  device: torch.device) -> None:
+    if tuple(t.shape) != shape or t.dtype != dtype or t.device != device or not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous {dtype} tensor of shape {shape} on {device}, "
+                         f"got {t.dtype} {tuple(t.shape)} on {t.device}")
 
 
 def few_requests_block_r(b: int, rows: int, head_dim_v: int, sms: int) -> int:
@@ -506,30 +628,24 @@ def few_requests_block_r(b: int, rows: int, head_dim_v: int, sms: int) -> int:
     faster with its rows spread over more programs (measured on the H200, benchmarks/NOTES.md v15: batch 1
     at 128 heads, 60 pieces, 8.6 us with 1 row per program against 13.6 us with 4; from batch 4 at 128 rows
     4 rows per program was fastest)."""
-    programs = b * max(1, head_dim_v // 128)  # launch_combine's column blocks
+    programs = b * max(1, head_dim_v // 128)  # the combine's column blocks
     for block_r in (4, 2):
         if programs * -(-rows // block_r) >= 3 * sms:
             return block_r
     return 1
 
 
-def launch_combine(out: torch.Tensor, lse: torch.Tensor, po: torch.Tensor, plse: torch.Tensor,
-                   num_splits: torch.Tensor, pdl: bool, block_r: int = 4) -> None:
-    """Merge the partials po [pieces, rows, Dv] fp32 / plse [pieces, rows] (log2) of the requests that
-    ``num_splits`` (int32 [b + 1], cumulative) gives more than one piece into out [b, q_len, h, Dv] / lse
-    [b, h, q_len] (natural log), and write requests with no piece as output 0, LSE -inf; ``pdl``: launched as
-    the main kernel's programmatic dependent (sm_90+). ``block_r`` query rows per program."""
-    b, q_len, h, head_dim_v = out.shape
-    rows = q_len * h
-    block_r = min(block_r, 1 << (rows - 1).bit_length())
-    block_d = min(128, head_dim_v)
-    _COMBINE.launch(
-        out.device, (b, -(-rows // block_r), head_dim_v // block_d),
-        out, lse, po, plse, num_splits, h, q_len, rows,
-        out.stride(0), out.stride(1), out.stride(2),
-        DV=head_dim_v, BLOCK_R=block_r, BLOCK_D=block_d, PDL=pdl, num_warps=4, num_stages=3,
-        **({"launch_pdl": True} if pdl else {}),
-    )
+def launch_combine(out: torch.Tensor, lse: torch.Tensor, partials: torch.Tensor, num_splits: torch.Tensor,
+                   cache_seqlens: torch.Tensor, parts: int, capacity: int, pdl: bool = False, block_r: int = 4) -> None:
+    """The combine kernel alone (tests): merge the pieces in ``partials`` (``partials_size`` layout, b +
+    ``parts`` pieces) of the requests ``num_splits`` (int32 [b + 1], cumulative) gives more than one into
+    out [b, q_len, h, Dv] / lse [b, h, q_len] (natural log); requests with no piece get output 0 and LSE
+    -inf; a verdict other than 1.0 or a length outside 0 .. ``capacity`` poisons the request (NaN);
+    ``pdl``: launched as the main kernel's programmatic dependent (sm_90+). ``block_r`` rows per program."""
+    err = errors.error_word(out.device)
+    grid, args, options = _combine_args(out, lse, partials, num_splits, cache_seqlens, err, parts, capacity, pdl,
+                                        block_r)
+    _COMBINE.launch(out.device, grid, *args, **options)
 
 
 def select_config(q: torch.Tensor, k_cache: torch.Tensor, head_dim_v: int,

@@ -26,7 +26,9 @@ import functools
 
 import torch
 
+from pagedmla.kernels.triton.common import BLOCK_TABLE, LN2, LOG2E, SCHEDULE, checked_page, finish_rows, report
 from pagedmla.kernels.triton.launch import CachedKernel
+from pagedmla.kernels.triton.schedule import part_bounds, request_span, schedule_matches
 from pagedmla.ops.schedule import BLOCK_N as SCHED_BLOCK_N
 from pagedmla.ops.schedule import METADATA_WIDTH
 
@@ -50,12 +52,12 @@ D_QK, D_V = 576, 512
 BLOCK_M = 64
 BLOCK_N = SCHED_BLOCK_N  # one KV tile per schedule block (64 tokens)
 STAGES = 2
-_LOG2E = 1.4426950408889634
 if HAVE_GLUON:  # the same values as compile-time constants for the kernels
     _DV = gl.constexpr(D_V)
     _BM = gl.constexpr(BLOCK_M)
     _BN = gl.constexpr(BLOCK_N)
     _STAGES = gl.constexpr(STAGES)
+    _LN2 = gl.constexpr(LN2)
     # Register layouts of the MLA warpgroups' wgmma results: S (64 x 64 keys) and their half of O (64 x 256).
     _S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16]))
@@ -98,21 +100,12 @@ def sm90_supported(q: torch.Tensor, k_cache: torch.Tensor, head_dim_v: int) -> b
 if HAVE_GLUON:
 
     @gluon.jit
-    def _part_bounds(meta_ptr, part, META_W: gl.constexpr):
-        begin_req = gl.load(meta_ptr + part * META_W + 0)
-        begin_blk = gl.load(meta_ptr + part * META_W + 1)
-        end_req = gl.load(meta_ptr + part * META_W + 2)
-        end_blk = gl.load(meta_ptr + part * META_W + 3)
-        begin_split = gl.load(meta_ptr + part * META_W + 4)
-        return begin_req, begin_blk, end_req, end_blk, begin_split
-
-    @gluon.jit
-    def _request_tokens(seqlens_ptr, b, begin_req, begin_blk, end_req, end_blk, SCHED_N: gl.constexpr):
-        """(seqlen, first token, end token) of request b's slice in this part."""
-        seqlen = gl.load(seqlens_ptr + b)
-        blk_lo = gl.where(b == begin_req, begin_blk, 0)
-        blk_hi = gl.where(b == end_req, end_blk, gl.cdiv(seqlen, SCHED_N))
-        return seqlen, blk_lo * SCHED_N, gl.minimum(blk_hi * SCHED_N, seqlen)
+    def page_ok(bt_row, n0, num_pages, PAGE: gl.constexpr):
+        """Whether the page id of KV token n0 is inside the cache: warpgroup 0 checks each tile's page
+        itself (the loader has already read page 0 instead of a bad one), so no flag crosses partitions;
+        the load is issued before the tile's wait and lands while the warpgroup waits."""
+        _, bad = checked_page(gl.load(bt_row + n0 // PAGE), num_pages)
+        return bad == 0
 
     @gluon.jit
     def _zero_tail_rows(kv, col0, valid, CHUNKS: gl.constexpr, num_warps: gl.constexpr):
@@ -126,11 +119,12 @@ if HAVE_GLUON:
         fence_async_shared()
 
     @gluon.jit
-    def _store_half(o, scale, lse2, col0, is_direct, out_ptr, lse_ptr, po_ptr, plse_ptr, b, piece, pid_m,
+    def _store_half(o, scale, lse2, col0, is_direct, out_ptr, lse_ptr, partials_ptr, PIECES, b, piece, pid_m,
                     H, Q_LEN, ROWS, stride_ob, stride_ot, stride_oh, WRITE_LSE: gl.constexpr,
                     layout: gl.constexpr):
         """Columns col0 .. col0 + 255 of the tile's result: normalised into ``out`` (and LSE, natural log)
-        when the request is in one piece, else into the fp32 partial row ``piece`` (and log2 LSE)."""
+        when the request is in one piece, else into the fp32 partial row ``piece`` (and log2 LSE) of the
+        partials buffer (decode.py's layout: PIECES x ROWS x 512 values, then the LSEs)."""
         rows = pid_m * _BM + gl.arange(0, _BM, layout=gl.SliceLayout(1, layout))
         cols = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, layout))
         row_ok = rows < ROWS
@@ -142,12 +136,12 @@ if HAVE_GLUON:
             gl.store(out_ptr + o_row[:, None] + cols[None, :], o.to(out_ptr.dtype.element_ty),
                      mask=row_ok[:, None])
             if WRITE_LSE:
-                gl.store(lse_ptr + b.to(gl.int64) * ROWS + h * Q_LEN + t, lse2 * 0.6931471805599453, mask=row_ok)
+                gl.store(lse_ptr + b.to(gl.int64) * ROWS + h * Q_LEN + t, lse2 * _LN2, mask=row_ok)
         else:
             p_row = piece.to(gl.int64) * ROWS + rows
-            gl.store(po_ptr + p_row[:, None] * _DV + cols[None, :], o, mask=row_ok[:, None])
+            gl.store(partials_ptr + p_row[:, None] * _DV + cols[None, :], o, mask=row_ok[:, None])
             if WRITE_LSE:
-                gl.store(plse_ptr + p_row, lse2, mask=row_ok)
+                gl.store(partials_ptr + PIECES.to(gl.int64) * ROWS * _DV + p_row, lse2, mask=row_ok)
 
     @gluon.jit
     def _load_q(q_desc, q_pe_desc, q_row, q_smem, q_pe_smem, q_ready):
@@ -157,15 +151,16 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _load_kv_tiles(kv_desc, kv_pe_desc, bt_row, first_page, tok_lo, tok_hi, it, kv_ring, kv_pe_ring, kv_ready,
-                       kv_empty, PAGE: gl.constexpr):
-        """Loader: KV tokens tok_lo .. tok_hi - 1 of one request (tok_lo a multiple of 64, tok_lo < tok_hi)
-        into the ring from slot it on, 64 per slot; first_page is the block-table entry of tok_lo, already
-        loaded. Each tile's page id is loaded one tile ahead, so no refill waits on a block-table read.
-        Returns the ring position after the last tile."""
-        page_id = first_page
+                       kv_empty, num_pages, PAGE: gl.constexpr):
+        """Loader: KV tokens tok_lo .. tok_hi - 1 of one request (tok_lo a multiple of 64, tok_lo < tok_hi,
+        tok_hi within the block-table row's capacity) into the ring from slot it on, 64 per slot; first_page
+        is the block-table entry of tok_lo, already loaded. Each tile's page id is loaded one tile ahead, so
+        no refill waits on a block-table read; a page id outside the cache reads page 0 (warpgroup 0
+        poisons the request). Returns the ring position after the last tile."""
+        page_id, _ = checked_page(first_page, num_pages)
         for n0 in range(tok_lo, tok_hi, _BN):
             # The last tile's look-ahead re-reads its own entry (inside the row: tok_hi <= the row's capacity).
-            next_page = gl.load(bt_row + gl.minimum(n0 + _BN, tok_hi - 1) // PAGE)
+            next_page, _ = checked_page(gl.load(bt_row + gl.minimum(n0 + _BN, tok_hi - 1) // PAGE), num_pages)
             s = it % _STAGES
             mbarrier.wait(kv_empty.index(s), ((it // _STAGES) & 1) ^ 1)
             row = page_id * PAGE + n0 % PAGE
@@ -219,12 +214,11 @@ if HAVE_GLUON:
         return o, m_new, l_i
 
     @gluon.jit
-    def _softmax_finish(m_i, l_i, qk_scale, npm, scale_smem, p_ready, p_free):
-        """(1 / l, log2 LSE) of warpgroup 0's rows (m_i unscaled, as ``_softmax_tile`` keeps it); sends 1 / l
-        to warpgroup 1 as message npm."""
-        has_key = l_i > 0.0
-        inv_l = gl.where(has_key, 1.0 / gl.where(has_key, l_i, 1.0), 0.0)
-        lse2 = gl.where(has_key, m_i * qk_scale + gl.log2(gl.where(has_key, l_i, 1.0)), float("-inf"))
+    def _softmax_finish(m_i, l_i, qk_scale, bad, npm, scale_smem, p_ready, p_free):
+        """(1 / l, log2 LSE) of warpgroup 0's rows (m_i unscaled, as ``_softmax_tile`` keeps it; both NaN when
+        ``bad``, see ``finish_rows``); sends 1 / l to warpgroup 1 as message npm, so a poisoned request's
+        other half is poisoned too."""
+        inv_l, lse2 = finish_rows(l_i, m_i * qk_scale, bad)
         # The final message to warpgroup 1 carries 1 / l instead of a rescale factor.
         mbarrier.wait(p_free, (npm & 1) ^ 1)
         scale_smem.store(inv_l)
@@ -259,11 +253,12 @@ if HAVE_GLUON:
         return inv_l
 
     @gluon.jit
-    def _loader(q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, max_pages, seqlens_ptr, meta_ptr, ROWS,
-                q_smem, q_pe_smem, kv_ring, kv_pe_ring, q_ready, q_free, kv_ready, kv_empty,
-                PAGE: gl.constexpr, META_W: gl.constexpr):
+    def _loader(q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, PIECES, CAPACITY, num_pages, seqlens_ptr,
+                meta_ptr, splits_ptr, partials_ptr, err_ptr, B, PARTS, ROWS, q_smem, q_pe_smem, kv_ring, kv_pe_ring,
+                q_ready, q_free, kv_ready, kv_empty, PAGE: gl.constexpr, META_W: gl.constexpr):
         pid_m = gl.program_id(0)
-        begin_req, begin_blk, end_req, end_blk, _ = _part_bounds(meta_ptr, gl.program_id(1), META_W)
+        part = gl.program_id(1)
+        begin_req, begin_blk, end_req, end_blk, _ = part_bounds(meta_ptr, part, B - 1, META_W)
         it = 0
         nq = 0
         for b in range(begin_req, end_req + 1):
@@ -271,38 +266,46 @@ if HAVE_GLUON:
             # The slice's first page id does not depend on the length: it loads alongside it (masked: an
             # empty slice may start past the row's last entry).
             first = gl.where(b == begin_req, begin_blk, 0) * _BN // PAGE
-            first_page = gl.load(bt_row + first, mask=first < max_pages, other=0)
-            seqlen, tok_lo, tok_hi = _request_tokens(seqlens_ptr, b, begin_req, begin_blk, end_req, end_blk,
-                                                     _BN)
+            first_page = gl.load(bt_row + first, mask=first * PAGE < CAPACITY, other=0)
+            seqlen, tok_lo, tok_hi, _ = request_span(seqlens_ptr, b, begin_req, begin_blk, end_req, end_blk,
+                                                     CAPACITY, _BN)
             if tok_lo < tok_hi:
                 # Q of the previous request stays until warpgroup 0's last S of it is done.
                 mbarrier.wait(q_free, (nq & 1) ^ 1)
                 _load_q(q_desc, q_pe_desc, b * ROWS + pid_m * _BM, q_smem, q_pe_smem, q_ready)
                 nq += 1
                 it = _load_kv_tiles(kv_desc, kv_pe_desc, bt_row, first_page, tok_lo, tok_hi, it, kv_ring, kv_pe_ring,
-                                    kv_ready, kv_empty, PAGE)
+                                    kv_ready, kv_empty, num_pages, PAGE)
+        if (pid_m == 0) & (part == 0):
+            # The schedule verdict (decode.py's partials layout), once the loads are issued: the loader has
+            # nothing else to do while the warpgroups finish.
+            lanes = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
+            ok = schedule_matches(seqlens_ptr, meta_ptr, splits_ptr, B, PARTS, lanes, _BN)
+            gl.store(partials_ptr + PIECES.to(gl.int64) * ROWS * (_DV + 1), gl.where(ok, 1.0, 0.0))
+            report(err_ptr, gl.where(ok, 0, SCHEDULE))
 
     @gluon.jit
     def _softmax_warpgroup(
         q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, kv_ready, kv_empty,
-        p_ready, p_free, seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr,
-        H, Q_LEN, ROWS, qk_scale, stride_ob, stride_ot, stride_oh,
-        CAUSAL: gl.constexpr, META_W: gl.constexpr,
+        p_ready, p_free, bt_ptr, stride_btb, PIECES, CAPACITY, num_pages, seqlens_ptr, meta_ptr, splits_ptr, out_ptr,
+        lse_ptr, partials_ptr, err_ptr, B, PARTS, H, Q_LEN, ROWS, qk_scale, stride_ob, stride_ot, stride_oh,
+        CAUSAL: gl.constexpr, PAGE: gl.constexpr, META_W: gl.constexpr,
     ):
         s_layout: gl.constexpr = _S_LAYOUT
         o_layout: gl.constexpr = _O_LAYOUT
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         pid_m = gl.program_id(0)
-        begin_req, begin_blk, end_req, end_blk, begin_split = _part_bounds(meta_ptr, gl.program_id(1), META_W)
+        begin_req, begin_blk, end_req, end_blk, begin_split = part_bounds(meta_ptr, gl.program_id(1), B - 1, META_W)
         rows = pid_m * _BM + gl.arange(0, _BM, layout=row_l)
         t = rows // H
         it = 0
         nq = 0
         npm = 0
         for b in range(begin_req, end_req + 1):
-            seqlen, tok_lo, tok_hi = _request_tokens(seqlens_ptr, b, begin_req, begin_blk, end_req, end_blk,
-                                                     _BN)
+            seqlen, tok_lo, tok_hi, bits = request_span(seqlens_ptr, b, begin_req, begin_blk, end_req, end_blk,
+                                                        CAPACITY, _BN)
             if tok_lo < tok_hi:
+                bt_row = bt_ptr + b.to(gl.int64) * stride_btb
                 # Keys row r may see: [0, lim); with causal, query t of Q_LEN sees keys 0 .. seqlen - Q_LEN + t.
                 if CAUSAL:
                     first_masked = seqlen - Q_LEN + 1
@@ -313,39 +316,43 @@ if HAVE_GLUON:
                 m_i = gl.full([_BM], float("-inf"), dtype=gl.float32, layout=row_l)
                 l_i = gl.zeros([_BM], dtype=gl.float32, layout=row_l)
                 o = gl.zeros([_BM, 256], dtype=gl.float32, layout=o_layout)
+                pages_ok = True
                 mbarrier.wait(q_ready, nq & 1)
                 for n0 in range(tok_lo, tok_hi, _BN):
+                    pages_ok = pages_ok & page_ok(bt_row, n0, num_pages, PAGE)
                     o, m_i, l_i = _softmax_tile(o, m_i, l_i, it, npm, n0, first_masked, lim, seqlen,
                                                 n0 + _BN >= tok_hi, qk_scale, q_smem, q_pe_smem, kv_ring,
                                                 kv_pe_ring, p_smem, scale_smem, q_free, kv_ready, kv_empty,
                                                 p_ready, p_free, s_layout, o_layout)
                     npm += 1
                     it += 1
-                inv_l, lse2 = _softmax_finish(m_i, l_i, qk_scale, npm, scale_smem, p_ready, p_free)
+                bits = bits | gl.where(pages_ok, 0, BLOCK_TABLE)
+                report(err_ptr, bits)
+                inv_l, lse2 = _softmax_finish(m_i, l_i, qk_scale, bits != 0, npm, scale_smem, p_ready, p_free)
                 npm += 1
                 nq += 1
                 s_lo = gl.load(splits_ptr + b)
                 is_direct = gl.load(splits_ptr + b + 1) - s_lo == 1
-                piece = s_lo + gl.where(b == begin_req, begin_split, 0)
+                piece = gl.minimum(s_lo + gl.where(b == begin_req, begin_split, 0), PIECES - 1)
                 _store_half(o, gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)),
                             gl.convert_layout(lse2, gl.SliceLayout(1, o_layout)), 0, is_direct,
-                            out_ptr, lse_ptr, po_ptr, plse_ptr, b, piece, pid_m, H, Q_LEN, ROWS,
+                            out_ptr, lse_ptr, partials_ptr, PIECES, b, piece, pid_m, H, Q_LEN, ROWS,
                             stride_ob, stride_ot, stride_oh, True, o_layout)
 
     @gluon.jit
     def _value_warpgroup(
-        kv_ring, p_smem, scale_smem, kv_ready, kv_empty, p_ready, p_free,
-        seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr,
-        H, Q_LEN, ROWS, stride_ob, stride_ot, stride_oh, META_W: gl.constexpr,
+        kv_ring, p_smem, scale_smem, kv_ready, kv_empty, p_ready, p_free, PIECES, CAPACITY, seqlens_ptr, meta_ptr,
+        splits_ptr, out_ptr, lse_ptr, partials_ptr, B, PARTS, H, Q_LEN, ROWS, stride_ob, stride_ot, stride_oh,
+        PAGE: gl.constexpr, META_W: gl.constexpr,
     ):
         o_layout: gl.constexpr = _O_LAYOUT
         pid_m = gl.program_id(0)
-        begin_req, begin_blk, end_req, end_blk, begin_split = _part_bounds(meta_ptr, gl.program_id(1), META_W)
+        begin_req, begin_blk, end_req, end_blk, begin_split = part_bounds(meta_ptr, gl.program_id(1), B - 1, META_W)
         it = 0
         npm = 0
         for b in range(begin_req, end_req + 1):
-            seqlen, tok_lo, tok_hi = _request_tokens(seqlens_ptr, b, begin_req, begin_blk, end_req, end_blk,
-                                                     _BN)
+            seqlen, tok_lo, tok_hi, _ = request_span(seqlens_ptr, b, begin_req, begin_blk, end_req, end_blk,
+                                                     CAPACITY, _BN)
             if tok_lo < tok_hi:
                 o = gl.zeros([_BM, 256], dtype=gl.float32, layout=o_layout)
                 for n0 in range(tok_lo, tok_hi, _BN):
@@ -353,13 +360,14 @@ if HAVE_GLUON:
                                     p_ready, p_free, o_layout)
                     npm += 1
                     it += 1
+                # 1 / l from warpgroup 0: NaN for a request it found bad.
                 inv_l = _value_finish(npm, scale_smem, p_ready, p_free, o_layout)
                 npm += 1
                 s_lo = gl.load(splits_ptr + b)
                 is_direct = gl.load(splits_ptr + b + 1) - s_lo == 1
-                piece = s_lo + gl.where(b == begin_req, begin_split, 0)
-                _store_half(o, inv_l, inv_l, 256, is_direct, out_ptr, lse_ptr, po_ptr, plse_ptr, b, piece, pid_m,
-                            H, Q_LEN, ROWS, stride_ob, stride_ot, stride_oh, False, o_layout)
+                piece = gl.minimum(s_lo + gl.where(b == begin_req, begin_split, 0), PIECES - 1)
+                _store_half(o, inv_l, inv_l, 256, is_direct, out_ptr, lse_ptr, partials_ptr, PIECES, b, piece,
+                            pid_m, H, Q_LEN, ROWS, stride_ob, stride_ot, stride_oh, False, o_layout)
 
     @gluon.jit
     def _mla_buffers(q_desc, q_pe_desc, kv_desc, kv_pe_desc):
@@ -393,8 +401,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _decode_sm90_kernel(
         q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, seqlens_ptr, meta_ptr, splits_ptr,
-        out_ptr, lse_ptr, po_ptr, plse_ptr,
-        H, Q_LEN, ROWS, qk_scale, stride_btb, max_pages, stride_ob, stride_ot, stride_oh,
+        out_ptr, lse_ptr, partials_ptr, err_ptr,
+        B, PARTS, H, Q_LEN, ROWS, qk_scale, stride_btb, PIECES, CAPACITY, num_pages, stride_ob, stride_ot, stride_oh,
         CAUSAL: gl.constexpr, PAGE: gl.constexpr, META_W: gl.constexpr, PDL: gl.constexpr,
     ):
         if PDL:
@@ -406,16 +414,17 @@ if HAVE_GLUON:
          kv_empty) = _mla_buffers(q_desc, q_pe_desc, kv_desc, kv_pe_desc)
         gl.warp_specialize(
             [(_softmax_warpgroup, (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free,
-                                   kv_ready, kv_empty, p_ready, p_free, seqlens_ptr, meta_ptr, splits_ptr,
-                                   out_ptr, lse_ptr, po_ptr, plse_ptr, H, Q_LEN, ROWS, qk_scale, stride_ob,
-                                   stride_ot, stride_oh, CAUSAL, META_W)),
-             (_value_warpgroup, (kv_ring, p_smem, scale_smem, kv_ready, kv_empty, p_ready, p_free, seqlens_ptr,
-                                 meta_ptr, splits_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, H, Q_LEN, ROWS,
-                                 stride_ob, stride_ot, stride_oh, META_W)),
-             (_loader, (q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, max_pages, seqlens_ptr,
-                        meta_ptr, ROWS,
-                        q_smem, q_pe_smem, kv_ring, kv_pe_ring, q_ready, q_free, kv_ready, kv_empty, PAGE,
-                        META_W))],
+                                   kv_ready, kv_empty, p_ready, p_free, bt_ptr, stride_btb, PIECES, CAPACITY, num_pages,
+                                   seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr, partials_ptr, err_ptr, B,
+                                   PARTS, H, Q_LEN, ROWS, qk_scale, stride_ob, stride_ot, stride_oh, CAUSAL, PAGE,
+                                   META_W)),
+             (_value_warpgroup, (kv_ring, p_smem, scale_smem, kv_ready, kv_empty, p_ready, p_free, PIECES, CAPACITY,
+                                 seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr, partials_ptr, B, PARTS, H,
+                                 Q_LEN,
+                                 ROWS, stride_ob, stride_ot, stride_oh, PAGE, META_W)),
+             (_loader, (q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, PIECES, CAPACITY, num_pages,
+                        seqlens_ptr, meta_ptr, splits_ptr, partials_ptr, err_ptr, B, PARTS, ROWS, q_smem, q_pe_smem,
+                        kv_ring, kv_pe_ring, q_ready, q_free, kv_ready, kv_empty, PAGE, META_W))],
             worker_num_warps=[4, 1],
             worker_num_regs=[232, 32],
         )
@@ -450,27 +459,23 @@ def descriptor(x: torch.Tensor, block_shape: list[int], layout) -> TensorDescrip
     return desc
 
 
-def decode_sm90_main(q, k_cache, block_table, cache_seqlens, metadata, num_splits, softmax_scale, causal,
-                     out, lse, po, plse, pdl: bool = False) -> None:
-    """Launch the main kernel: results of one-piece requests into out / lse, the rest into po / plse (the
-    portable launcher allocates all four and runs the combine kernel afterwards). softmax_scale > 0 (the
-    softmax keeps unscaled row maxima; the public ops check it). ``pdl``: the combine kernel follows as a
-    programmatic dependent launch."""
-    b, q_len, h, d = q.shape
+def sm90_main_args(q_rows, k_cache, block_table, cache_seqlens, metadata, num_splits, softmax_scale, causal,
+                   out, lse, partials, err, pdl: bool = False):
+    """(kernel, grid, args, options) of the main kernel over ``q_rows`` (q as [b * rows, 576] from
+    ``tma_rows``): results of one-piece requests into out / lse, the rest into ``partials`` (decode.py's
+    ``partials_size`` layout; the portable launcher allocates it and runs the combine kernel afterwards).
+    softmax_scale > 0 (the softmax keeps unscaled row maxima; the public ops check it). ``pdl``: the combine
+    kernel follows as a programmatic dependent launch."""
+    b, q_len, h, _ = out.shape
     rows = q_len * h
-    page = k_cache.shape[1]
-    nope, pe = _tile_layout(D_V, q.dtype), _tile_layout(D_QK - D_V, q.dtype)
-    q_flat = tma_rows(q.reshape(b * rows, d))
-    kv_flat = k_cache.view(-1, d)
-    _MAIN.launch(
-        q.device, (-(-rows // BLOCK_M), metadata.shape[0]),
-        descriptor(q_flat, [BLOCK_M, D_V], nope), descriptor(q_flat, [BLOCK_M, D_QK - D_V], pe),
-        descriptor(kv_flat, [BLOCK_N, D_V], nope), descriptor(kv_flat, [BLOCK_N, D_QK - D_V], pe),
-        block_table, cache_seqlens, metadata, num_splits,
-        out, lse, po, plse,
-        h, q_len, rows, softmax_scale * _LOG2E, block_table.stride(0), block_table.shape[1],
-        out.stride(0), out.stride(1), out.stride(2),
-        CAUSAL=bool(causal), PAGE=page, META_W=METADATA_WIDTH, PDL=pdl,
-        num_warps=4,
-    )
-
+    parts = metadata.shape[0]
+    nope, pe = _tile_layout(D_V, q_rows.dtype), _tile_layout(D_QK - D_V, q_rows.dtype)
+    kv_flat = k_cache.view(-1, D_QK)
+    args = (descriptor(q_rows, [BLOCK_M, D_V], nope), descriptor(q_rows, [BLOCK_M, D_QK - D_V], pe),
+            descriptor(kv_flat, [BLOCK_N, D_V], nope), descriptor(kv_flat, [BLOCK_N, D_QK - D_V], pe),
+            block_table, cache_seqlens, metadata, num_splits, out, lse, partials, err,
+            b, parts, h, q_len, rows, softmax_scale * LOG2E, block_table.stride(0), b + parts,
+            block_table.shape[1] * k_cache.shape[1], k_cache.shape[0],
+            out.stride(0), out.stride(1), out.stride(2))
+    options = dict(CAUSAL=bool(causal), PAGE=k_cache.shape[1], META_W=METADATA_WIDTH, PDL=pdl, num_warps=4)
+    return _MAIN, (-(-rows // BLOCK_M), metadata.shape[0], 1), args, options

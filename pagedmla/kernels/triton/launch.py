@@ -1,8 +1,16 @@
 """Low-overhead launches of compiled Triton / Gluon kernels.
 
 A decode step is a few microseconds of GPU work at small batch, and ``JITFunction.run`` spends tens of
-microseconds per launch binding and specialising every argument. ``CachedKernel`` goes through Triton's
-JIT on the first call with a given specialisation and launches the compiled kernel directly afterwards.
+microseconds per launch binding and specialising every argument. Two levels:
+
+- ``CachedKernel`` goes through Triton's JIT on the first call with a given specialisation and launches
+  the compiled kernel directly afterwards.
+- ``CachedKernel.bind`` returns a ``BoundLaunch``: the compiled kernel with every argument but the tensor
+  addresses fixed, for launchers that keep one per call shape (a plan). Its launch hands Triton's C
+  launcher the addresses as integers (which skips the launcher's per-tensor ``data_ptr`` call and
+  ``cuPointerGetAttribute``) and tensor maps it encoded once per address (Triton's Python wrapper encodes
+  every host descriptor on every launch), so a launch costs a list copy and one C call.
+
 Its key reproduces what Triton specialises on: constexpr parameters by value, tensor dtypes and 16-byte
 alignment, integers equal to 1, divisible by 16 and their type (i32 / i64 / u64), booleans, tensor
 descriptors' dtype, block shape and layout (descriptors themselves are re-encoded on every launch by
@@ -72,6 +80,93 @@ def _spec(v: Any) -> Any:
     return ("c", v)
 
 
+def _raw_launcher(run: Any) -> Any:
+    """Triton 3.6's C entry point behind a ``CudaLauncher`` (its ``launch``, or the function the tensor
+    descriptor wrapper closes over), or None for another launcher structure."""
+    launch = getattr(run, "launch", None)
+    code = getattr(launch, "__code__", None)
+    if code is None:
+        return launch if callable(launch) else None
+    cells = dict(zip(code.co_freevars, launch.__closure__ or ()))
+    inner = cells.get("launcher")
+    return None if inner is None else inner.cell_contents
+
+
+class BoundLaunch:
+    """One compiled kernel and one call shape: ``launch(grid, stream, ptrs, map_ptrs)`` with ``ptrs`` the
+    data addresses of the tensor parameters, in signature order, and ``map_ptrs`` the base addresses of the
+    host tensor descriptors, in signature order; every other argument is the one ``CachedKernel.bind`` saw.
+    Tensor maps are encoded once per base address (their shape, strides and box are the bound call's)."""
+
+    def __init__(self, compiled: Any, values: list[Any], raw: Any) -> None:
+        run = compiled.run
+        self.compiled = compiled
+        self._raw = raw
+        self._head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                      compiled.packed_metadata)
+        tma_meta = list(getattr(compiled.metadata, "tensordesc_meta", None) or [])
+        self.template: list[Any] = []
+        self.ptr_slots: list[int] = []
+        self.map_slots: list[int] = []
+        self._maps: list[dict[int, Any]] = []
+        self._map_specs: list[tuple] = []
+        fill = None
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                self.ptr_slots.append(len(self.template))
+                self.template.append(0)
+            elif type(v) in _descriptor_types:
+                meta = tma_meta.pop(0) if tma_meta else None
+                shape, strides = list(v.shape), list(v.strides)
+                self.map_slots.append(len(self.template))
+                self._maps.append({})
+                if meta is None:  # lowered without TMA: base pointer, shape, strides, padding flag, again
+                    self.template += [0, *shape, *strides, v.padding == "nan", *shape, *strides]
+                    self._map_specs.append(None)
+                else:
+                    if fill is None:
+                        from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+                        from triton.runtime import driver
+
+                        fill = driver.active.utils.fill_tma_descriptor
+                    self.template += [None, *shape, *strides]
+                    self._map_specs.append((fill, meta["swizzle"], meta["elem_size"],
+                                            TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]], meta["block_size"],
+                                            shape, strides, 1 if v.padding == "nan" else 0))
+            else:
+                self.template.append(v)
+
+    def _map(self, i: int, ptr: int) -> Any:
+        spec = self._map_specs[i]
+        if spec is None:
+            return ptr
+        maps = self._maps[i]
+        m = maps.get(ptr)
+        if m is None:
+            fill, swizzle, elem_size, elem_type, block, shape, strides, padding = spec
+            if len(maps) > 64:  # a few live tensors per slot (a cache per layer, this step's q): keep it small
+                maps.clear()
+            m = maps[ptr] = fill(ptr, swizzle, elem_size, elem_type, block, shape, strides, padding)
+        return m
+
+    def launch(self, grid: tuple[int, int, int], stream: int, ptrs: tuple[int, ...],
+               map_ptrs: tuple[int, ...] = ()) -> None:
+        p = self.template.copy()
+        for slot, v in zip(self.ptr_slots, ptrs):
+            p[slot] = v
+        for i, (slot, v) in enumerate(zip(self.map_slots, map_ptrs)):
+            p[slot] = self._map(i, v)
+        enter = knobs.runtime.launch_enter_hook
+        metadata = None if enter is None else self.compiled.launch_metadata(grid, stream)
+        self._raw(grid[0], grid[1], grid[2], stream, *self._head, metadata, enter, knobs.runtime.launch_exit_hook,
+                  *p)
+
+
+def current_stream(device_index: int) -> int:
+    """The raw handle of the current CUDA stream on ``device_index`` (what ``BoundLaunch.launch`` takes)."""
+    return _raw_stream(device_index)
+
+
 class CachedKernel:
     """Wraps a ``@triton.jit`` or ``@gluon.jit`` function: ``kernel.launch(device, grid, *args, **kwargs)`` with
     every kernel parameter given (positionally, then by name) and launch options (``num_warps``,
@@ -108,6 +203,33 @@ class CachedKernel:
                 add(_spec(v))
         return tuple(key)
 
+    def _key(self, current: int, args: tuple, kwargs: dict) -> tuple[tuple, list[Any]]:
+        values = list(args) + [kwargs[n] for n in self.names[len(args):]]
+        options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in self.names))
+        return (current, options, knobs.runtime.debug, knobs.compilation.instrumentation_mode,
+                self.specialisation(values)), values
+
+    def bind(self, device: torch.device, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> BoundLaunch | None:
+        """A ``BoundLaunch`` of the kernel compiled for these arguments (compiling it now if needed, without
+        launching), or None where that path does not apply (off CUDA, another Triton, a kernel that needs
+        scratch memory): launch through ``launch`` then."""
+        if device.type != "cuda" or knobs is None:
+            return None
+        current = torch.cuda.current_device()
+        if device.index is not None and device.index != current:
+            with torch.cuda.device(device.index):
+                return self.bind(device, grid, *args, **kwargs)
+        key, values = self._key(current, args, kwargs)
+        kernel = self.compiled.get(key)
+        if kernel is None:
+            kernel = self.fn.warmup(*args, grid=grid, **kwargs)
+            self.compiled[key] = kernel
+        run = kernel.run
+        raw = _raw_launcher(run)
+        if raw is None or getattr(run, "global_scratch_size", 0) or getattr(run, "profile_scratch_size", 0):
+            return None
+        return BoundLaunch(kernel, values, raw)
+
     def launch(self, device: torch.device, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
         if device.type != "cuda" or knobs is None:
             self.fn[grid](*args, **kwargs)
@@ -117,10 +239,7 @@ class CachedKernel:
             with torch.cuda.device(device.index):  # launch where the tensors are, as a device guard would
                 self.launch(device, grid, *args, **kwargs)
             return
-        values = list(args) + [kwargs[n] for n in self.names[len(args):]]
-        options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in self.names))
-        key = (current, options, knobs.runtime.debug, knobs.compilation.instrumentation_mode,
-               self.specialisation(values))
+        key, values = self._key(current, args, kwargs)
         kernel = self.compiled.get(key)
         if kernel is None:
             kernel = self.fn[grid](*args, **kwargs)

@@ -18,31 +18,45 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedmla import errors
+from pagedmla.kernels.triton.common import (
+    _LN2,
+    BLOCK_TABLE,
+    LOG2E,
+    QUERY_INDPTR,
+    checked_length,
+    checked_page,
+    finish_rows,
+    indptr_is_partition,
+    report,
+)
 from pagedmla.kernels.triton.decode_sm90 import sm90_supported
 from pagedmla.kernels.triton.paged_prefill_sm90 import paged_prefill_sm90
-from pagedmla.kernels.triton.varlen import LOG2E, check_dtype, last_dim_contiguous, split_head_dim
+from pagedmla.kernels.triton.varlen import check_dtype, last_dim_contiguous, split_head_dim
 from pagedmla.ops import checks
 from pagedmla.ops.providers import register_impl, triton_interpreting
 
 
 @triton.jit
 def _paged_tile(
-    acc, l_i, m_i, q1, q2, KV, bt_row, stride_slot,
-    lo, hi, row_limit, kv_len, qk_scale,
+    acc, l_i, m_i, bad, q1, q2, KV, bt_row, stride_slot,
+    lo, hi, row_limit, kv_len, num_pages, qk_scale,
     PAGE_SIZE: tl.constexpr, DK: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Online-softmax update over latent rows [lo, hi) of one request. MASKED tiles apply the length
-    and per-row causal limits (row_limit: last visible key per row) and never read slots past kv_len."""
+    and per-row causal limits (row_limit: last visible key per row) and never read slots past kv_len.
+    ``bad`` accumulates whether a page id was outside the cache (page 0 is read instead)."""
     offs_n = tl.arange(0, BLOCK_N)
     d1 = tl.arange(0, BLOCK_D1)
     for start_n in tl.range(lo, hi, BLOCK_N):
         n = start_n + offs_n
         if MASKED:
             n_ok = n < kv_len
-            page = tl.load(bt_row + n // PAGE_SIZE, mask=n_ok, other=0)
+            page, page_bad = checked_page(tl.load(bt_row + n // PAGE_SIZE, mask=n_ok, other=0), num_pages)
         else:
-            page = tl.load(bt_row + n // PAGE_SIZE)
+            page, page_bad = checked_page(tl.load(bt_row + n // PAGE_SIZE), num_pages)
+        bad = bad | (tl.max(page_bad.to(tl.int32), 0) > 0)
         rows = KV + (page.to(tl.int64) * PAGE_SIZE + n % PAGE_SIZE)[:, None] * stride_slot
         # Unused slots may hold garbage (NaN): masked loads give 0 there, so no NaN reaches an MMA.
         if MASKED:
@@ -77,20 +91,34 @@ def _paged_tile(
         # head_dim_v, if any, only feed accumulator columns that are never stored.
         acc = tl.dot(p.to(kv1.dtype), kv1, acc, input_precision=DOT_PREC)
         m_i = m_new
-    return acc, l_i, m_i
+    return acc, l_i, m_i, bad
 
 
 @triton.jit
 def _paged_prefill_kernel(
-    Q, KV, O, LSE, block_table, cache_seqlens, qo_indptr,
+    Q, KV, O, LSE, block_table, cache_seqlens, qo_indptr, err_ptr,
     stride_qt, stride_qh, stride_slot, stride_bt, stride_ot, stride_oh,
-    num_heads, batch, qk_scale,
+    num_heads, batch, total_q, num_pages, max_pages, qk_scale,
     PAGE_SIZE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, SEARCH_STEPS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     # Later tiles hold later tokens, which see more keys: launch them first.
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
+    d1 = tl.arange(0, BLOCK_D1)
+    if not indptr_is_partition(qo_indptr, batch, total_q, tl.arange(0, 1024)):
+        # The tiles' request search and row offsets need a partition of the rows: without one, every row of
+        # the call is NaN, tile pid covering flat (token, head) rows pid * BLOCK_M .. (there are at least
+        # total_q * H / BLOCK_M tiles).
+        flat = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        ok = flat < tl.cast(total_q, tl.int64) * num_heads
+        o_rows = O + (flat // num_heads)[:, None] * stride_ot + (flat % num_heads)[:, None] * stride_oh
+        tl.store(o_rows + d1[None, :], tl.full([BLOCK_M, BLOCK_D1], float("nan"), O.dtype.element_ty),
+                 mask=ok[:, None] & (d1[None, :] < DV))
+        tl.store(LSE + flat, tl.full([BLOCK_M], float("nan"), tl.float32), mask=ok)
+        if pid == 0:
+            report(err_ptr, QUERY_INDPTR)
+        return
     # Largest b with tile_start(b) = qo_indptr[b] * H // BLOCK_M + b <= pid (tile_start is increasing).
     lo = 0
     hi = batch - 1
@@ -107,14 +135,13 @@ def _paged_prefill_kernel(
     n_rows = q_len * num_heads
     if r0 >= n_rows:
         return
-    kv_len = tl.load(cache_seqlens + b)
+    kv_len, bits = checked_length(tl.load(cache_seqlens + b), max_pages * PAGE_SIZE)
 
     r = r0 + tl.arange(0, BLOCK_M)
     row_ok = r < n_rows
     tok = r // num_heads
     head = r % num_heads
     q_rows = Q + (q_start.to(tl.int64) + tok)[:, None] * stride_qt + head[:, None] * stride_qh
-    d1 = tl.arange(0, BLOCK_D1)
     q1 = tl.load(q_rows + d1[None, :], mask=row_ok[:, None] & (d1[None, :] < DK), other=0.0)
     if BLOCK_D2 > 0:
         d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
@@ -137,18 +164,20 @@ def _paged_prefill_kernel(
         row_limit = tl.full([BLOCK_M], 2**30, dtype=tl.int32)
         full_end = (kv_len // BLOCK_N) * BLOCK_N
         end = kv_len
-    acc, l_i, m_i = _paged_tile(acc, l_i, m_i, q1, q2, KV, bt_row, stride_slot, 0, full_end, row_limit, kv_len,
-                                qk_scale, PAGE_SIZE, DK, BLOCK_D1, BLOCK_D2, BLOCK_N, False, DOT_PREC)
-    acc, l_i, m_i = _paged_tile(acc, l_i, m_i, q1, q2, KV, bt_row, stride_slot, full_end, end, row_limit, kv_len,
-                                qk_scale, PAGE_SIZE, DK, BLOCK_D1, BLOCK_D2, BLOCK_N, True, DOT_PREC)
-
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    bad = bits < 0  # page ids outside the cache, accumulated over the tiles
+    acc, l_i, m_i, bad = _paged_tile(acc, l_i, m_i, bad, q1, q2, KV, bt_row, stride_slot, 0, full_end, row_limit,
+                                     kv_len, num_pages, qk_scale, PAGE_SIZE, DK, BLOCK_D1, BLOCK_D2, BLOCK_N, False,
+                                     DOT_PREC)
+    acc, l_i, m_i, bad = _paged_tile(acc, l_i, m_i, bad, q1, q2, KV, bt_row, stride_slot, full_end, end, row_limit,
+                                     kv_len, num_pages, qk_scale, PAGE_SIZE, DK, BLOCK_D1, BLOCK_D2, BLOCK_N, True,
+                                     DOT_PREC)
+    bits = bits | tl.where(bad, BLOCK_TABLE, 0)
+    report(err_ptr, bits)
+    inv_l, lse2 = finish_rows(l_i, m_i, bits != 0)
     o_rows = O + (q_start.to(tl.int64) + tok)[:, None] * stride_ot + head[:, None] * stride_oh
-    tl.store(o_rows + d1[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None] & (d1[None, :] < DV))
-    tl.store(LSE + (q_start.to(tl.int64) + tok) * num_heads + head, lse, mask=row_ok)
+    tl.store(o_rows + d1[None, :], (acc * inv_l[:, None]).to(O.dtype.element_ty),
+             mask=row_ok[:, None] & (d1[None, :] < DV))
+    tl.store(LSE + (q_start.to(tl.int64) + tok) * num_heads + head, lse2 * _LN2, mask=row_ok)
 
 
 def default_config(dtype: torch.dtype) -> dict:
@@ -232,9 +261,9 @@ def paged_varlen_attention(
         return out, lse
     grid = ((t * h) // cfg["BLOCK_M"] + batch,)
     _paged_prefill_kernel[grid](
-        q, kv, out, lse, block_table, cache_seqlens, qo_indptr,
+        q, kv, out, lse, block_table, cache_seqlens, qo_indptr, errors.error_word(q.device),
         q.stride(0), q.stride(1), kv.stride(0), block_table.stride(0), out.stride(0), out.stride(1),
-        h, batch, softmax_scale * LOG2E,
+        h, batch, t, k_cache.shape[0], block_table.shape[1], softmax_scale * LOG2E,
         PAGE_SIZE=page_size, DK=d, DV=head_dim_v, BLOCK_D1=d1, BLOCK_D2=d2,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=bool(causal),
         SEARCH_STEPS=max(1, batch.bit_length()), DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",

@@ -22,6 +22,16 @@ from __future__ import annotations
 
 import torch
 
+from pagedmla import errors
+from pagedmla.kernels.triton.common import (
+    _LN2,
+    BLOCK_TABLE,
+    LOG2E,
+    QUERY_INDPTR,
+    checked_length,
+    indptr_is_partition,
+    report,
+)
 from pagedmla.kernels.triton.decode_sm90 import (
     BLOCK_M,
     BLOCK_N,
@@ -55,16 +65,18 @@ if HAVE_GLUON:
         _tile_layout,
         _value_finish,
         _value_tile,
+        page_ok,
     )
 
-_LOG2E = 1.4426950408889634
-
 if HAVE_GLUON:
+    _ONE_WARP = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
+    _WARPGROUP = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
 
     @gluon.jit
-    def _tile_work(tile, qo_ptr, seqlens_ptr, H, batch, CAUSAL: gl.constexpr, SEARCH_STEPS: gl.constexpr):
+    def _tile_work(tile, qo_ptr, seqlens_ptr, H, batch, capacity, CAUSAL: gl.constexpr, SEARCH_STEPS: gl.constexpr):
         """Work tile ``tile`` (request-major numbering): (request, its first flat q row, rows r0 .. r0 + 63 of
-        its q_len * H, q_len * H, q_len, kv_len, first key some row cannot see, end of the keys any row sees)."""
+        its q_len * H, q_len, kv_len clamped to 0 .. capacity, the error bits of its length, end of the keys any
+        row of the tile sees). Needs qo_indptr to be a partition of the rows (the caller checks)."""
         # Largest b with tile_start(b) = qo_indptr[b] * H // 64 + b <= tile (tile_start is increasing).
         lo = tile * 0
         hi = lo + batch - 1
@@ -79,44 +91,46 @@ if HAVE_GLUON:
         q_len = gl.load(qo_ptr + b + 1) - q_start
         r0 = (tile - ((q_start.to(gl.int64) * H) // _BM + b)).to(gl.int32) * _BM
         n_rows = q_len * H
-        # A negative length (garbage reaching the kernel with value checks off) reads as empty: every row of
-        # such a tile gets output 0 / LSE -inf, and the tile's end stays >= 0 (-1 means "no more tiles").
-        kv_len = gl.maximum(gl.load(seqlens_ptr + b), 0)
+        kv_len, bits = checked_length(gl.load(seqlens_ptr + b), capacity)
         if CAUSAL:
             # Token t of the request sees keys 0 .. kv_len - q_len + t.
             last_tok = (gl.minimum(r0 + _BM, n_rows) - 1) // H
-            first_masked = gl.minimum(gl.maximum(kv_len - q_len + r0 // H + 1, 0), kv_len)
             end = gl.maximum(gl.minimum(kv_len, kv_len - q_len + last_tok + 1), 0)
         else:
-            first_masked = kv_len
             end = kv_len
-        return b, q_start * H, r0, n_rows, q_len, kv_len, first_masked, end
+        return b, q_start * H, r0, q_len, kv_len, bits, end
 
     @gluon.jit
-    def _publish_tile(i, counter, T, qo_ptr, seqlens_ptr, H, batch, tile_info, tile_ready, tile_free,
+    def _rows_ok(qo_ptr, batch, T_rows, layout: gl.constexpr):
+        """Whether qo_indptr partitions the q rows; each partition checks it once, reading pieces of the
+        partition's width (``layout``); every program reads the same values, so all agree."""
+        return indptr_is_partition(qo_ptr, batch, T_rows, gl.arange(0, 32 * layout.warps_per_cta[0], layout=layout))
+
+    @gluon.jit
+    def _publish_tile(i, counter, T, qo_ptr, seqlens_ptr, H, batch, capacity, tile_info, tile_ready, tile_free,
                       CAUSAL: gl.constexpr, SEARCH_STEPS: gl.constexpr):
         """Loader: claim the next tile from the global counter and hand it to the warpgroups as their i-th
-        (slot i % 2: claim index, first flat q row, r0, rows, q_len, kv_len, first masked key, end). Claims
-        run from the last tile down: within a request, the heaviest causal tiles first. Returns (request, first
-        flat q row of the tile, end of its keys: 0 when the tile loads nothing, -1 past the last tile)."""
-        one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        (slot i % 2: claim index, first flat q row, r0, q_len, kv_len, length error bits, end, request).
+        Claims run from the last tile down: within a request, the heaviest causal tiles first. Returns
+        (request, first flat q row of the tile, end of its keys: 0 when the tile loads nothing, -1 past the
+        last tile)."""
         s = i % 2
         mbarrier.wait(tile_free.index(s), ((i // 2) & 1) ^ 1)
         slot = tile_info.index(s)
-        fetched = gl.atomic_add(counter + gl.zeros([1], gl.int32, one), gl.full([1], 1, gl.int32, one))
+        fetched = gl.atomic_add(counter + gl.zeros([1], gl.int32, _ONE_WARP), gl.full([1], 1, gl.int32, _ONE_WARP))
         slot.slice(0, 1).store(fetched)
         # One lane holds the claimed index: every lane reads it back from shared memory.
         gl.thread_barrier()
-        claim = gl.max(slot.slice(0, 1).load(one), axis=0)
+        claim = gl.max(slot.slice(0, 1).load(_ONE_WARP), axis=0)
         # Past the last tile the bounds are tile 0's (in range); the warpgroups then only read the claim index.
-        b, row0, r0, n_rows, q_len, kv_len, first_masked, end = _tile_work(
-            gl.maximum(T - 1 - claim, 0), qo_ptr, seqlens_ptr, H, batch, CAUSAL, SEARCH_STEPS)
-        k = gl.arange(0, 8, layout=one)
+        b, row0, r0, q_len, kv_len, bits, end = _tile_work(gl.maximum(T - 1 - claim, 0), qo_ptr, seqlens_ptr, H,
+                                                           batch, capacity, CAUSAL, SEARCH_STEPS)
+        k = gl.arange(0, 8, layout=_ONE_WARP)
         slot.store(gl.where(k == 0, claim, gl.where(k == 1, row0, gl.where(k == 2, r0, gl.where(
-            k == 3, n_rows, gl.where(k == 4, q_len, gl.where(k == 5, kv_len, gl.where(k == 6, first_masked, end))))))))
+            k == 3, q_len, gl.where(k == 4, kv_len, gl.where(k == 5, bits, gl.where(k == 6, end, b))))))))
         gl.thread_barrier()
         mbarrier.arrive(tile_ready.index(s), count=1)
-        return b, row0 + r0, gl.where(claim < T, gl.where(r0 < n_rows, end, 0), -1)
+        return b, row0 + r0, gl.where(claim < T, gl.where(r0 < q_len * H, end, 0), -1)
 
     @gluon.jit
     def _receive_tile(i, tile_info, tile_ready, tile_free):
@@ -147,102 +161,131 @@ if HAVE_GLUON:
         gl.store(out_ptr + flat[:, None] * _DV + cols[None, :], (o * scale[:, None]).to(out_ptr.dtype.element_ty),
                  mask=ok[:, None])
         if WRITE_LSE:
-            gl.store(lse_ptr + flat, lse2 * 0.6931471805599453, mask=ok)
+            gl.store(lse_ptr + flat, lse2 * _LN2, mask=ok)
+
+    @gluon.jit
+    def _poison_tiles(col0, out_ptr, lse_ptr, T, rows, WRITE_LSE: gl.constexpr, layout: gl.constexpr):
+        """Without a partition of the q rows (``_rows_ok``) a warpgroup writes NaN into its columns of the flat
+        rows 64 t .. 64 t + 63 of each tile t = program, program + programs, ... (the tiles cover every row)."""
+        nan = gl.full([_BM, 256], float("nan"), gl.float32, layout)
+        nan_rows = gl.full([_BM], float("nan"), gl.float32, gl.SliceLayout(1, layout))
+        for t in range(gl.program_id(0), T, gl.num_programs(0)):
+            _store_rows(nan, nan_rows, nan_rows, col0, out_ptr, lse_ptr, t * 0, t * _BM, rows, WRITE_LSE, layout)
 
     @gluon.jit
     def _prefill_loader(q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, seqlens_ptr, qo_ptr, counter, T,
-                        H, batch, q_smem, q_pe_smem, kv_ring, kv_pe_ring, tile_info, tile_ready, tile_free, q_ready,
-                        q_free, kv_ready, kv_empty, CAUSAL: gl.constexpr, PAGE: gl.constexpr,
-                        SEARCH_STEPS: gl.constexpr):
-        b, q_row, end = _publish_tile(0, counter, T, qo_ptr, seqlens_ptr, H, batch, tile_info, tile_ready, tile_free,
-                                      CAUSAL, SEARCH_STEPS)
-        i = 1
-        nq = 0
-        it = 0
-        while end >= 0:
-            if end > 0:
-                # Q of the previous tile stays until warpgroup 0's last S of it is done.
-                mbarrier.wait(q_free, (nq & 1) ^ 1)
-                _load_q(q_desc, q_pe_desc, q_row, q_smem, q_pe_smem, q_ready)
-                nq += 1
-                bt_row = bt_ptr + b.to(gl.int64) * stride_btb
-                it = _load_kv_tiles(kv_desc, kv_pe_desc, bt_row, gl.load(bt_row), 0, end, it, kv_ring, kv_pe_ring,
-                                    kv_ready, kv_empty, PAGE)
-            # The next tile is claimed once this one's loads are all issued (the warpgroups are then about two
-            # KV tiles from its end): late enough that a program never sits on a claimed tile it has not
-            # started while others run out of work, early enough for the search to finish before it is needed.
-            b, q_row, end = _publish_tile(i, counter, T, qo_ptr, seqlens_ptr, H, batch, tile_info, tile_ready,
-                                          tile_free, CAUSAL, SEARCH_STEPS)
-            i += 1
+                        H, batch, T_rows, capacity, num_pages, q_smem, q_pe_smem, kv_ring, kv_pe_ring, tile_info,
+                        tile_ready, tile_free, q_ready, q_free, kv_ready, kv_empty, CAUSAL: gl.constexpr,
+                        PAGE: gl.constexpr, SEARCH_STEPS: gl.constexpr):
+        if _rows_ok(qo_ptr, batch, T_rows, _ONE_WARP):
+            b, q_row, end = _publish_tile(0, counter, T, qo_ptr, seqlens_ptr, H, batch, capacity, tile_info,
+                                          tile_ready, tile_free, CAUSAL, SEARCH_STEPS)
+            i = 1
+            nq = 0
+            it = 0
+            while end >= 0:
+                if end > 0:
+                    # Q of the previous tile stays until warpgroup 0's last S of it is done.
+                    mbarrier.wait(q_free, (nq & 1) ^ 1)
+                    _load_q(q_desc, q_pe_desc, q_row, q_smem, q_pe_smem, q_ready)
+                    nq += 1
+                    bt_row = bt_ptr + b.to(gl.int64) * stride_btb
+                    it = _load_kv_tiles(kv_desc, kv_pe_desc, bt_row, gl.load(bt_row), 0, end, it, kv_ring,
+                                        kv_pe_ring, kv_ready, kv_empty, num_pages, PAGE)
+                # The next tile is claimed once this one's loads are all issued (the warpgroups are then about
+                # two KV tiles from its end): late enough that a program never sits on a claimed tile it has not
+                # started while others run out of work, early enough for the search to finish before it is needed.
+                b, q_row, end = _publish_tile(i, counter, T, qo_ptr, seqlens_ptr, H, batch, capacity, tile_info,
+                                              tile_ready, tile_free, CAUSAL, SEARCH_STEPS)
+                i += 1
 
     @gluon.jit
     def _prefill_softmax_warpgroup(
         q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, tile_info, tile_ready, tile_free, q_ready,
-        q_free, kv_ready, kv_empty, p_ready, p_free, out_ptr, lse_ptr, T, H, qk_scale, CAUSAL: gl.constexpr,
+        q_free, kv_ready, kv_empty, p_ready, p_free, out_ptr, lse_ptr, bt_ptr, stride_btb, qo_ptr, err_ptr,
+        num_pages, batch, T_rows, T, H, qk_scale, CAUSAL: gl.constexpr, PAGE: gl.constexpr,
     ):
         s_layout: gl.constexpr = _S_LAYOUT
         o_layout: gl.constexpr = _O_LAYOUT
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
-        i = 0
-        nq = 0
-        it = 0
-        npm = 0
-        claim = 0
-        while claim < T:
-            claim, row0, r0, n_rows, q_len, kv_len, first_masked, end = _receive_tile(i, tile_info, tile_ready,
-                                                                                       tile_free)
-            i += 1
-            if (claim < T) & (r0 < n_rows):
-                if CAUSAL:
-                    tok = (r0 + gl.arange(0, _BM, layout=row_l)) // H
-                    lim = gl.minimum(kv_len - q_len + 1 + tok, kv_len)
-                else:
-                    lim = gl.zeros([_BM], dtype=gl.int32, layout=row_l) + kv_len
-                m_i = gl.full([_BM], float("-inf"), dtype=gl.float32, layout=row_l)
-                l_i = gl.zeros([_BM], dtype=gl.float32, layout=row_l)
-                o = gl.zeros([_BM, 256], dtype=gl.float32, layout=o_layout)
-                if end > 0:
-                    mbarrier.wait(q_ready, nq & 1)
-                    nq += 1
-                for n0 in range(0, end, _BN):
-                    # The last S of the tile hands Q back to the loader for the next one.
-                    o, m_i, l_i = _softmax_tile(o, m_i, l_i, it, npm, n0, first_masked, lim, kv_len, n0 + _BN >= end,
-                                                qk_scale, q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem,
-                                                q_free, kv_ready, kv_empty, p_ready, p_free, s_layout, o_layout)
-                    it += 1
+        if not _rows_ok(qo_ptr, batch, T_rows, _WARPGROUP):
+            _poison_tiles(0, out_ptr, lse_ptr, T, T_rows * H, True, o_layout)
+            if gl.program_id(0) == 0:
+                report(err_ptr, QUERY_INDPTR)
+        else:
+            i = 0
+            nq = 0
+            it = 0
+            npm = 0
+            claim = 0
+            while claim < T:
+                claim, row0, r0, q_len, kv_len, bits, end, b = _receive_tile(i, tile_info, tile_ready, tile_free)
+                i += 1
+                n_rows = q_len * H
+                if (claim < T) & (r0 < n_rows):
+                    first_masked = kv_len
+                    if CAUSAL:
+                        tok = (r0 + gl.arange(0, _BM, layout=row_l)) // H
+                        lim = gl.minimum(kv_len - q_len + 1 + tok, kv_len)
+                        first_masked = gl.minimum(gl.maximum(kv_len - q_len + r0 // H + 1, 0), kv_len)
+                    else:
+                        lim = gl.zeros([_BM], dtype=gl.int32, layout=row_l) + kv_len
+                    m_i = gl.full([_BM], float("-inf"), dtype=gl.float32, layout=row_l)
+                    l_i = gl.zeros([_BM], dtype=gl.float32, layout=row_l)
+                    o = gl.zeros([_BM, 256], dtype=gl.float32, layout=o_layout)
+                    bt_row = bt_ptr + b.to(gl.int64) * stride_btb
+                    pages_ok = True
+                    if end > 0:
+                        mbarrier.wait(q_ready, nq & 1)
+                        nq += 1
+                    for n0 in range(0, end, _BN):
+                        pages_ok = pages_ok & page_ok(bt_row, n0, num_pages, PAGE)
+                        # The last S of the tile hands Q back to the loader for the next one.
+                        o, m_i, l_i = _softmax_tile(o, m_i, l_i, it, npm, n0, first_masked, lim, kv_len,
+                                                    n0 + _BN >= end, qk_scale, q_smem, q_pe_smem, kv_ring, kv_pe_ring,
+                                                    p_smem, scale_smem, q_free, kv_ready, kv_empty, p_ready, p_free,
+                                                    s_layout, o_layout)
+                        it += 1
+                        npm += 1
+                    bits = bits | gl.where(pages_ok, 0, BLOCK_TABLE)
+                    if r0 == 0:
+                        report(err_ptr, bits)
+                    inv_l, lse2 = _softmax_finish(m_i, l_i, qk_scale, bits != 0, npm, scale_smem, p_ready, p_free)
                     npm += 1
-                inv_l, lse2 = _softmax_finish(m_i, l_i, qk_scale, npm, scale_smem, p_ready, p_free)
-                npm += 1
-                _store_rows(o, gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)),
-                            gl.convert_layout(lse2, gl.SliceLayout(1, o_layout)), 0, out_ptr, lse_ptr, row0, r0, n_rows,
-                            True, o_layout)
+                    _store_rows(o, gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)),
+                                gl.convert_layout(lse2, gl.SliceLayout(1, o_layout)), 0, out_ptr, lse_ptr, row0, r0,
+                                n_rows, True, o_layout)
 
     @gluon.jit
     def _prefill_value_warpgroup(kv_ring, p_smem, scale_smem, tile_info, tile_ready, tile_free, kv_ready, kv_empty,
-                                 p_ready, p_free, out_ptr, lse_ptr, T):
+                                 p_ready, p_free, out_ptr, lse_ptr, qo_ptr, batch, T_rows, T, H):
         o_layout: gl.constexpr = _O_LAYOUT
-        i = 0
-        it = 0
-        npm = 0
-        claim = 0
-        while claim < T:
-            claim, row0, r0, n_rows, _, kv_len, _, end = _receive_tile(i, tile_info, tile_ready, tile_free)
-            i += 1
-            if (claim < T) & (r0 < n_rows):
-                o = gl.zeros([_BM, 256], dtype=gl.float32, layout=o_layout)
-                for n0 in range(0, end, _BN):
-                    o = _value_tile(o, it, npm, n0, kv_len, kv_ring, p_smem, scale_smem, kv_ready, kv_empty, p_ready,
-                                    p_free, o_layout)
-                    it += 1
+        if not _rows_ok(qo_ptr, batch, T_rows, _WARPGROUP):
+            _poison_tiles(256, out_ptr, lse_ptr, T, T_rows * H, False, o_layout)
+        else:
+            i = 0
+            it = 0
+            npm = 0
+            claim = 0
+            while claim < T:
+                claim, row0, r0, q_len, kv_len, _, end, _ = _receive_tile(i, tile_info, tile_ready, tile_free)
+                i += 1
+                if (claim < T) & (r0 < q_len * H):
+                    o = gl.zeros([_BM, 256], dtype=gl.float32, layout=o_layout)
+                    for n0 in range(0, end, _BN):
+                        o = _value_tile(o, it, npm, n0, kv_len, kv_ring, p_smem, scale_smem, kv_ready, kv_empty,
+                                        p_ready, p_free, o_layout)
+                        it += 1
+                        npm += 1
+                    # 1 / l from warpgroup 0: NaN for a request it found bad.
+                    inv_l = _value_finish(npm, scale_smem, p_ready, p_free, o_layout)
                     npm += 1
-                inv_l = _value_finish(npm, scale_smem, p_ready, p_free, o_layout)
-                npm += 1
-                _store_rows(o, inv_l, inv_l, 256, out_ptr, lse_ptr, row0, r0, n_rows, False, o_layout)
+                    _store_rows(o, inv_l, inv_l, 256, out_ptr, lse_ptr, row0, r0, q_len * H, False, o_layout)
 
     @gluon.jit
     def _paged_prefill_sm90_kernel(
-        q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, seqlens_ptr, qo_ptr, out_ptr, lse_ptr, counter,
-        T, H, batch, qk_scale, stride_btb,
+        q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, seqlens_ptr, qo_ptr, out_ptr, lse_ptr, counter, err_ptr,
+        T, H, batch, T_rows, qk_scale, stride_btb, max_pages, num_pages,
         CAUSAL: gl.constexpr, PAGE: gl.constexpr, SEARCH_STEPS: gl.constexpr,
     ):
         (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, p_ready, p_free, kv_ready,
@@ -254,15 +297,18 @@ if HAVE_GLUON:
         for s in gl.static_range(2):
             mbarrier.init(tile_ready.index(s), count=1)
             mbarrier.init(tile_free.index(s), count=2)  # one arrive per warpgroup
+        capacity = max_pages * PAGE
         gl.warp_specialize(
             [(_prefill_softmax_warpgroup, (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, tile_info,
                                            tile_ready, tile_free, q_ready, q_free, kv_ready, kv_empty, p_ready, p_free,
-                                           out_ptr, lse_ptr, T, H, qk_scale, CAUSAL)),
+                                           out_ptr, lse_ptr, bt_ptr, stride_btb, qo_ptr, err_ptr, num_pages, batch,
+                                           T_rows, T, H, qk_scale, CAUSAL, PAGE)),
              (_prefill_value_warpgroup, (kv_ring, p_smem, scale_smem, tile_info, tile_ready, tile_free, kv_ready,
-                                         kv_empty, p_ready, p_free, out_ptr, lse_ptr, T)),
+                                         kv_empty, p_ready, p_free, out_ptr, lse_ptr, qo_ptr, batch, T_rows, T, H)),
              (_prefill_loader, (q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, seqlens_ptr, qo_ptr,
-                                counter, T, H, batch, q_smem, q_pe_smem, kv_ring, kv_pe_ring, tile_info, tile_ready,
-                                tile_free, q_ready, q_free, kv_ready, kv_empty, CAUSAL, PAGE, SEARCH_STEPS))],
+                                counter, T, H, batch, T_rows, capacity, num_pages, q_smem, q_pe_smem, kv_ring,
+                                kv_pe_ring, tile_info, tile_ready, tile_free, q_ready, q_free, kv_ready, kv_empty,
+                                CAUSAL, PAGE, SEARCH_STEPS))],
             worker_num_warps=[4, 1],
             worker_num_regs=[232, 32],
         )
@@ -298,8 +344,8 @@ def paged_prefill_sm90(q: torch.Tensor, k_cache: torch.Tensor, block_table: torc
         q.device, (min(tiles, sm_count(q.device), programs or tiles),),
         descriptor(q_flat, [BLOCK_M, D_V], nope), descriptor(q_flat, [BLOCK_M, D_QK - D_V], pe),
         descriptor(kv_flat, [BLOCK_N, D_V], nope), descriptor(kv_flat, [BLOCK_N, D_QK - D_V], pe),
-        block_table, cache_seqlens, qo_indptr, out, lse, counter,
-        tiles, h, batch, softmax_scale * _LOG2E, block_table.stride(0),
+        block_table, cache_seqlens, qo_indptr, out, lse, counter, errors.error_word(q.device),
+        tiles, h, batch, t, softmax_scale * LOG2E, block_table.stride(0), block_table.shape[1], k_cache.shape[0],
         CAUSAL=bool(causal), PAGE=k_cache.shape[1], SEARCH_STEPS=max(1, batch.bit_length()),
         num_warps=4,
     )

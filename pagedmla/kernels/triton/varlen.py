@@ -15,11 +15,21 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedmla import errors
+from pagedmla.kernels.triton.common import (
+    _LN2,
+    KEY_INDPTR,
+    LOG2E,
+    MAX_SEQLEN,
+    QUERY_INDPTR,
+    finish_rows,
+    indptr_is_partition,
+    report,
+)
 from pagedmla.kernels.triton.varlen_sm90 import MAX_TILES, varlen_sm90, varlen_sm90_plan, varlen_sm90_supported
 from pagedmla.ops import checks
 from pagedmla.ops.providers import register_impl, triton_interpreting
 
-LOG2E = 1.4426950408889634
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -115,31 +125,58 @@ def _attn_tile(
 
 @triton.jit
 def _varlen_fwd_kernel(
-    Q, K, V, O, LSE, cu_q, cu_k,
+    Q, K, V, O, LSE, cu_q, cu_k, err_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    num_heads, qk_scale,
+    num_heads, batch, total_q, total_k, max_seqlen_q, qk_scale,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
-    # Causal tiles with a larger index have more keys: launch them first (longest job first).
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    # Tile pid of head h: sequence b owns tiles cu_q[b] // BLOCK_M + b .. (at least its ceil(lq / BLOCK_M)),
+    # so total_q // BLOCK_M + batch tiles per head cover any lengths; later tiles (more keys when causal)
+    # launch first.
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
-    b = tl.program_id(2)
+    dv = tl.arange(0, BLOCK_DV)
+    local_m = tl.arange(0, BLOCK_M)
+    if not indptr_is_partition(cu_q, batch, total_q, tl.arange(0, 1024)):
+        # Without a partition of the query rows no row belongs to one sequence: every row is NaN, tile pid
+        # covering rows pid * BLOCK_M .. of head h.
+        rows = pid.to(tl.int64) * BLOCK_M + local_m
+        ok = rows < total_q
+        tl.store(O + rows[:, None] * stride_ot + h * stride_oh + dv[None, :],
+                 tl.full([BLOCK_M, BLOCK_DV], float("nan"), O.dtype.element_ty), mask=ok[:, None] & (dv[None, :] < DV))
+        tl.store(LSE + rows * num_heads + h, tl.full([BLOCK_M], float("nan"), tl.float32), mask=ok)
+        if (pid == 0) & (h == 0):
+            report(err_ptr, QUERY_INDPTR)
+        return
+    lo = 0
+    hi = batch - 1
+    for _ in range(SEARCH_STEPS):
+        mid = (lo + hi + 1) // 2
+        go_up = tl.load(cu_q + mid) // BLOCK_M + mid <= pid
+        lo = tl.where(go_up, mid, lo)
+        hi = tl.where(go_up, hi, mid - 1)
+    b = lo
     q_start = tl.load(cu_q + b)
     lq = tl.load(cu_q + b + 1) - q_start
-    m0 = pid_m * BLOCK_M
+    m0 = (pid - (q_start // BLOCK_M + b)) * BLOCK_M
     if m0 >= lq:
         return
     k_start = tl.load(cu_k + b)
-    lk = tl.load(cu_k + b + 1) - k_start
+    k_end = tl.load(cu_k + b + 1)
+    # A key range outside k, or more queries than max_seqlen_q promised: the sequence's rows are NaN.
+    bits = (tl.where((k_start < 0) | (k_end < k_start) | (k_end > total_k), KEY_INDPTR, 0)
+            | tl.where(lq > max_seqlen_q, MAX_SEQLEN, 0))
+    k_start = tl.where(bits != 0, 0, k_start)
+    lk = tl.where(bits != 0, 0, k_end - k_start)
     kvh = h // GROUP
 
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_m = m0 + local_m
     row_ok = offs_m < lq
     d1 = tl.arange(0, BLOCK_D1)
     row0 = q_start.to(tl.int64) + m0
-    local_m = tl.arange(0, BLOCK_M)
     q_rows = Q + row0 * stride_qt + h * stride_qh + local_m[:, None] * stride_qt
     q1 = tl.load(q_rows + d1[None, :], mask=row_ok[:, None] & (d1[None, :] < DK), other=0.0)
     if BLOCK_D2 > 0:
@@ -167,16 +204,14 @@ def _varlen_fwd_kernel(
     acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q1, q2, k_base, v_base, stride_kt, stride_vt,
                                full_end, hi, offs_m, diag_off, lk, qk_scale,
                                DK, DV, BLOCK_D1, BLOCK_D2, BLOCK_DV, BLOCK_N, True, CAUSAL, DOT_PREC)
-
+    if m0 == 0:
+        report(err_ptr, bits)
     # Rows that saw no key: l = 0, acc = 0 -> output 0 and LSE -inf.
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
-    dv = tl.arange(0, BLOCK_DV)
+    inv_l, lse2 = finish_rows(l_i, m_i, bits != 0)
     o_rows = O + row0 * stride_ot + h * stride_oh + local_m[:, None] * stride_ot
-    tl.store(o_rows + dv[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
-    tl.store(LSE + (q_start.to(tl.int64) + offs_m) * num_heads + h, lse, mask=row_ok)
+    tl.store(o_rows + dv[None, :], (acc * inv_l[:, None]).to(O.dtype.element_ty),
+             mask=row_ok[:, None] & (dv[None, :] < DV))
+    tl.store(LSE + (q_start.to(tl.int64) + offs_m) * num_heads + h, lse2 * _LN2, mask=row_ok)
 
 
 def default_config(dk: int, dv: int, dtype: torch.dtype) -> dict:
@@ -200,6 +235,8 @@ HOPPER_COPY_MIN_Q = 512
 
 def _use_hopper(config: dict | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_seqlen_q: int,
                 batch: int) -> bool:
+    if k.shape[0] == 0:  # no keys at all: a TMA descriptor cannot describe an empty tensor
+        return False
     if config is not None:
         return bool(config.get("HOPPER"))
     if not varlen_sm90_supported(q, k, v):
@@ -264,10 +301,10 @@ def varlen_attention(
     # The kernel indexes the cumulative lengths as dense arrays (a no-op when they already are).
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     batch = cu_seqlens_q.shape[0] - 1
-    if tq == 0 or batch <= 0 or max_seqlen_q == 0:
-        out.zero_()
-        lse.fill_(float("-inf"))
+    if tq == 0:
         return out, lse
+    if batch <= 0:
+        raise ValueError(f"cu_seqlens_q: no sequences (1 entry) but q has {tq} rows")
     q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
     cfg = dict(default_config(dk, dv, q.dtype))
     if config:
@@ -276,13 +313,13 @@ def varlen_attention(
         varlen_sm90(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal, out, lse)
         return out, lse
     d1, d2 = split_head_dim(dk)
-    grid = (triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), h, batch)
+    grid = (tq // cfg["BLOCK_M"] + batch, h)
     _varlen_fwd_kernel[grid](
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, errors.error_word(q.device),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        h, softmax_scale * LOG2E,
+        h, batch, tq, tk, max_seqlen_q, softmax_scale * LOG2E,
         GROUP=h // hk, DK=dk, DV=dv, BLOCK_D1=d1, BLOCK_D2=d2, BLOCK_DV=pow2_dim(dv),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=bool(causal),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=bool(causal), SEARCH_STEPS=max(1, batch.bit_length()),
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

@@ -38,6 +38,17 @@ import functools
 
 import torch
 
+from pagedmla import errors
+from pagedmla.kernels.triton.common import (
+    _LN2,
+    KEY_INDPTR,
+    LOG2E,
+    MAX_SEQLEN,
+    QUERY_INDPTR,
+    finish_rows,
+    indptr_is_partition,
+    report,
+)
 from pagedmla.kernels.triton.decode_sm90 import (
     HAVE_GLUON,
     MAX_TILES,
@@ -64,7 +75,6 @@ if HAVE_GLUON:
 
 BLOCK_M = 128  # query rows per program: two warpgroups of 64
 BLOCK_N = 128  # keys per tile
-_LOG2E = 1.4426950408889634
 if HAVE_GLUON:
     _WM = gl.constexpr(64)
     _BN = gl.constexpr(BLOCK_N)
@@ -77,7 +87,8 @@ def varlen_sm90_plan(max_seqlen_q: int, total_q: int, heads: int, batch: int) ->
     tiles, where their hand-offs cost more than the per-sequence numbering's search between tiles."""
     padded = -(-max_seqlen_q // BLOCK_M) * heads * batch
     per_sequence = (total_q // BLOCK_M + batch) * heads
-    if padded > 2 * per_sequence:
+    # (max_seqlen_q 0 with rows to write: only the per-sequence numbering has tiles for them.)
+    if padded > 2 * per_sequence or padded == 0:
         return per_sequence, True
     return padded, False
 
@@ -94,22 +105,33 @@ def varlen_sm90_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
 if HAVE_GLUON:
 
     @gluon.jit
-    def _tile_bounds(t, NM, H, cu_q, cu_k, CAUSAL: gl.constexpr):
+    def _sequence_keys(cu_k, b, lq, Tk, MAXQ):
+        """(first key row, key count, error bits) of sequence b: a key range outside k, or more queries than
+        max_seqlen_q promised, gives no keys (nothing is loaded) and the bits that poison its rows. The loader
+        and the consumers call it alike, so they agree on the tiles they stream."""
+        k_start = gl.load(cu_k + b)
+        k_end = gl.load(cu_k + b + 1)
+        bits = (gl.where((k_start < 0) | (k_end < k_start) | (k_end > Tk), KEY_INDPTR, 0)
+                | gl.where(lq > MAXQ, MAX_SEQLEN, 0))
+        return gl.where(bits != 0, 0, k_start), gl.where(bits != 0, 0, k_end - k_start), bits
+
+    @gluon.jit
+    def _tile_bounds(t, NM, H, cu_q, cu_k, Tk, MAXQ, CAUSAL: gl.constexpr):
         """Tile t of the launch order (sequence-major, then head, then row tiles heaviest first): (head,
-        q_start, lq, m0, k_start, lk, diagonal offset lk - lq, end of the keys any row of the tile sees)."""
+        q_start, lq, m0, k_start, lk, diagonal offset lk - lq, end of the keys any row of the tile sees, error
+        bits of the sequence)."""
         grp = t // NM
         m0 = (NM - 1 - t % NM) * (2 * _WM)
         b = grp // H
         q_start = gl.load(cu_q + b)
         lq = gl.load(cu_q + b + 1) - q_start
-        k_start = gl.load(cu_k + b)
-        lk = gl.load(cu_k + b + 1) - k_start
+        k_start, lk, bits = _sequence_keys(cu_k, b, lq, Tk, MAXQ)
         diag = lk - lq
         if CAUSAL:
             hi = gl.maximum(gl.minimum(lk, gl.minimum(m0 + 2 * _WM, lq) + diag), 0)
         else:
             hi = lk
-        return grp % H, q_start, lq, m0, k_start, lk, diag, hi
+        return grp % H, q_start, lq, m0, k_start, lk, diag, hi, bits
 
     @gluon.jit
     def _tile_count(cu_q, H, batch):
@@ -117,10 +139,10 @@ if HAVE_GLUON:
         return (gl.load(cu_q + batch) // (2 * _WM) + batch) * H
 
     @gluon.jit
-    def _tile_of(t, cu_q, cu_k, H, batch, SEARCH_STEPS: gl.constexpr):
+    def _tile_of(t, cu_q, cu_k, H, batch, Tk, MAXQ, SEARCH_STEPS: gl.constexpr):
         """Tile t of the per-sequence numbering (sequence-major, then head, then row tiles heaviest first):
-        (head, q_start, lq, m0, k_start, lk). Sequence b's tiles start at (cu_q[b] // 128 + b) * H, an
-        increasing function of b: binary search."""
+        (head, q_start, lq, m0, k_start, lk, error bits). Sequence b's tiles start at (cu_q[b] // 128 + b) * H,
+        an increasing function of b: binary search."""
         lo = t * 0
         hi = lo + batch - 1
         for _ in gl.static_range(SEARCH_STEPS):
@@ -132,9 +154,8 @@ if HAVE_GLUON:
         q_end = gl.load(cu_q + lo + 1)
         nm = q_end // (2 * _WM) - q_start // (2 * _WM) + 1
         rem = t - (q_start // (2 * _WM) + lo) * H
-        k_start = gl.load(cu_k + lo)
-        lk = gl.load(cu_k + lo + 1) - k_start
-        return rem // nm, q_start, q_end - q_start, (nm - 1 - rem % nm) * (2 * _WM), k_start, lk
+        k_start, lk, bits = _sequence_keys(cu_k, lo, q_end - q_start, Tk, MAXQ)
+        return rem // nm, q_start, q_end - q_start, (nm - 1 - rem % nm) * (2 * _WM), k_start, lk, bits
 
     @gluon.jit
     def _tile_end(lq, m0, lk, CAUSAL: gl.constexpr):
@@ -145,21 +166,22 @@ if HAVE_GLUON:
             return lk
 
     @gluon.jit
-    def _publish_tile_info(slot, t, cu_q, cu_k, H, batch, SEARCH_STEPS: gl.constexpr):
+    def _publish_tile_info(slot, t, cu_q, cu_k, H, batch, Tk, MAXQ, SEARCH_STEPS: gl.constexpr):
         """Loader: the bounds of per-sequence tile t into its hand-off slot; returns (head, q_start, lq, m0,
         k_start, lk). Past the last tile the search still reads inside cu_q / cu_k (the consumers then only
         look at the id)."""
         one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-        h, q_start, lq, m0, k_start, lk = _tile_of(t, cu_q, cu_k, H, batch, SEARCH_STEPS)
+        h, q_start, lq, m0, k_start, lk, bits = _tile_of(t, cu_q, cu_k, H, batch, Tk, MAXQ, SEARCH_STEPS)
         idx = gl.arange(0, 8, layout=one)
         slot.store(gl.where(idx == 0, t, gl.where(idx == 1, h, gl.where(idx == 2, q_start, gl.where(
-            idx == 3, lq, gl.where(idx == 4, m0, lk))))))
+            idx == 3, lq, gl.where(idx == 4, m0, gl.where(idx == 5, lk, bits)))))))
         gl.thread_barrier()
         return h, q_start, lq, m0, k_start, lk
 
     @gluon.jit
     def _receive_tile_info(i, tile_info, tile_ready, tile_free):
-        """Consumer side of a per-sequence hand-off: the loader's i-th tile as (id, head, q_start, lq, m0, lk)."""
+        """Consumer side of a per-sequence hand-off: the loader's i-th tile as (id, head, q_start, lq, m0, lk,
+        error bits)."""
         s = i % 2
         mbarrier.wait(tile_ready.index(s), (i // 2) & 1)
         layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -170,7 +192,8 @@ if HAVE_GLUON:
         idx = gl.arange(0, 8, layout=layout)
         return (gl.sum(gl.where(idx == 0, info, 0), axis=0), gl.sum(gl.where(idx == 1, info, 0), axis=0),
                 gl.sum(gl.where(idx == 2, info, 0), axis=0), gl.sum(gl.where(idx == 3, info, 0), axis=0),
-                gl.sum(gl.where(idx == 4, info, 0), axis=0), gl.sum(gl.where(idx == 5, info, 0), axis=0))
+                gl.sum(gl.where(idx == 4, info, 0), axis=0), gl.sum(gl.where(idx == 5, info, 0), axis=0),
+                gl.sum(gl.where(idx == 6, info, 0), axis=0))
 
     @gluon.jit
     def _receive_tile(i, tile_ids, tile_ready, tile_free):
@@ -198,13 +221,16 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _varlen_loader(q_desc, q_pe_desc, k_desc, k_pe_desc, v_desc, cu_q, cu_k, counter, GROUP, H, NM, T, batch,
-                       q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids, tile_ready, tile_free, q_ready, q_free,
+                       Tq, Tk, MAXQ, q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids, tile_ready, tile_free,
+                       q_ready, q_free,
                        k_ready, k_empty, v_ready, v_empty,
                        DK1: gl.constexpr, DK2: gl.constexpr, CAUSAL: gl.constexpr, SEARCH_STEPS: gl.constexpr,
                        PER_SEQ: gl.constexpr):
         one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         if PER_SEQ:
             T = _tile_count(cu_q, H, batch)
+        # Without a partition of the q rows there is no work tile: the consumers poison every row.
+        T = gl.where(indptr_is_partition(cu_q, batch, Tq, gl.arange(0, 32, layout=one)), T, 0)
         i = 0
         nq = 0
         base = 0  # ring position: K/V tiles issued for earlier work tiles
@@ -221,7 +247,8 @@ if HAVE_GLUON:
                 # One lane holds the fetched id: every lane reads it back from shared memory.
                 gl.thread_barrier()
                 t = gl.max(slot.slice(0, 1).load(one), axis=0)
-                h, q_start, lq, m0, k_start, lk = _publish_tile_info(slot, t, cu_q, cu_k, H, batch, SEARCH_STEPS)
+                h, q_start, lq, m0, k_start, lk = _publish_tile_info(slot, t, cu_q, cu_k, H, batch, Tk, MAXQ,
+                                                                     SEARCH_STEPS)
             else:
                 tile_ids.index(s).store(fetched)
                 gl.thread_barrier()
@@ -232,7 +259,7 @@ if HAVE_GLUON:
                 if PER_SEQ:
                     hi = _tile_end(lq, m0, lk, CAUSAL)
                 else:
-                    h, q_start, lq, m0, k_start, _, _, hi = _tile_bounds(t, NM, H, cu_q, cu_k, CAUSAL)
+                    h, q_start, lq, m0, k_start, _, _, hi, _ = _tile_bounds(t, NM, H, cu_q, cu_k, Tk, MAXQ, CAUSAL)
                 if m0 < lq:
                     q_col = h * (DK1 + DK2)
                     # Warpgroup 0's half of Q, then the first K tile, then warpgroup 1's half: each half waits
@@ -297,8 +324,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _varlen_consumer(q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids, tile_ready, tile_free, q_ready,
-                         q_free, k_ready, k_empty, v_ready, v_empty, out_ptr, lse_ptr, cu_q, cu_k, H, NM, T, batch,
-                         qk_scale, stride_ot, stride_oh, W: gl.constexpr, DK2: gl.constexpr, DV: gl.constexpr,
+                         q_free, k_ready, k_empty, v_ready, v_empty, out_ptr, lse_ptr, cu_q, cu_k, err_ptr, H, NM, T,
+                         batch, Tq, Tk, MAXQ, qk_scale, stride_ot, stride_oh, W: gl.constexpr, DK2: gl.constexpr,
+                         DV: gl.constexpr,
                          CAUSAL: gl.constexpr, PER_SEQ: gl.constexpr):
         """Warpgroup W: query rows m0 + 64 W .. m0 + 64 W + 63 of each tile. FA3's intra-warpgroup overlap:
         S of key tile j is issued before P V of key tile j - 1, and the softmax of tile j runs while that
@@ -313,13 +341,15 @@ if HAVE_GLUON:
         q_pe = q_pe_smem.index(W)
         if PER_SEQ:
             T = _tile_count(cu_q, H, batch)
+        rows_ok = indptr_is_partition(cu_q, batch, Tq, gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0])))
+        T = gl.where(rows_ok, T, 0)
         i = 0
         nq = 0
         base = 0
         t = 0
         while t < T:
             if PER_SEQ:
-                t, h, q_start, lq, m0, lk = _receive_tile_info(i, tile_ids, tile_ready, tile_free)
+                t, h, q_start, lq, m0, lk, bits = _receive_tile_info(i, tile_ids, tile_ready, tile_free)
             else:
                 t = _receive_tile(i, tile_ids, tile_ready, tile_free)
             i += 1
@@ -328,7 +358,7 @@ if HAVE_GLUON:
                     diag = lk - lq
                     hi = _tile_end(lq, m0, lk, CAUSAL)
                 else:
-                    h, q_start, lq, m0, _, lk, diag, hi = _tile_bounds(t, NM, H, cu_q, cu_k, CAUSAL)
+                    h, q_start, lq, m0, _, lk, diag, hi, bits = _tile_bounds(t, NM, H, cu_q, cu_k, Tk, MAXQ, CAUSAL)
                 if m0 < lq:
                     mw = m0 + W * _WM
                     rows = mw + gl.arange(0, _WM, layout=row_l)
@@ -395,10 +425,9 @@ if HAVE_GLUON:
                         mbarrier.wait(v_ready.index(c % _STAGES), (c // _STAGES) & 1)
                         mbarrier.arrive(v_empty.index(c % _STAGES), count=1)
                     base += n_tiles
-                    has_key = l_i > 0.0
-                    inv_l = gl.where(has_key, 1.0 / gl.where(has_key, l_i, 1.0), 0.0)
-                    lse = gl.where(has_key, (m_i * qk_scale + gl.log2(gl.where(has_key, l_i, 1.0)))
-                                   * 0.6931471805599453, float("-inf"))
+                    if (W == 0) & (m0 == 0) & (h == 0):
+                        report(err_ptr, bits)
+                    inv_l, lse2 = finish_rows(l_i, m_i * qk_scale, bits != 0)
                     r = mw + gl.arange(0, _WM, layout=gl.SliceLayout(1, o_layout))
                     ok = r < lq
                     tok = q_start.to(gl.int64) + r
@@ -406,12 +435,44 @@ if HAVE_GLUON:
                     o = o * gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))[:, None]
                     gl.store(out_ptr + (tok * stride_ot + h * stride_oh)[:, None] + cols[None, :],
                              o.to(out_ptr.dtype.element_ty), mask=ok[:, None])
-                    gl.store(lse_ptr + tok * H + h, gl.convert_layout(lse, gl.SliceLayout(1, o_layout)), mask=ok)
+                    gl.store(lse_ptr + tok * H + h, gl.convert_layout(lse2 * _LN2, gl.SliceLayout(1, o_layout)),
+                             mask=ok)
+                    if not PER_SEQ:
+                        if m0 + 2 * _WM == NM * 2 * _WM:
+                            # The padded numbering gives each sequence NM row tiles: the top one poisons the rows of
+                            # a sequence longer than max_seqlen_q that no tile covers.
+                            _poison_rows(out_ptr, lse_ptr, q_start, NM * 2 * _WM + W * _WM, lq, 2 * _WM, h, H,
+                                         stride_ot, stride_oh, DV, o_layout)
+        if not rows_ok:
+            # No partition of the q rows: every row of every head is NaN, this warpgroup's 64-row halves of the
+            # 128-row tiles t = program, program + programs, ...
+            for t in range(gl.program_id(0), gl.cdiv(Tq, 2 * _WM) * H, gl.num_programs(0)):
+                r0 = (t // H) * 2 * _WM + W * _WM
+                _poison_rows(out_ptr, lse_ptr, r0 * 0, r0, gl.minimum(r0 + _WM, Tq), 2 * _WM, t % H, H, stride_ot,
+                             stride_oh, DV, o_layout)
+            if (gl.program_id(0) == 0) & (W == 0):
+                report(err_ptr, QUERY_INDPTR)
+
+    @gluon.jit
+    def _poison_rows(out_ptr, lse_ptr, q_start, r_lo, r_hi, step, h, H, stride_ot, stride_oh, DV: gl.constexpr,
+                     layout: gl.constexpr):
+        """NaN into head h's output and LSE of rows q_start + r for r in r_lo .. r_hi - 1, 64 rows every
+        ``step`` (a warpgroup's half of each 128-row tile)."""
+        r_in = gl.arange(0, _WM, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, DV, layout=gl.SliceLayout(0, layout))
+        nan = gl.full([_WM, DV], float("nan"), out_ptr.dtype.element_ty, layout)
+        for r0 in range(r_lo, r_hi, step):
+            r = r0 + r_in
+            ok = r < r_hi
+            tok = q_start.to(gl.int64) + r
+            gl.store(out_ptr + (tok * stride_ot + h * stride_oh)[:, None] + cols[None, :], nan, mask=ok[:, None])
+            gl.store(lse_ptr + tok * H + h, gl.full([_WM], float("nan"), gl.float32, gl.SliceLayout(1, layout)),
+                     mask=ok)
 
     @gluon.jit
     def _varlen_sm90_kernel(
-        q_desc, q_pe_desc, k_desc, k_pe_desc, v_desc, out_ptr, lse_ptr, cu_q, cu_k, counter,
-        H, GROUP, NM, T, batch, qk_scale, stride_ot, stride_oh,
+        q_desc, q_pe_desc, k_desc, k_pe_desc, v_desc, out_ptr, lse_ptr, cu_q, cu_k, counter, err_ptr,
+        H, GROUP, NM, T, batch, Tq, Tk, MAXQ, qk_scale, stride_ot, stride_oh,
         DK1: gl.constexpr, DK2: gl.constexpr, DV: gl.constexpr, CAUSAL: gl.constexpr, SEARCH_STEPS: gl.constexpr,
         PER_SEQ: gl.constexpr,
     ):
@@ -447,15 +508,17 @@ if HAVE_GLUON:
             mbarrier.init(v_empty.index(i), count=2)
         gl.warp_specialize(
             [(_varlen_consumer, (q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids, tile_ready, tile_free, q_ready,
-                                 q_free, k_ready, k_empty, v_ready, v_empty, out_ptr, lse_ptr, cu_q, cu_k, H, NM, T,
-                                 batch, qk_scale, stride_ot, stride_oh, 0, DK2, DV, CAUSAL, PER_SEQ)),
+                                 q_free, k_ready, k_empty, v_ready, v_empty, out_ptr, lse_ptr, cu_q, cu_k, err_ptr, H,
+                                 NM, T, batch, Tq, Tk, MAXQ, qk_scale, stride_ot, stride_oh, 0, DK2, DV, CAUSAL,
+                                 PER_SEQ)),
              (_varlen_consumer, (q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids, tile_ready, tile_free, q_ready,
-                                 q_free, k_ready, k_empty, v_ready, v_empty, out_ptr, lse_ptr, cu_q, cu_k, H, NM, T,
-                                 batch, qk_scale, stride_ot, stride_oh, 1, DK2, DV, CAUSAL, PER_SEQ)),
+                                 q_free, k_ready, k_empty, v_ready, v_empty, out_ptr, lse_ptr, cu_q, cu_k, err_ptr, H,
+                                 NM, T, batch, Tq, Tk, MAXQ, qk_scale, stride_ot, stride_oh, 1, DK2, DV, CAUSAL,
+                                 PER_SEQ)),
              (_varlen_loader, (q_desc, q_pe_desc, k_desc, k_pe_desc, v_desc, cu_q, cu_k, counter, GROUP, H, NM, T,
-                               batch, q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids, tile_ready, tile_free,
-                               q_ready, q_free, k_ready, k_empty, v_ready, v_empty, DK1, DK2, CAUSAL, SEARCH_STEPS,
-                               PER_SEQ))],
+                               batch, Tq, Tk, MAXQ, q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids, tile_ready,
+                               tile_free, q_ready, q_free, k_ready, k_empty, v_ready, v_empty, DK1, DK2, CAUSAL,
+                               SEARCH_STEPS, PER_SEQ))],
             worker_num_warps=[4, 1],
             worker_num_regs=[232, 40],
         )
@@ -474,20 +537,22 @@ def varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
     """Launch on checked inputs (``varlen_attention`` checks them and allocates out [Tq, H, Dv] and lse
     [Tq, H] float32); requires ``varlen_sm90_supported(q, k, v)`` and softmax_scale > 0 (the softmax keeps
     unscaled row maxima). Each call zeroes its own tile counter (one small memset on the stream), so
-    concurrent calls on other streams and CUDA-graph replays do not share it. cu_seqlens_q must start at 0
-    (the public contract): the per-sequence numbering counts row tiles from row 0."""
+    concurrent calls on other streams and CUDA-graph replays do not share it. Guards as the portable kernel's
+    (``pagedmla.errors``): without a partition of the q rows in cu_seqlens_q every row is NaN; a sequence
+    whose key range lies outside k or whose length exceeds ``max_seqlen_q`` gets NaN rows. k must hold at
+    least one row (a TMA descriptor cannot describe an empty tensor: ``varlen_attention`` runs the portable
+    kernel then)."""
     if not varlen_sm90_supported(q, k, v):
         raise ValueError("config: HOPPER needs an sm_90 GPU, Triton's Gluon, bf16/fp16 q/k/v, q/k head dim 64, "
                          "128 or 192 and value head dim 64 or 128")
     tq, h, dk = q.shape
     tk, hk, dv = v.shape
     batch = cu_seqlens_q.shape[0] - 1
-    if tq == 0 or batch == 0 or max_seqlen_q == 0:  # no query row belongs to a sequence
+    if tq == 0:
         return
-    if tk == 0:  # no keys at all (a TMA descriptor cannot describe an empty tensor)
-        out.zero_()
-        lse.fill_(float("-inf"))
-        return
+    if batch == 0 or tk == 0:
+        raise ValueError(f"cu_seqlens_q/k: the Hopper kernel needs sequences and keys, got {batch} sequences "
+                         f"over {tk} keys")
     dk1 = 128 if dk == 192 else dk
     dk2 = dk - dk1
     # A non-contiguous input is copied here (varlen_attention's default avoids that for short queries).
@@ -506,8 +571,9 @@ def varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
         descriptor(k2, [BLOCK_N, dk1], _layout(BLOCK_N, dk1, q.dtype)),
         descriptor(k2, [BLOCK_N, pe_width], _layout(BLOCK_N, pe_width, q.dtype)),
         descriptor(v2, [BLOCK_N, dv], _layout(BLOCK_N, dv, q.dtype)),
-        out, lse, cu_seqlens_q, cu_seqlens_k, counter,
-        h, h // hk, -(-max_seqlen_q // BLOCK_M), tiles, batch, softmax_scale * _LOG2E, out.stride(0), out.stride(1),
+        out, lse, cu_seqlens_q, cu_seqlens_k, counter, errors.error_word(q.device),
+        h, h // hk, -(-max_seqlen_q // BLOCK_M), tiles, batch, tq, tk, max_seqlen_q, softmax_scale * LOG2E,
+        out.stride(0), out.stride(1),
         DK1=dk1, DK2=dk2, DV=dv, CAUSAL=bool(causal), SEARCH_STEPS=max(1, batch.bit_length()) if per_sequence else 1,
         PER_SEQ=per_sequence,
         num_warps=4,

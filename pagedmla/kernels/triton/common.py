@@ -1,0 +1,77 @@
+"""What every pagedmla kernel shares: the base-2 softmax constants, the value guards and the row finish.
+
+The guards implement ``pagedmla.errors``' contract inside the kernels (Triton and Gluon kernels both call
+these ``@triton.jit`` helpers): a value that would address memory outside a tensor is replaced by a safe one
+before any load or store uses it, the request it belongs to is marked bad (its rows become NaN) and the
+error bit is OR-ed into the device's error word.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from pagedmla import errors
+
+LOG2E = 1.4426950408889634  # the kernels' softmax runs in base 2: scores are scaled by softmax_scale * LOG2E
+LN2 = 0.6931471805599453  # and their log2 LSE is returned as a natural log
+_LN2 = tl.constexpr(LN2)
+
+BLOCK_TABLE = tl.constexpr(errors.BLOCK_TABLE)
+NEGATIVE_LENGTH = tl.constexpr(errors.NEGATIVE_LENGTH)
+LENGTH_BEYOND_TABLE = tl.constexpr(errors.LENGTH_BEYOND_TABLE)
+SCHEDULE = tl.constexpr(errors.SCHEDULE)
+QUERY_INDPTR = tl.constexpr(errors.QUERY_INDPTR)
+KEY_INDPTR = tl.constexpr(errors.KEY_INDPTR)
+MAX_SEQLEN = tl.constexpr(errors.MAX_SEQLEN)
+CACHE_SLOT = tl.constexpr(errors.CACHE_SLOT)
+
+
+@triton.jit
+def checked_page(page, num_pages):
+    """(page id, or 0 where it lies outside 0 .. num_pages - 1; whether it did): page 0 is reserved, so a
+    bad id reads the reserved page and the caller poisons the request's result."""
+    bad = (page < 0) | (page >= num_pages)
+    return tl.where(bad, 0, page), bad
+
+
+@triton.jit
+def checked_length(length, capacity):
+    """(length clamped to 0 .. capacity; the error bits of what was wrong: negative, or beyond the block
+    table's capacity = its pages x page size)."""
+    bits = tl.where(length < 0, NEGATIVE_LENGTH, 0) | tl.where(length > capacity, LENGTH_BEYOND_TABLE, 0)
+    return tl.minimum(tl.maximum(length, 0), capacity), bits
+
+
+@triton.jit
+def report(err_ptr, bits):
+    """OR ``bits`` (a scalar) into the error word, when any is set."""
+    if bits != 0:
+        tl.atomic_or(err_ptr, bits)
+
+
+@triton.jit
+def finish_rows(l_i, m2, bad):
+    """(1 / l, log2 LSE) of rows with softmax denominator ``l_i`` and log2 row max ``m2`` (scaled): a row
+    that saw no key (l = 0) gives 0 and -inf; ``bad`` (a scalar) or a NaN score makes both NaN, so that a
+    corrupt row never passes for an empty one."""
+    empty = l_i == 0.0
+    inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
+    lse2 = tl.where(empty, float("-inf"), m2 + tl.log2(tl.where(empty, 1.0, l_i)))
+    nan = float("nan")
+    return tl.where(bad, nan, inv_l), tl.where(bad, nan, lse2)
+
+
+@triton.jit
+def indptr_is_partition(indptr_ptr, n, total, lanes):
+    """Whether ``indptr`` [n + 1] starts at 0, never decreases and ends at ``total``: the rows it assigns to
+    its n sequences are disjoint and cover 0 .. total - 1. Reads it ``lanes`` (an arange, with the caller's
+    layout in Gluon kernels) entries at a time."""
+    CHUNK: tl.constexpr = lanes.shape[0]
+    ok = (tl.load(indptr_ptr) == 0) & (tl.load(indptr_ptr + n) == total)
+    for c in range(0, n, CHUNK):
+        j = c + lanes
+        lo = tl.load(indptr_ptr + j, mask=j < n, other=0)
+        hi = tl.load(indptr_ptr + j + 1, mask=j < n, other=0)
+        ok = ok & (tl.max((hi < lo).to(tl.int32), 0) == 0)
+    return ok
