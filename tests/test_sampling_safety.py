@@ -1,5 +1,6 @@
-"""The sampler is safe for every parameter SamplingParams accepts, and a request whose logits hold
-inf/NaN is reported alone."""
+"""The sampler is safe for every parameter SamplingParams accepts, a request whose logits hold inf/NaN
+fails alone, and an exception while sampling or post-processing one request finishes that request with
+finish_reason "error" while the step's other requests go on."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import math
 import pytest
 import torch
 
-from pagedmla.engine import SamplingParams, sample
+import pagedmla.engine.llm as llm_module
+from pagedmla.engine import LLM, SamplingParams, sample
 from pagedmla.engine.sampling import MIN_TEMPERATURE, NonFiniteLogitsError, sampling_probs
 from pagedmla.engine.speculative import verify
+from pagedmla.model import load_model
 
 VOCAB = 512
 TINY_TEMPERATURES = [5e-324, 1e-45, 1e-38, 1e-30, MIN_TEMPERATURE / 2]
@@ -115,3 +118,132 @@ def test_verify_reports_a_non_finite_request_and_keeps_the_others():
             verify(broken, drafts, params, gens())
         assert exc.value.rows == [request]
         assert exc.value.tokens == [None if i == request else t for i, t in enumerate(clean)]
+
+
+# ---------------------------------------------------------------------------------------------- engine
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny", device="cpu", dtype=torch.float32)
+
+
+def _llm(model, **kwargs):
+    return LLM(model, page_size=16, num_pages=64, max_context_len=128, provider="torch", **kwargs)
+
+
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+PROMPT = [5, 6, 7, 8]
+
+
+def test_extreme_parameters_generate_next_to_a_greedy_request(tiny):
+    """The parameters that used to wedge the engine (temperature about 1e-38 or below, top_p below
+    1.4e-45) each produce tokens, and a greedy request sharing their steps is unaffected."""
+    alone = _llm(tiny).generate([PROMPT], GREEDY)[0].token_ids
+    extreme = [SamplingParams(temperature=t, max_tokens=6, ignore_eos=True, seed=1) for t in TINY_TEMPERATURES]
+    extreme += [SamplingParams(temperature=1.0, top_p=p, max_tokens=6, ignore_eos=True, seed=2) for p in TINY_TOP_P]
+    extreme += [SamplingParams(temperature=1e300, top_k=10 ** 12, max_tokens=6, ignore_eos=True, seed=3)]
+    for mode in ({}, {"num_speculative_tokens": 2}, {"mixed_batching": True}):
+        outs = _llm(tiny, **mode).generate([PROMPT] * (len(extreme) + 1), [GREEDY] + extreme)
+        assert outs[0].token_ids == alone
+        for out in outs:
+            assert out.finish_reason == "length" and len(out.token_ids) == 6 and out.error is None
+            assert all(0 <= t < VOCAB for t in out.token_ids)
+        # Below the floor, and with a top_p keeping one token, requests decode greedily.
+        assert all(o.token_ids == alone for o in outs[1: 1 + len(TINY_TEMPERATURES) + len(TINY_TOP_P)])
+
+
+def _poison_request(llm: LLM, victim: int, after_steps: int = 0) -> None:
+    """Make the model's logits for request ``victim`` NaN from its ``after_steps``-th step on."""
+    run = llm.runner.run
+    seen = {"steps": 0}
+
+    def poisoned(seqs, mode, num_extends, **kwargs):
+        logits = run(seqs, mode, num_extends, **kwargs)
+        ids = [s.seq_id for s in seqs]
+        if victim in ids:
+            seen["steps"] += 1
+            if seen["steps"] > after_steps:
+                per = logits.shape[0] // len(seqs)
+                i = ids.index(victim)
+                logits = logits.clone()
+                logits[i * per:(i + 1) * per, 3] = math.nan
+        return logits
+
+    llm.runner.run = poisoned
+
+
+@pytest.mark.parametrize("options", [{}, {"mixed_batching": True}, {"num_speculative_tokens": 2}],
+                         ids=["extend_steps", "mixed_steps", "speculative"])
+def test_nan_logits_fail_only_their_request(tiny, options):
+    prompts = [PROMPT, [9, 10, 11], [12, 13] * 4]
+    sampled = SamplingParams(temperature=0.8, seed=4, max_tokens=6, ignore_eos=True)
+    params = [GREEDY, sampled, GREEDY]
+    expected = _llm(tiny, **options).generate(prompts, params)
+    llm = _llm(tiny, **options)
+    ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+    _poison_request(llm, ids[1], after_steps=2)
+    outs = {}
+    while llm.has_unfinished():
+        for out in llm.step():
+            outs[out.request_id] = out
+        llm.pages.audit(llm.scheduler.running)
+    failed = outs[ids[1]]
+    assert failed.finish_reason == "error" and "inf or NaN" in failed.error
+    assert failed.token_ids == expected[1].token_ids[: len(failed.token_ids)] and len(failed.token_ids) < 6
+    for i in (0, 2):
+        assert outs[ids[i]].token_ids == expected[i].token_ids and outs[ids[i]].error is None
+    assert llm.pages.allocator.num_used == 0
+    # The engine goes on serving.
+    assert llm.generate([PROMPT], GREEDY)[0].token_ids == expected[0].token_ids
+
+
+def test_an_exception_sampling_one_request_fails_only_it(tiny, monkeypatch):
+    """Any exception from the sampler: the batch is sampled again one request at a time and only the
+    request that raises alone fails."""
+    real = llm_module.sample
+
+    def flaky(logits, params, generators):
+        if any(p.max_tokens == 7 for p in params):
+            raise RuntimeError("boom")
+        return real(logits, params, generators)
+
+    monkeypatch.setattr(llm_module, "sample", flaky)
+    llm = _llm(tiny)
+    outs = llm.generate([PROMPT, [1, 2, 3]], [GREEDY, SamplingParams(max_tokens=7)])
+    assert outs[0].token_ids == _llm(tiny).generate([PROMPT], GREEDY)[0].token_ids
+    assert outs[1].finish_reason == "error" and outs[1].error == "sampling raised RuntimeError: boom"
+    assert outs[1].token_ids == [] and not llm.has_unfinished() and llm.pages.allocator.num_used == 0
+
+
+def test_an_exception_post_processing_one_request_fails_only_it(tiny):
+    llm = _llm(tiny)
+    victim = llm.add_request([1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True))
+    real = llm.scheduler._stop_reason
+
+    def stop_reason(seq, token):
+        if seq.seq_id == victim and seq.num_output_tokens == 2:
+            raise KeyError("no such stop")
+        return real(seq, token)
+
+    llm.scheduler._stop_reason = stop_reason
+    out = llm.generate([PROMPT], GREEDY)[0]
+    assert out.token_ids == _llm(tiny).generate([PROMPT], GREEDY)[0].token_ids
+    failed = llm.pop_finished()[victim]
+    assert failed.finish_reason == "error" and failed.error == "post-processing raised KeyError: 'no such stop'"
+    assert llm.pages.allocator.num_used == 0
+
+
+def test_a_tokenizer_that_cannot_decode_fails_only_its_request(tiny):
+    class Tokenizer:
+        def encode(self, text):
+            return [int(t) for t in text.split()]
+
+        def decode(self, ids, skip_special_tokens=False):
+            if len(ids) == 3:
+                raise IndexError("piece id is out of range")
+            return " ".join(map(str, ids))
+
+    llm = _llm(tiny, tokenizer=Tokenizer())
+    outs = llm.generate(["5 6 7 8", "1 2"], [GREEDY, SamplingParams(max_tokens=3, ignore_eos=True)])
+    assert outs[0].finish_reason == "length" and outs[0].text == " ".join(map(str, outs[0].token_ids))
+    assert outs[1].finish_reason == "error" and outs[1].text is None and len(outs[1].token_ids) == 3
+    assert outs[1].error == "tokenizer: decoding the output raised IndexError: piece id is out of range"

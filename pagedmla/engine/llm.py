@@ -5,6 +5,10 @@ join a running batch: anything added between steps is admitted by the scheduler 
 Features (each leaves greedy output unchanged): chunked prefill under a per-step token budget, MIXED
 prefill + decode steps, prefix caching, preemption with recomputation when pages run out, CUDA graphs
 for decode / verify steps, and n-gram speculative decoding verified in one target step.
+
+A step never fails for one request: a request whose logits hold inf/NaN, or whose sampling or
+post-processing raises, finishes with finish_reason "error" (``RequestOutput.error`` says why) and the
+step's other requests go on.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from pagedmla.engine.kv_pages import KVPages
 from pagedmla.engine.model_runner import ModelRunner
 from pagedmla.engine.prefix_cache import PrefixCache
 from pagedmla.engine.profiler import AttentionProfiler
-from pagedmla.engine.sampling import SamplingParams, sample
+from pagedmla.engine.sampling import NonFiniteLogitsError, SamplingParams, sample
 from pagedmla.engine.scheduler import ScheduledBatch, Scheduler
 from pagedmla.engine.sequence import Sequence
 from pagedmla.engine.speculative import verify
@@ -40,8 +44,10 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 class RequestOutput:
     """A finished (or aborted) request: its prompt, generated token ids (and text when a tokenizer exists).
 
-    arrival_time / token_times: ``time.perf_counter()`` when the request was added and when each
-    generated token came out (time to first token, inter-token latency)."""
+    finish_reason: "stop", "length", "abort", or "error" (the engine could not sample or post-process
+    the request; ``error`` says why). arrival_time / token_times: ``time.perf_counter()`` when the
+    request was added and when each generated token came out (time to first token, inter-token
+    latency)."""
 
     request_id: int
     prompt_token_ids: list[int]
@@ -50,6 +56,7 @@ class RequestOutput:
     text: str | None = None
     arrival_time: float = 0.0
     token_times: list[float] = field(default_factory=list)
+    error: str | None = None
 
 
 @dataclass
@@ -283,7 +290,8 @@ class LLM:
         return self._output(seq)
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; returns the requests that finished in it."""
+        """Run one scheduled step; returns the requests that finished in it (those that failed in it
+        included, with finish_reason "error")."""
         before = self._page_counts()
         batch = self.scheduler.schedule()
         if batch is None:
@@ -303,16 +311,7 @@ class LLM:
                       for seq, n in zip(batch.seqs, batch.num_tokens)]
         logits = self.runner.run(batch.seqs, mode, batch.num_extends, tokens=tokens, all_logits=drafts is not None,
                                  backend=self.profiler)
-        params = [s.params for s in batch.seqs]
-        generators = [s.generator for s in batch.seqs]
-        if drafts is not None:
-            new_tokens = verify(logits, drafts, params, generators)
-        else:
-            # Only a step that reaches a request's last token samples (not the earlier prompt chunks).
-            rows = [i for i in range(len(batch.seqs)) if batch.samples(i)]
-            sampled = iter(sample(logits[rows], [params[i] for i in rows], [generators[i] for i in rows])
-                           if rows else [])
-            new_tokens = [[next(sampled)] if batch.samples(i) else [] for i in range(len(batch.seqs))]
+        new_tokens, errors = self._sample(batch, logits, drafts)
         now = time.perf_counter()  # the tokens were read back, so the device is done
         if self.profiler:
             kind = mode.value
@@ -320,12 +319,60 @@ class LLM:
             self.stats.attention_seconds[kind] = self.stats.attention_seconds.get(kind, 0.0) + \
                 self.profiler.seconds - secs
         lengths = [len(seq) for seq in batch.seqs]
-        finished = self.scheduler.postprocess(batch, new_tokens, verified=drafts is not None, now=now)
+        finished = self.scheduler.postprocess(batch, new_tokens, verified=drafts is not None, now=now,
+                                              errors=errors)
         # Stop tokens and max_tokens may cut a request's new tokens short: count what it kept.
         kept = [len(seq) - n for seq, n in zip(batch.seqs, lengths)]
         self._record(batch, mode, new_tokens, kept, proposed, now - start)
         self._record_page_counts(before)
         return [self._output(seq) for seq in finished]
+
+    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor,
+                drafts: list[list[int]] | None) -> tuple[list[list[int]], dict[int, str]]:
+        """Each request's new tokens this step (none for a prompt chunk that is not its last), and a
+        message for each batch row that could not be sampled (its tokens are then []).
+
+        The batch is sampled at once; rows reported non-finite fail alone. Any other exception samples
+        the requests one at a time, so that only those that raise again fail."""
+        seqs = batch.seqs
+        if drafts is not None:
+            rows = list(range(len(seqs)))
+            width = logits.shape[0] // len(seqs)
+
+            def draw(idx: list[int]) -> list[list[int] | None]:
+                part = logits if len(idx) == len(seqs) else logits[idx[0] * width:(idx[0] + 1) * width]
+                return verify(part, [drafts[i] for i in idx], [seqs[i].params for i in idx],
+                              [seqs[i].generator for i in idx])
+        else:
+            # Only a step that reaches a request's last token samples (not the earlier prompt chunks).
+            rows = [i for i in range(len(seqs)) if batch.samples(i)]
+
+            def draw(idx: list[int]) -> list[list[int] | None]:
+                tokens = sample(logits[idx], [seqs[i].params for i in idx], [seqs[i].generator for i in idx])
+                return [[t] for t in tokens]
+        new_tokens: list[list[int]] = [[] for _ in seqs]
+        errors: dict[int, str] = {}
+        if not rows:
+            return new_tokens, errors
+        try:
+            drawn = draw(rows)
+        except NonFiniteLogitsError as exc:
+            drawn = [None if t is None else (t if drafts is not None else [t]) for t in exc.tokens]
+        except Exception:
+            drawn = []
+            for i in rows:
+                try:
+                    drawn += draw([i])
+                except Exception as exc:
+                    drawn.append(None)
+                    errors[i] = f"sampling raised {type(exc).__name__}: {exc}"
+        for i, tokens in zip(rows, drawn):
+            if tokens is None:
+                errors.setdefault(i, "logits: inf or NaN in this request's logits (the model's numbers "
+                                     "overflowed or its weights are corrupt); no token could be sampled")
+            else:
+                new_tokens[i] = tokens
+        return new_tokens, errors
 
     def _page_counts(self) -> tuple[int, int, int, int]:
         """The scheduler's and page manager's running totals that EngineStats mirrors, to take differences of."""
@@ -379,11 +426,19 @@ class LLM:
             s.mixed_steps += 1
 
     def _output(self, seq: Sequence) -> RequestOutput:
+        """The output of a request that just finished; a tokenizer that cannot decode its tokens fails the
+        request ("error") rather than the step."""
         del self._requests[seq.seq_id]
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True) if self.tokenizer else None
+        text = None
+        if self.tokenizer is not None:
+            try:
+                text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            except Exception as exc:
+                seq.finish_reason = "error"
+                seq.error = f"tokenizer: decoding the output raised {type(exc).__name__}: {exc}"
         return RequestOutput(request_id=seq.seq_id, prompt_token_ids=seq.prompt_token_ids,
                              token_ids=seq.output_token_ids, finish_reason=seq.finish_reason, text=text,
-                             arrival_time=seq.arrival_time, token_times=list(seq.token_times))
+                             arrival_time=seq.arrival_time, token_times=list(seq.token_times), error=seq.error)
 
     def generate(self, prompts: str | Seq[int] | Seq[str | Seq[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,

@@ -247,32 +247,58 @@ class Scheduler:
 
     # ------------------------------------------------------------------ after the step
     def postprocess(self, batch: ScheduledBatch, new_tokens: list[list[int]], verified: bool = False,
-                    now: float = 0.0) -> list[Sequence]:
+                    now: float = 0.0, errors: dict[int, str] | None = None) -> list[Sequence]:
         """Advance each request past its step: ``new_tokens[i]`` are the tokens request i produced (none
         for a prompt chunk that is not the last; 1 + accepted drafts for a verify step, ``verified``).
-        Finishes the requests that stop (freeing their pages) and returns them."""
+        Finishes the requests that stop (freeing their pages) and returns them.
+
+        errors: batch row -> message for requests whose step failed (no token could be sampled): they
+        finish with reason "error" instead, as does a request whose own advance raises; the others are
+        unaffected."""
         finished = []
+        errors = errors or {}
         for i, (seq, tokens) in enumerate(zip(batch.seqs, new_tokens)):
-            reason = None
-            appended = 0
-            for token in tokens:
-                seq.token_ids.append(token)
-                seq.token_times.append(now)
-                appended += 1
-                reason = self._stop_reason(seq, token)
-                if reason is not None:
-                    break
-            # Rows written this step that stay valid: the whole chunk; in a verify step the last token's
-            # and those of the drafts now in the sequence, the newest token excepted (it has no row in
-            # plain decoding either); the rejected drafts' rows are dropped.
-            seq.num_cached_tokens += appended if verified else batch.num_tokens[i]
-            self.pages.commit(seq)
-            if reason is not None:
+            if i in errors:
+                self._fail(seq, errors[i])
+                finished.append(seq)
+                continue
+            try:
+                reason = self._advance(seq, tokens, batch.num_tokens[i], verified, now)
+            except Exception as exc:  # one request's failure must not take the step's others with it
+                reason = None
+                self._fail(seq, f"post-processing raised {type(exc).__name__}: {exc}")
+            if seq.is_finished:
+                finished.append(seq)
+            elif reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)
             elif verified:
                 self.pages.trim(seq, len(seq))
         return finished
+
+    def _advance(self, seq: Sequence, tokens: list[int], num_tokens: int, verified: bool,
+                 now: float) -> str | None:
+        """Append ``tokens`` to ``seq`` up to a stop, count the rows its step wrote as cached and offer its
+        full pages to the prefix cache; returns the stop reason (None: it goes on)."""
+        reason = None
+        appended = 0
+        for token in tokens:
+            seq.token_ids.append(token)
+            seq.token_times.append(now)
+            appended += 1
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                break
+        # Rows written this step that stay valid: the whole chunk; in a verify step the last token's
+        # and those of the drafts now in the sequence, the newest token excepted (it has no row in
+        # plain decoding either); the rejected drafts' rows are dropped.
+        seq.num_cached_tokens += appended if verified else num_tokens
+        self.pages.commit(seq)
+        return reason
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        seq.error = message
+        self.finish(seq, "error")
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         if token in seq.params.stop_token_ids or (token in self.eos_token_ids and not seq.params.ignore_eos):
@@ -282,7 +308,7 @@ class Scheduler:
         return None
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """End ``seq`` (finished or aborted): give back its pages and take it off the queues."""
+        """End ``seq`` (finished, failed or aborted): give back its pages and take it off the queues."""
         if seq.status == SequenceStatus.RUNNING:
             self.pages.release(seq)
             self.running.remove(seq)
