@@ -9,11 +9,18 @@ for decode / verify steps, and n-gram speculative decoding verified in one targe
 A step never fails for one request: a request whose logits hold inf/NaN, or whose sampling or
 post-processing raises, finishes with finish_reason "error" (``RequestOutput.error`` says why) and the
 step's other requests go on.
+
+Threads: one ``LLM`` may be shared. Its public methods hold one re-entrant lock, so concurrent
+``generate`` calls run one after the other (each to completion, returning only its own requests), and
+``add_request`` / ``step`` / ``abort`` / ``pop_finished`` / ``has_unfinished`` are safe to call from any
+thread (a server: one thread stepping, others adding and aborting; an ``add_request`` waits at most for
+the step in progress, or for a ``generate`` call in progress to return).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -230,6 +237,8 @@ class LLM:
         self._requests: dict[int, Sequence] = {}
         # Outputs of add_request'ed requests that finished inside a generate call, for pop_finished.
         self._finished: dict[int, RequestOutput] = {}
+        # Held by every public method that reads or changes the requests (the module's thread contract).
+        self._lock = threading.RLock()
 
     @property
     def device(self) -> torch.device:
@@ -252,7 +261,8 @@ class LLM:
     def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> int:
         """Queue a request; it joins the running batch at the next step. Returns its request id."""
         seq = self._new_sequence(prompt, params)
-        self._enqueue(seq)
+        with self._lock:
+            self._enqueue(seq)
         return seq.seq_id
 
     def _new_sequence(self, prompt: str | Seq[int], params: SamplingParams | None) -> Sequence:
@@ -271,27 +281,34 @@ class LLM:
 
     def has_unfinished(self) -> bool:
         """Whether any request is still waiting or running."""
-        return self.scheduler.has_unfinished()
+        with self._lock:
+            return self.scheduler.has_unfinished()
 
     def pop_finished(self) -> dict[int, RequestOutput]:
         """Outputs, by request id, of requests queued with ``add_request`` that finished during a
         ``generate`` call (which returns only its own requests' outputs). They are handed over once: the
         engine forgets them, so an application that mixes the two should collect them after each call."""
-        finished, self._finished = self._finished, {}
+        with self._lock:
+            finished, self._finished = self._finished, {}
         return finished
 
     def abort(self, request_id: int) -> RequestOutput:
         """Stop an unfinished request now (waiting or running), freeing its pages; returns its output so
         far with finish_reason "abort"."""
-        seq = self._requests.get(request_id)
-        if seq is None:
-            raise ValueError(f"request_id: {request_id!r} is not an unfinished request of this engine")
-        self.scheduler.finish(seq, "abort")
-        return self._output(seq)
+        with self._lock:
+            seq = self._requests.get(request_id)
+            if seq is None:
+                raise ValueError(f"request_id: {request_id!r} is not an unfinished request of this engine")
+            self.scheduler.finish(seq, "abort")
+            return self._output(seq)
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; returns the requests that finished in it (those that failed in it
         included, with finish_reason "error")."""
+        with self._lock:
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         before = self._page_counts()
         batch = self.scheduler.schedule()
         if batch is None:
@@ -449,7 +466,12 @@ class LLM:
         Every prompt and its params are checked before any is queued, so an error queues nothing.
         Requests queued earlier with ``add_request`` run alongside: those finishing during the call are
         kept for ``pop_finished``, and those still unfinished when this call's requests are done stay
-        queued (``step`` or a later ``generate`` runs them)."""
+        queued (``step`` or a later ``generate`` runs them). Concurrent calls run one after the other."""
+        with self._lock:
+            return self._generate(prompts, params, use_tqdm)
+
+    def _generate(self, prompts: str | Seq[int] | Seq[str | Seq[int]],
+                  params: SamplingParams | Seq[SamplingParams] | None, use_tqdm: bool) -> list[RequestOutput]:
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                         and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
@@ -466,8 +488,8 @@ class LLM:
         wanted = set(ids)
         done: dict[int, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
-        while len(done) < len(ids) and self.has_unfinished():
-            for out in self.step():
+        while len(done) < len(ids) and self.scheduler.has_unfinished():
+            for out in self._step():
                 if out.request_id in wanted:
                     done[out.request_id] = out
                     bar.update(1)
