@@ -43,6 +43,7 @@ from pagedmla.engine.sequence import Sequence
 from pagedmla.engine.speculative import verify
 from pagedmla.model.deepseek import DeepseekForCausalLM
 from pagedmla.model.factory import TINY, load_model
+from pagedmla.model.memory import check_fits
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -143,12 +144,29 @@ def _check_loaded_model(model: DeepseekForCausalLM, device: Any, dtype: Any, see
                          "already has its weights, leave seed unset")
 
 
+def _page_bytes(model: DeepseekForCausalLM, page_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one cache page: ``page_size`` latent rows in every layer."""
+    cfg = model.config
+    return page_size * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers * dtype.itemsize
+
+
 def _default_num_pages(model: DeepseekForCausalLM, page_size: int, dtype: torch.dtype, budget_bytes: int,
                        max_batch_size: int, max_context_len: int) -> int:
-    cfg = model.config
-    per_page = page_size * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers * dtype.itemsize
     enough = max_batch_size * (-(-max_context_len // page_size) + 1)
-    return max(2, min(budget_bytes // per_page, enough) + 1)
+    return max(2, min(budget_bytes // _page_bytes(model, page_size, dtype), enough) + 1)
+
+
+def _check_cache_fits(model: DeepseekForCausalLM, page_size: int, num_pages: int, max_batch_size: int,
+                      context: int, pages_field: str, context_field: str) -> None:
+    """ValueError naming the field at fault when the cache's pages (``pages_field``: num_pages or the
+    cache_bytes that sized it) and its two int32 page tables (the request table's and the backend's, rows
+    of ``context`` tokens: ``context_field``) would not fit in the device's available memory."""
+    weight = model.model.embed_tokens.weight
+    pages = num_pages * _page_bytes(model, page_size, weight.dtype)
+    tables = 2 * max_batch_size * -(-context // page_size) * 4
+    field, value = (pages_field, num_pages) if pages >= tables else (context_field, context)
+    where = " (from the model's config.json; set max_context_len)" if field == "max_position_embeddings" else ""
+    check_fits(pages + tables, field, value, weight.device, "the KV cache and its page tables", where)
 
 
 class LLM:
@@ -202,6 +220,10 @@ class LLM:
             _check_positive_int("max_context_len", max_context_len)
         _check_positive_int("cache_bytes", cache_bytes)
         _check_positive_int("ngram_max_n", ngram_max_n)
+        _check_positive_int("page_size", page_size)
+        _check_positive_int("max_batch_size", max_batch_size)
+        if num_pages is not None:
+            _check_positive_int("num_pages", num_pages)
         if isinstance(model, DeepseekForCausalLM):
             _check_loaded_model(model, device, dtype, seed)
             self.model = model
@@ -214,8 +236,11 @@ class LLM:
         cfg = self.model.config
         weight = self.model.model.embed_tokens.weight
         context = cfg.max_position_embeddings if max_context_len is None else max_context_len
+        pages_field = "num_pages" if num_pages is not None else "cache_bytes"
         if num_pages is None:
             num_pages = _default_num_pages(self.model, page_size, weight.dtype, cache_bytes, max_batch_size, context)
+        _check_cache_fits(self.model, page_size, num_pages, max_batch_size, context + num_speculative_tokens,
+                          pages_field, "max_context_len" if max_context_len is not None else "max_position_embeddings")
         self.runner = ModelRunner(self.model, page_size=page_size, num_pages=num_pages, max_batch_size=max_batch_size,
                                   max_context_len=context, provider=provider, extend_prefix_mode=extend_prefix_mode,
                                   backend_options=backend_options, num_speculative_tokens=num_speculative_tokens)
