@@ -44,6 +44,11 @@ class PageAllocator:
     def num_used(self) -> int:
         return self.num_pages - 1 - len(self._free)
 
+    @property
+    def num_available(self) -> int:
+        """Pages an allocation could take now: the free ones plus those ``reclaim`` could free."""
+        return len(self._free) + (self.reclaimable() if self.reclaimable is not None else 0)
+
     def refcount(self, page: int) -> int:
         return self._refs[page]
 

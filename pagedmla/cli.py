@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from pagedmla.engine import LLM, EngineStats, SamplingParams
+from pagedmla.model import CheckpointError
 
 # Python argument names that errors start with, where the flag is not simply "--" + the name with dashes.
 _FLAG_NAMES = {"max_tokens": "--max-new-tokens", "enable_cuda_graph": "--cuda-graph", "prompts": "--prompt"}
@@ -117,6 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return generate(args)
+    except CheckpointError as exc:  # names a config field or a file, never a flag
+        parser.exit(2, f"pagedmla {args.command}: error: {exc}\n")
     except (ValueError, TypeError) as exc:
         parser.exit(2, f"pagedmla {args.command}: error: {_flag_message(str(exc), args)}\n")
 

@@ -47,7 +47,10 @@ class KVPages:
         """Give ``seq`` a request slot, starting from its longest cached full-page prefix, with pages for
         its next chunk: up to ``max_tokens`` of its uncached tokens. Returns the chunk's length.
 
-        OutOfPagesError when the pages are short: the slot is closed again and nothing is kept or counted."""
+        OutOfPagesError when the pages are short, for the chunk or for all of ``seq``'s uncached tokens
+        (free plus evictable pages must cover them, though only the chunk's are taken now: a request is
+        admitted when its whole prefill fits, so a preempted one does not come back only to be preempted
+        again a chunk later): the slot is closed again and nothing is kept or counted."""
         shared = []
         if self.prefix_cache is not None:
             shared = self.prefix_cache.match(seq.token_ids, self._hashes(seq))
@@ -56,6 +59,10 @@ class KVPages:
         seq.num_committed_pages = len(shared)
         n = min(seq.num_new_tokens, max_tokens)
         try:
+            need = self.pages_for(len(seq)) - len(shared)
+            if need > self.allocator.num_available:
+                raise OutOfPagesError(f"request {seq.seq_id} needs {need} more pages, "
+                                      f"{self.allocator.num_available} are free or evictable")
             self.grow(seq, seq.num_cached_tokens + n)
         except OutOfPagesError:
             self.release(seq)

@@ -5,11 +5,22 @@ join a running batch: anything added between steps is admitted by the scheduler 
 Features (each leaves greedy output unchanged): chunked prefill under a per-step token budget, MIXED
 prefill + decode steps, prefix caching, preemption with recomputation when pages run out, CUDA graphs
 for decode / verify steps, and n-gram speculative decoding verified in one target step.
+
+A step never fails for one request: a request whose logits hold inf/NaN, or whose sampling or
+post-processing raises, finishes with finish_reason "error" (``RequestOutput.error`` says why) and the
+step's other requests go on.
+
+Threads: one ``LLM`` may be shared. Its public methods hold one re-entrant lock, so concurrent
+``generate`` calls run one after the other (each to completion, returning only its own requests), and
+``add_request`` / ``step`` / ``abort`` / ``pop_finished`` / ``has_unfinished`` are safe to call from any
+thread (a server: one thread stepping, others adding and aborting; an ``add_request`` waits at most for
+the step in progress, or for a ``generate`` call in progress to return).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -26,12 +37,13 @@ from pagedmla.engine.kv_pages import KVPages
 from pagedmla.engine.model_runner import ModelRunner
 from pagedmla.engine.prefix_cache import PrefixCache
 from pagedmla.engine.profiler import AttentionProfiler
-from pagedmla.engine.sampling import SamplingParams, sample
+from pagedmla.engine.sampling import NonFiniteLogitsError, SamplingParams, sample
 from pagedmla.engine.scheduler import ScheduledBatch, Scheduler
 from pagedmla.engine.sequence import Sequence
 from pagedmla.engine.speculative import verify
 from pagedmla.model.deepseek import DeepseekForCausalLM
 from pagedmla.model.factory import TINY, load_model
+from pagedmla.model.memory import check_fits
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -40,8 +52,10 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 class RequestOutput:
     """A finished (or aborted) request: its prompt, generated token ids (and text when a tokenizer exists).
 
-    arrival_time / token_times: ``time.perf_counter()`` when the request was added and when each
-    generated token came out (time to first token, inter-token latency)."""
+    finish_reason: "stop", "length", "abort", or "error" (the engine could not sample or post-process
+    the request; ``error`` says why). arrival_time / token_times: ``time.perf_counter()`` when the
+    request was added and when each generated token came out (time to first token, inter-token
+    latency)."""
 
     request_id: int
     prompt_token_ids: list[int]
@@ -50,6 +64,7 @@ class RequestOutput:
     text: str | None = None
     arrival_time: float = 0.0
     token_times: list[float] = field(default_factory=list)
+    error: str | None = None
 
 
 @dataclass
@@ -129,12 +144,29 @@ def _check_loaded_model(model: DeepseekForCausalLM, device: Any, dtype: Any, see
                          "already has its weights, leave seed unset")
 
 
+def _page_bytes(model: DeepseekForCausalLM, page_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one cache page: ``page_size`` latent rows in every layer."""
+    cfg = model.config
+    return page_size * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers * dtype.itemsize
+
+
 def _default_num_pages(model: DeepseekForCausalLM, page_size: int, dtype: torch.dtype, budget_bytes: int,
                        max_batch_size: int, max_context_len: int) -> int:
-    cfg = model.config
-    per_page = page_size * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers * dtype.itemsize
     enough = max_batch_size * (-(-max_context_len // page_size) + 1)
-    return max(2, min(budget_bytes // per_page, enough) + 1)
+    return max(2, min(budget_bytes // _page_bytes(model, page_size, dtype), enough) + 1)
+
+
+def _check_cache_fits(model: DeepseekForCausalLM, page_size: int, num_pages: int, max_batch_size: int,
+                      context: int, pages_field: str, context_field: str) -> None:
+    """ValueError naming the field at fault when the cache's pages (``pages_field``: num_pages or the
+    cache_bytes that sized it) and its two int32 page tables (the request table's and the backend's, rows
+    of ``context`` tokens: ``context_field``) would not fit in the device's available memory."""
+    weight = model.model.embed_tokens.weight
+    pages = num_pages * _page_bytes(model, page_size, weight.dtype)
+    tables = 2 * max_batch_size * -(-context // page_size) * 4
+    field, value = (pages_field, num_pages) if pages >= tables else (context_field, context)
+    where = " (from the model's config.json; set max_context_len)" if field == "max_position_embeddings" else ""
+    check_fits(pages + tables, field, value, weight.device, "the KV cache and its page tables", where)
 
 
 class LLM:
@@ -188,6 +220,10 @@ class LLM:
             _check_positive_int("max_context_len", max_context_len)
         _check_positive_int("cache_bytes", cache_bytes)
         _check_positive_int("ngram_max_n", ngram_max_n)
+        _check_positive_int("page_size", page_size)
+        _check_positive_int("max_batch_size", max_batch_size)
+        if num_pages is not None:
+            _check_positive_int("num_pages", num_pages)
         if isinstance(model, DeepseekForCausalLM):
             _check_loaded_model(model, device, dtype, seed)
             self.model = model
@@ -200,8 +236,11 @@ class LLM:
         cfg = self.model.config
         weight = self.model.model.embed_tokens.weight
         context = cfg.max_position_embeddings if max_context_len is None else max_context_len
+        pages_field = "num_pages" if num_pages is not None else "cache_bytes"
         if num_pages is None:
             num_pages = _default_num_pages(self.model, page_size, weight.dtype, cache_bytes, max_batch_size, context)
+        _check_cache_fits(self.model, page_size, num_pages, max_batch_size, context + num_speculative_tokens,
+                          pages_field, "max_context_len" if max_context_len is not None else "max_position_embeddings")
         self.runner = ModelRunner(self.model, page_size=page_size, num_pages=num_pages, max_batch_size=max_batch_size,
                                   max_context_len=context, provider=provider, extend_prefix_mode=extend_prefix_mode,
                                   backend_options=backend_options, num_speculative_tokens=num_speculative_tokens)
@@ -223,6 +262,8 @@ class LLM:
         self._requests: dict[int, Sequence] = {}
         # Outputs of add_request'ed requests that finished inside a generate call, for pop_finished.
         self._finished: dict[int, RequestOutput] = {}
+        # Held by every public method that reads or changes the requests (the module's thread contract).
+        self._lock = threading.RLock()
 
     @property
     def device(self) -> torch.device:
@@ -245,7 +286,8 @@ class LLM:
     def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> int:
         """Queue a request; it joins the running batch at the next step. Returns its request id."""
         seq = self._new_sequence(prompt, params)
-        self._enqueue(seq)
+        with self._lock:
+            self._enqueue(seq)
         return seq.seq_id
 
     def _new_sequence(self, prompt: str | Seq[int], params: SamplingParams | None) -> Sequence:
@@ -264,26 +306,34 @@ class LLM:
 
     def has_unfinished(self) -> bool:
         """Whether any request is still waiting or running."""
-        return self.scheduler.has_unfinished()
+        with self._lock:
+            return self.scheduler.has_unfinished()
 
     def pop_finished(self) -> dict[int, RequestOutput]:
         """Outputs, by request id, of requests queued with ``add_request`` that finished during a
         ``generate`` call (which returns only its own requests' outputs). They are handed over once: the
         engine forgets them, so an application that mixes the two should collect them after each call."""
-        finished, self._finished = self._finished, {}
+        with self._lock:
+            finished, self._finished = self._finished, {}
         return finished
 
     def abort(self, request_id: int) -> RequestOutput:
         """Stop an unfinished request now (waiting or running), freeing its pages; returns its output so
         far with finish_reason "abort"."""
-        seq = self._requests.get(request_id)
-        if seq is None:
-            raise ValueError(f"request_id: {request_id!r} is not an unfinished request of this engine")
-        self.scheduler.finish(seq, "abort")
-        return self._output(seq)
+        with self._lock:
+            seq = self._requests.get(request_id)
+            if seq is None:
+                raise ValueError(f"request_id: {request_id!r} is not an unfinished request of this engine")
+            self.scheduler.finish(seq, "abort")
+            return self._output(seq)
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; returns the requests that finished in it."""
+        """Run one scheduled step; returns the requests that finished in it (those that failed in it
+        included, with finish_reason "error")."""
+        with self._lock:
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         before = self._page_counts()
         batch = self.scheduler.schedule()
         if batch is None:
@@ -303,16 +353,7 @@ class LLM:
                       for seq, n in zip(batch.seqs, batch.num_tokens)]
         logits = self.runner.run(batch.seqs, mode, batch.num_extends, tokens=tokens, all_logits=drafts is not None,
                                  backend=self.profiler)
-        params = [s.params for s in batch.seqs]
-        generators = [s.generator for s in batch.seqs]
-        if drafts is not None:
-            new_tokens = verify(logits, drafts, params, generators)
-        else:
-            # Only a step that reaches a request's last token samples (not the earlier prompt chunks).
-            rows = [i for i in range(len(batch.seqs)) if batch.samples(i)]
-            sampled = iter(sample(logits[rows], [params[i] for i in rows], [generators[i] for i in rows])
-                           if rows else [])
-            new_tokens = [[next(sampled)] if batch.samples(i) else [] for i in range(len(batch.seqs))]
+        new_tokens, errors = self._sample(batch, logits, drafts)
         now = time.perf_counter()  # the tokens were read back, so the device is done
         if self.profiler:
             kind = mode.value
@@ -320,12 +361,60 @@ class LLM:
             self.stats.attention_seconds[kind] = self.stats.attention_seconds.get(kind, 0.0) + \
                 self.profiler.seconds - secs
         lengths = [len(seq) for seq in batch.seqs]
-        finished = self.scheduler.postprocess(batch, new_tokens, verified=drafts is not None, now=now)
+        finished = self.scheduler.postprocess(batch, new_tokens, verified=drafts is not None, now=now,
+                                              errors=errors)
         # Stop tokens and max_tokens may cut a request's new tokens short: count what it kept.
         kept = [len(seq) - n for seq, n in zip(batch.seqs, lengths)]
         self._record(batch, mode, new_tokens, kept, proposed, now - start)
         self._record_page_counts(before)
         return [self._output(seq) for seq in finished]
+
+    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor,
+                drafts: list[list[int]] | None) -> tuple[list[list[int]], dict[int, str]]:
+        """Each request's new tokens this step (none for a prompt chunk that is not its last), and a
+        message for each batch row that could not be sampled (its tokens are then []).
+
+        The batch is sampled at once; rows reported non-finite fail alone. Any other exception samples
+        the requests one at a time, so that only those that raise again fail."""
+        seqs = batch.seqs
+        if drafts is not None:
+            rows = list(range(len(seqs)))
+            width = logits.shape[0] // len(seqs)
+
+            def draw(idx: list[int]) -> list[list[int] | None]:
+                part = logits if len(idx) == len(seqs) else logits[idx[0] * width:(idx[0] + 1) * width]
+                return verify(part, [drafts[i] for i in idx], [seqs[i].params for i in idx],
+                              [seqs[i].generator for i in idx])
+        else:
+            # Only a step that reaches a request's last token samples (not the earlier prompt chunks).
+            rows = [i for i in range(len(seqs)) if batch.samples(i)]
+
+            def draw(idx: list[int]) -> list[list[int] | None]:
+                tokens = sample(logits[idx], [seqs[i].params for i in idx], [seqs[i].generator for i in idx])
+                return [[t] for t in tokens]
+        new_tokens: list[list[int]] = [[] for _ in seqs]
+        errors: dict[int, str] = {}
+        if not rows:
+            return new_tokens, errors
+        try:
+            drawn = draw(rows)
+        except NonFiniteLogitsError as exc:
+            drawn = [None if t is None else (t if drafts is not None else [t]) for t in exc.tokens]
+        except Exception:
+            drawn = []
+            for i in rows:
+                try:
+                    drawn += draw([i])
+                except Exception as exc:
+                    drawn.append(None)
+                    errors[i] = f"sampling raised {type(exc).__name__}: {exc}"
+        for i, tokens in zip(rows, drawn):
+            if tokens is None:
+                errors.setdefault(i, "logits: inf or NaN in this request's logits (the model's numbers "
+                                     "overflowed or its weights are corrupt); no token could be sampled")
+            else:
+                new_tokens[i] = tokens
+        return new_tokens, errors
 
     def _page_counts(self) -> tuple[int, int, int, int]:
         """The scheduler's and page manager's running totals that EngineStats mirrors, to take differences of."""
@@ -379,11 +468,19 @@ class LLM:
             s.mixed_steps += 1
 
     def _output(self, seq: Sequence) -> RequestOutput:
+        """The output of a request that just finished; a tokenizer that cannot decode its tokens fails the
+        request ("error") rather than the step."""
         del self._requests[seq.seq_id]
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True) if self.tokenizer else None
+        text = None
+        if self.tokenizer is not None:
+            try:
+                text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            except Exception as exc:
+                seq.finish_reason = "error"
+                seq.error = f"tokenizer: decoding the output raised {type(exc).__name__}: {exc}"
         return RequestOutput(request_id=seq.seq_id, prompt_token_ids=seq.prompt_token_ids,
                              token_ids=seq.output_token_ids, finish_reason=seq.finish_reason, text=text,
-                             arrival_time=seq.arrival_time, token_times=list(seq.token_times))
+                             arrival_time=seq.arrival_time, token_times=list(seq.token_times), error=seq.error)
 
     def generate(self, prompts: str | Seq[int] | Seq[str | Seq[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -394,7 +491,12 @@ class LLM:
         Every prompt and its params are checked before any is queued, so an error queues nothing.
         Requests queued earlier with ``add_request`` run alongside: those finishing during the call are
         kept for ``pop_finished``, and those still unfinished when this call's requests are done stay
-        queued (``step`` or a later ``generate`` runs them)."""
+        queued (``step`` or a later ``generate`` runs them). Concurrent calls run one after the other."""
+        with self._lock:
+            return self._generate(prompts, params, use_tqdm)
+
+    def _generate(self, prompts: str | Seq[int] | Seq[str | Seq[int]],
+                  params: SamplingParams | Seq[SamplingParams] | None, use_tqdm: bool) -> list[RequestOutput]:
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                         and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
@@ -411,8 +513,8 @@ class LLM:
         wanted = set(ids)
         done: dict[int, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
-        while len(done) < len(ids) and self.has_unfinished():
-            for out in self.step():
+        while len(done) < len(ids) and self.scheduler.has_unfinished():
+            for out in self._step():
                 if out.request_id in wanted:
                     done[out.request_id] = out
                     bar.update(1)

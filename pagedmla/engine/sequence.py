@@ -37,6 +37,8 @@ class Sequence:
         self.slot: int | None = None
         self.num_cached_tokens = 0
         self.finish_reason: str | None = None
+        # Why the request failed (finish_reason "error"): a step that could not sample or post-process it.
+        self.error: str | None = None
         self.generator: torch.Generator | None = None
         if params.seed is not None and not params.greedy:
             self.generator = torch.Generator(device=device).manual_seed(params.seed)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedmla.engine.sampling import SamplingParams, sampling_probs
+from pagedmla.engine.sampling import NonFiniteLogitsError, SamplingParams, sampling_probs
 
 
 def accept_greedy(logits: torch.Tensor, draft: list[int]) -> list[int]:
@@ -69,7 +69,8 @@ def _normalised(rows: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def verify(logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> list[list[int]]:
     """logits [bs * (k + 1), vocab] of a verify step (request-major), drafts [bs][k] -> per request the
-    tokens to append."""
+    tokens to append. NonFiniteLogitsError when a request's rows hold an inf or NaN (its ``tokens``
+    carry the other requests' results)."""
     bs = len(drafts)
     if not bs or logits.shape[0] % bs or len(params) != bs or len(generators) != bs:
         raise ValueError(f"logits/drafts/params/generators: expected bs * (k + 1) logits rows and one draft, "
@@ -80,8 +81,20 @@ def verify(logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingP
         if len(draft) != rows.shape[1] - 1:
             raise ValueError(f"drafts: request {i} has {len(draft)} draft tokens, "
                              f"the step verified {rows.shape[1] - 1}")
-    # One readback of every row's argmax serves all greedy requests.
-    targets = rows.argmax(dim=-1).tolist() if any(p.greedy for p in params) else None
-    return [accept_targets(targets[i], draft) if params[i].greedy
-            else accept_sampled(rows[i], draft, params[i], generators[i])
-            for i, draft in enumerate(drafts)]
+    # One readback of every row's argmax (for the greedy requests) and of whether each request's rows are
+    # finite: a request with an inf or NaN logit is reported (NonFiniteLogitsError) and never sampled.
+    finite = torch.isfinite(rows).flatten(1).all(dim=-1)
+    read = torch.cat([rows.argmax(dim=-1), finite.view(bs, 1).to(torch.int64)], dim=1).tolist()
+    out: list[list[int] | None] = []
+    for i, draft in enumerate(drafts):
+        *targets, ok = read[i]
+        if not ok:
+            out.append(None)
+        elif params[i].greedy:
+            out.append(accept_targets(targets, draft))
+        else:
+            out.append(accept_sampled(rows[i], draft, params[i], generators[i]))
+    bad = [i for i, tokens in enumerate(out) if tokens is None]
+    if bad:
+        raise NonFiniteLogitsError(bad, out)
+    return out

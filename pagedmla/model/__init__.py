@@ -1,6 +1,6 @@
 """DeepSeek-V2/V3 models on pagedmla: configuration, layers, checkpoint loading, the built-in ``tiny`` model."""
 
-from pagedmla.model.config import DeepseekConfig, RopeConfig, tiny_config
+from pagedmla.model.config import CheckpointError, DeepseekConfig, RopeConfig, tiny_config
 from pagedmla.model.context import StepContext
 from pagedmla.model.deepseek import DeepseekForCausalLM
 from pagedmla.model.factory import TINY, load_model
@@ -9,6 +9,7 @@ from pagedmla.model.random_weights import init_random_
 
 __all__ = [
     "TINY",
+    "CheckpointError",
     "DeepseekConfig",
     "DeepseekForCausalLM",
     "RopeConfig",

@@ -6,6 +6,14 @@ what transformers' ``save_pretrained`` writes) or stacked (``mlp.experts.gate_up
 ``mlp.experts.down_proj`` [E, H, I], transformers' in-memory layout). Tensors in bf16/fp16/fp32 are cast
 to the model dtype (routers stay float32). Multi-token-prediction layers (indices >= num_hidden_layers)
 are skipped. A missing, mis-shaped, unexpected or non-float tensor raises ValueError naming it.
+
+Hostile or broken directories fail in one line (CheckpointError, a ValueError) naming the file: every
+shard name in the index must be a relative path inside the checkpoint directory (no absolute names, no
+``..`` components); the name is what is judged, so symlinked shards load wherever they point (the
+Hugging Face cache links a snapshot's files to blobs outside it). An unreadable, truncated or corrupt
+shard, or a directory where a shard should be, names the shard. The config is checked field by field
+(``DeepseekConfig.from_file``) and the weights' size against the device's memory before anything is
+built.
 """
 
 from __future__ import annotations
@@ -16,11 +24,12 @@ import re
 from contextlib import ExitStack
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from pagedmla.model.build import build_empty
-from pagedmla.model.config import DeepseekConfig
+from pagedmla.model.config import CheckpointError, DeepseekConfig, one_line
 from pagedmla.model.deepseek import DeepseekForCausalLM
+from pagedmla.model.memory import check_fits
 
 _INDEX = "model.safetensors.index.json"
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
@@ -37,28 +46,41 @@ class _Checkpoint:
         self._handles: dict[str, object] = {}
         index = os.path.join(path, _INDEX)
         if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise ValueError(f"path: {index} has no weight_map")
-            self.files = {name: os.path.join(path, shard) for name, shard in weight_map.items()}
+            self.files = {name: self._shard_path(shard, index) for name, shard in _weight_map(index).items()}
             for shard in sorted(set(self.files.values())):
+                if not os.path.exists(shard):
+                    raise CheckpointError(f"path: shard {os.path.relpath(shard, path)} named in {index} is missing")
                 if not os.path.isfile(shard):
-                    raise ValueError(f"path: shard {os.path.basename(shard)} named in {_INDEX} is missing")
+                    raise CheckpointError(f"path: shard {shard} named in {index} is not a file")
         else:
             shards = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
             if not shards:
-                raise ValueError(f"path: no *.safetensors files in {path}")
+                raise CheckpointError(f"path: no *.safetensors files in {path}")
             self.files = {}
             for shard in shards:
                 full = os.path.join(path, shard)
+                if not os.path.isfile(full):
+                    raise CheckpointError(f"path: {full} is not a file")
                 for name in self._open(full).keys():
                     self.files[name] = full
         self.used: set[str] = set()
 
+    def _shard_path(self, shard: object, index: str) -> str:
+        """The file a shard name of the index names: a relative path that stays inside the checkpoint
+        directory by its components (symlinks are followed later, wherever they lead)."""
+        parts = shard.replace("\\", "/").split("/") if isinstance(shard, str) else []
+        if not parts or not shard or os.path.isabs(shard) or "\0" in shard or ".." in parts:
+            raise CheckpointError(f"path: {index} names shard {shard!r}; shard names must be relative paths "
+                                  "inside the checkpoint directory (no absolute path, no '..')")
+        return os.path.join(self.path, *parts)
+
     def _open(self, file: str):
         if file not in self._handles:
-            self._handles[file] = self._stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+            try:
+                handle = safe_open(file, framework="pt", device="cpu")
+            except (SafetensorError, OSError) as exc:
+                raise _unreadable(file, exc) from None
+            self._handles[file] = self._stack.enter_context(handle)
         return self._handles[file]
 
     def __contains__(self, name: str) -> bool:
@@ -67,27 +89,62 @@ class _Checkpoint:
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The tensor ``name`` after checking it exists, has ``shape`` and a float dtype."""
         if name not in self.files:
-            raise ValueError(f"checkpoint {self.path}: missing tensor {name!r} (expected shape {list(shape)})")
-        handle = self._open(self.files[name])
-        actual = tuple(handle.get_slice(name).get_shape())
-        if actual != tuple(shape):
-            raise ValueError(f"checkpoint {self.path}: tensor {name!r} has shape {list(actual)}, "
-                             f"the model expects {list(shape)}")
-        tensor = handle.get_tensor(name)
+            raise CheckpointError(f"checkpoint {self.path}: missing tensor {name!r} (expected shape {list(shape)})")
+        file = self.files[name]
+        handle = self._open(file)
+        try:
+            actual = tuple(handle.get_slice(name).get_shape())
+            if actual != tuple(shape):
+                raise CheckpointError(f"checkpoint {self.path}: tensor {name!r} has shape {list(actual)}, "
+                                      f"the model expects {list(shape)}")
+            tensor = handle.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError) as exc:
+            raise _unreadable(file, exc, name) from None
         if tensor.dtype not in _FLOAT:
-            raise ValueError(f"checkpoint {self.path}: tensor {name!r} has dtype {tensor.dtype}; "
-                             "expected bfloat16, float16 or float32")
+            raise CheckpointError(f"checkpoint {self.path}: tensor {name!r} has dtype {tensor.dtype}; "
+                                  "expected bfloat16, float16 or float32")
         self.used.add(name)
         return tensor
 
 
+def _weight_map(index: str) -> dict[str, str]:
+    """The tensor name -> shard name map of an index file (CheckpointError naming the file otherwise)."""
+    try:
+        with open(index, "rb") as f:
+            weight_map = json.load(f).get("weight_map")
+    except OSError as exc:
+        raise _unreadable(index, exc) from None
+    except (ValueError, AttributeError) as exc:  # not JSON, or not a JSON object
+        raise CheckpointError(f"path: {index} is not a JSON object with a weight_map: {one_line(exc)}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) for k in weight_map):
+        raise CheckpointError(f"path: {index} has no weight_map of tensor names to shard names")
+    return weight_map
+
+
+def _unreadable(file: str, exc: BaseException, tensor: str | None = None) -> CheckpointError:
+    """One line naming ``file`` (and ``tensor``) for an OS or safetensors error reading it."""
+    what = f"tensor {tensor!r} of " if tensor else ""
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else one_line(exc)
+    verdict = "; it is not a complete safetensors file" if isinstance(exc, SafetensorError) else ""
+    return CheckpointError(f"path: cannot read {what}{file}: {reason} ({type(exc).__name__}){verdict}")
+
+
 def load_checkpoint(path: str | os.PathLike, *, device: torch.device | str = "cpu",
                     dtype: torch.dtype = torch.float32) -> DeepseekForCausalLM:
-    """Build the model described by ``path/config.json`` and fill it from the directory's safetensors."""
+    """Build the model described by ``path/config.json`` and fill it from the directory's safetensors.
+
+    CheckpointError (one line naming the field or file) for a broken or hostile directory, and for a model
+    whose weights would not fit in the device's available memory (naming the field that makes them so
+    large)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
-        raise ValueError(f"path: {path!r} is not a checkpoint directory")
+        raise CheckpointError(f"path: {path!r} is not a checkpoint directory")
     cfg = DeepseekConfig.from_file(path)
+    device = torch.device(device)
+    field = cfg.largest_size_field(dtype.itemsize)
+    what = f"the model's weights in {str(dtype).replace('torch.', '')}"
+    check_fits(cfg.weight_bytes(dtype.itemsize), field, getattr(cfg, field), device, what,
+               f" (in {os.path.join(path, 'config.json')})", error=CheckpointError)
     model = build_empty(cfg, device, dtype)
     with ExitStack() as stack, torch.no_grad():
         ckpt = _Checkpoint(path, stack)
@@ -129,5 +186,5 @@ def _check_unexpected(ckpt: _Checkpoint, cfg: DeepseekConfig) -> None:
     if extra:
         shown = ", ".join(repr(n) for n in sorted(extra)[:5])
         more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
-        raise ValueError(f"checkpoint {ckpt.path}: unexpected tensor(s) {shown}{more} for a "
-                         f"{cfg.model_type} config with {cfg.num_hidden_layers} layers")
+        raise CheckpointError(f"checkpoint {ckpt.path}: unexpected tensor(s) {shown}{more} for a "
+                              f"{cfg.model_type} config with {cfg.num_hidden_layers} layers")
