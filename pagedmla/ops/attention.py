@@ -188,9 +188,11 @@ def merge_state(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Combine two attention results over disjoint key sets: softmax-weighted by their LSEs.
 
-    v_a, v_b: [T, H, D]; s_a, s_b: float32 [T, H] natural-log LSE. An empty state (LSE -inf) adds
-    nothing; two empty ones give 0 and -inf. ``out`` / ``out_lse`` receive the results when given (they
-    may be v_a / s_a for an in-place update). Returns (v [T, H, D], s [T, H] float32).
+    v_a, v_b: [T, H, D]; s_a, s_b: float32 [T, H] natural-log LSE. An empty state (LSE -inf, or +inf:
+    FlashMLA's and FlashAttention's empty row) adds nothing; two empty ones give 0 and -inf. A NaN LSE, or a
+    NaN value in a non-empty state, is corruption, never an empty state: that row's result is NaN.
+    ``out`` / ``out_lse`` receive the results when given (they may be v_a / s_a for an in-place update).
+    Returns (v [T, H, D], s [T, H] float32).
     """
     checks.tensor(v_a, "v_a", ndim=3, dtypes=_KV_DTYPES)
     checks.tensor(v_b, "v_b", ndim=3)
