@@ -344,14 +344,15 @@ class MLABackend:
         """Write this step's latent rows ([T, 576] or [T, 1, 576]) at ``out_cache_loc``."""
         cache.write(_layer_id(layer), out_cache_loc, latent, validate=False)
 
-    def forward(self, q, k, v, layer, out_cache_loc, cache: MLAKVCache, save_kv_cache: bool = True, **kwargs):
+    def forward(self, q, k, v, layer, out_cache_loc, cache: MLAKVCache, *, save_kv_cache: bool = True, **kwargs):
         """Route to forward_decode or forward_extend by the planned mode."""
         meta = self._meta()
         if meta.mode.is_decode_like() or meta.mode == ForwardMode.DRAFT_EXTEND:
-            return self.forward_decode(q, k, v, layer, out_cache_loc, cache, meta.bs, save_kv_cache)
-        return self.forward_extend(q, k, v, layer, out_cache_loc, cache, save_kv_cache, **kwargs)
+            return self.forward_decode(q, k, v, layer, out_cache_loc, cache, meta.bs, save_kv_cache=save_kv_cache)
+        return self.forward_extend(q, k, v, layer, out_cache_loc, cache, save_kv_cache=save_kv_cache, **kwargs)
 
-    def forward_decode(self, q, k, v, layer, out_cache_loc, cache: MLAKVCache, bs: int, save_kv_cache: bool = True):
+    def forward_decode(self, q, k, v, layer, out_cache_loc, cache: MLAKVCache, bs: int, *,
+                       save_kv_cache: bool = True):
         """Absorbed attention of a decode-like step: q_len tokens per request (1; the draft tokens when
         verifying), or, on a draft backend, DRAFT_EXTEND's per-request token counts.
 
@@ -366,7 +367,7 @@ class MLABackend:
         if bs != meta.bs:
             raise ValueError(f"bs: the planned batch has {meta.bs} requests, got {bs}")
         if meta.mode == ForwardMode.DRAFT_EXTEND:
-            return self.forward_extend(q, k, v, layer, out_cache_loc, cache, save_kv_cache)
+            return self.forward_extend(q, k, v, layer, out_cache_loc, cache, save_kv_cache=save_kv_cache)
         self._check_q(q, meta.num_tokens, self.kv_dim)
         lid = _layer_id(layer)
         if save_kv_cache:
@@ -376,7 +377,7 @@ class MLABackend:
                                    meta.num_splits, self.scale, True)
         return out.reshape(meta.num_tokens, self.heads * self.v_dim)
 
-    def forward_extend(self, q, k, v, layer, out_cache_loc, cache: MLAKVCache, save_kv_cache: bool = True, *,
+    def forward_extend(self, q, k, v, layer, out_cache_loc, cache: MLAKVCache, *, save_kv_cache: bool = True,
                        latent: torch.Tensor | None = None,
                        kv_decompress: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None):
         """Prefill (and MIXED / DRAFT_EXTEND) attention in the planned form.
@@ -438,8 +439,11 @@ class MLABackend:
         """seq_len of padded rows in a captured batch (their block-table rows point at page 0)."""
         return 1
 
-    def init_cuda_graph_state(self, max_bs: int, max_pages_per_request: int | None = None) -> None:
-        """Allocate, once, every buffer decode / verify graphs read; replays only copy into them."""
+    def init_cuda_graph_state(self, max_bs: int, *, max_pages_per_request: int | None = None) -> None:
+        """Allocate, once, every buffer decode / verify graphs read; replays only copy into them.
+
+        ``max_pages_per_request`` is keyword-only: SGLang's ``init_cuda_graph_state(max_bs, max_num_tokens)``
+        passed positionally would otherwise be read as a page count (``pagedmla.sglang`` adapts that call)."""
         if isinstance(max_bs, bool) or not isinstance(max_bs, int) or not 0 < max_bs <= self.config.max_batch_size:
             raise ValueError(f"max_bs: expected an int in 1..{self.config.max_batch_size}, got {max_bs!r}")
         pages = max_pages_per_request or self.config.max_pages_per_request
@@ -476,7 +480,7 @@ class MLABackend:
                                         num_splits=g.num_splits[: bs + 1], num_tokens=bs * q_len, max_q_len=q_len)
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
-                                                seq_lens: torch.Tensor, forward_mode: ForwardMode,
+                                                seq_lens: torch.Tensor, forward_mode: ForwardMode, *,
                                                 block_table: torch.Tensor, raw_bs: int | None = None) -> None:
         """Refill the graph buffers for a replay of the ``bs``-row graph: no host synchronisation and no new
         buffers (on CUDA the schedule kernel writes straight into them).
