@@ -24,6 +24,7 @@ import torch
 
 from pagedmla.cache import MLAKVCache
 from pagedmla.config import MLAConfig
+from pagedmla.ops import library
 from pagedmla.ops.providers import available_providers, resolve
 from pagedmla.ops.schedule import get_mla_metadata, num_sm_parts_for, schedule_into
 
@@ -359,6 +360,9 @@ class MLABackend:
         q: [T, H, 576]; k: the new latent rows [T, 1, 576] (or [T, 576]); v: unused (pass None: values
         are the latent rows' first 512 columns). Returns [T, H * 512].
         """
+        if torch.compiler.is_dynamo_compiling():
+            return library.backend_forward_decode(self, q, k, v, layer, out_cache_loc, cache, bs,
+                                                  save_kv_cache=save_kv_cache)
         meta = self._meta()
         if meta.bs == 0:
             return q.new_empty(0, self.heads * self.v_dim)
@@ -387,6 +391,10 @@ class MLABackend:
         ``latent`` [T, 576] the rows to store; "chunked" also needs ``kv_decompress(rows [n, 576]) ->
         (k [n, H, 192], v [n, H, 128])`` for the prefix chunks. Returns [T, H * 128].
         """
+        if torch.compiler.is_dynamo_compiling():
+            return library.backend_forward_extend(self, q, k, v, layer, out_cache_loc, cache,
+                                                  save_kv_cache=save_kv_cache, latent=latent,
+                                                  kv_decompress=kv_decompress)
         meta = self._meta()
         if meta.bs == 0:
             # IDLE and empty batches are planned in the absorbed form: no tokens, no cache writes.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedmla.ops import checks
+from pagedmla.ops import checks, library
 from pagedmla.ops.providers import resolve
 
 _KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -44,6 +44,9 @@ def flash_mla_with_kvcache(
     softmax_scale defaults to D ** -0.5. Returns out [b, q_len, h_q, head_dim_v] (q's dtype) and
     lse [b, h_q, q_len] float32.
     """
+    if torch.compiler.is_dynamo_compiling():
+        return library.flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v,
+                                              tile_scheduler_metadata, num_splits, softmax_scale, causal, provider)
     checks.tensor(q, "q", ndim=4, dtypes=_KV_DTYPES)
     b, q_len, h_q, d = q.shape
     checks.paged_kv(k_cache, d, head_dim_v)
@@ -87,6 +90,9 @@ def flash_mla_varlen_with_kvcache(
     max_q_len: the largest q length, when the caller knows it on the host (saves a synchronisation).
     Returns out [T, h_q, head_dim_v] (q's dtype) and lse [T, h_q] float32.
     """
+    if torch.compiler.is_dynamo_compiling():
+        return library.flash_mla_varlen_with_kvcache(q, k_cache, block_table, cache_seqlens, qo_indptr, head_dim_v,
+                                                     softmax_scale, causal, max_q_len, provider)
     checks.tensor(q, "q", ndim=3, dtypes=_KV_DTYPES)
     t, h_q, d = q.shape
     checks.paged_kv(k_cache, d, head_dim_v)
@@ -135,6 +141,9 @@ def flash_attn_varlen_func(
     Dv 64/128) a Hopper kernel runs; it needs contiguous q/k/v and copies strided ones when the queries are
     long enough to pay for it (``kernels/triton/varlen.py``), so pass contiguous tensors where you can.
     """
+    if torch.compiler.is_dynamo_compiling():
+        return library.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                              softmax_scale, causal, return_attn_probs, out=out, provider=provider)
     checks.tensor(q, "q", ndim=3, dtypes=_KV_DTYPES)
     checks.tensor(k, "k", ndim=3)
     checks.tensor(v, "v", ndim=3)
@@ -194,6 +203,8 @@ def merge_state(
     ``out`` / ``out_lse`` receive the results when given (they may be v_a / s_a for an in-place update).
     Returns (v [T, H, D], s [T, H] float32).
     """
+    if torch.compiler.is_dynamo_compiling():
+        return library.merge_state(v_a, s_a, v_b, s_b, out, out_lse=out_lse, provider=provider)
     checks.tensor(v_a, "v_a", ndim=3, dtypes=_KV_DTYPES)
     checks.tensor(v_b, "v_b", ndim=3)
     _same_dtype(v_a, "v_b", v_b)
