@@ -32,7 +32,7 @@ import torch
 from pagedmla import errors
 from pagedmla.cache import MLAKVCache
 from pagedmla.config import MLAConfig
-from pagedmla.ops import checks
+from pagedmla.ops import checks, library
 from pagedmla.ops.providers import available_providers, resolve
 from pagedmla.ops.schedule import get_mla_metadata, num_sm_parts_for, schedule_into
 
@@ -409,20 +409,24 @@ class MLABackend:
         if self._host_checks and errors.host_value_checks(self.device):  # never inside a graph capture
             checks.paged_values(meta.block_table, meta.seq_lens, cache.num_pages, cache.page_size)
 
-    def forward(self, q, k, v, layer, out_cache_loc, cache: MLAKVCache, save_kv_cache: bool = True, **kwargs):
+    def forward(self, q, k, v, layer, out_cache_loc, cache: MLAKVCache, *, save_kv_cache: bool = True, **kwargs):
         """Route to forward_decode or forward_extend by the planned mode."""
         meta = self._meta()
         if meta.mode.is_decode_like() or meta.mode == ForwardMode.DRAFT_EXTEND:
-            return self.forward_decode(q, k, v, layer, out_cache_loc, cache, meta.bs, save_kv_cache)
-        return self.forward_extend(q, k, v, layer, out_cache_loc, cache, save_kv_cache, **kwargs)
+            return self.forward_decode(q, k, v, layer, out_cache_loc, cache, meta.bs, save_kv_cache=save_kv_cache)
+        return self.forward_extend(q, k, v, layer, out_cache_loc, cache, save_kv_cache=save_kv_cache, **kwargs)
 
-    def forward_decode(self, q, k, v, layer, out_cache_loc, cache: MLAKVCache, bs: int, save_kv_cache: bool = True):
+    def forward_decode(self, q, k, v, layer, out_cache_loc, cache: MLAKVCache, bs: int, *,
+                       save_kv_cache: bool = True):
         """Absorbed attention of a decode-like step: q_len tokens per request (1; the draft tokens when
         verifying), or, on a draft backend, DRAFT_EXTEND's per-request token counts.
 
         q: [T, H, 576]; k: the new latent rows [T, 1, 576] (or [T, 576]); v: unused (pass None: values
         are the latent rows' first 512 columns). Returns [T, H * 512].
         """
+        if torch.compiler.is_dynamo_compiling():
+            return library.backend_forward_decode(self, q, k, v, layer, out_cache_loc, cache, bs,
+                                                  save_kv_cache=save_kv_cache)
         meta = self._meta()
         if meta.bs == 0:
             return q.new_empty(0, self.heads * self.v_dim)
@@ -431,7 +435,7 @@ class MLABackend:
         if bs != meta.bs:
             raise ValueError(f"bs: the planned batch has {meta.bs} requests, got {bs}")
         if meta.mode == ForwardMode.DRAFT_EXTEND:
-            return self.forward_extend(q, k, v, layer, out_cache_loc, cache, save_kv_cache)
+            return self.forward_extend(q, k, v, layer, out_cache_loc, cache, save_kv_cache=save_kv_cache)
         self._check_q(q, meta.num_tokens, self.kv_dim)
         lid = _layer_id(layer)
         if save_kv_cache:
@@ -442,7 +446,7 @@ class MLABackend:
                                    meta.num_splits, self.scale, True)
         return out.reshape(meta.num_tokens, self.heads * self.v_dim)
 
-    def forward_extend(self, q, k, v, layer, out_cache_loc, cache: MLAKVCache, save_kv_cache: bool = True, *,
+    def forward_extend(self, q, k, v, layer, out_cache_loc, cache: MLAKVCache, *, save_kv_cache: bool = True,
                        latent: torch.Tensor | None = None,
                        kv_decompress: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None):
         """Prefill (and MIXED / DRAFT_EXTEND) attention in the planned form.
@@ -452,6 +456,10 @@ class MLABackend:
         ``latent`` [T, 576] the rows to store; "chunked" also needs ``kv_decompress(rows [n, 576]) ->
         (k [n, H, 192], v [n, H, 128])`` for the prefix chunks. Returns [T, H * 128].
         """
+        if torch.compiler.is_dynamo_compiling():
+            return library.backend_forward_extend(self, q, k, v, layer, out_cache_loc, cache,
+                                                  save_kv_cache=save_kv_cache, latent=latent,
+                                                  kv_decompress=kv_decompress)
         meta = self._meta()
         if meta.bs == 0:
             # IDLE and empty batches are planned in the absorbed form: no tokens, no cache writes.
@@ -507,8 +515,11 @@ class MLABackend:
         """seq_len of padded rows in a captured batch (their block-table rows point at page 0)."""
         return 1
 
-    def init_cuda_graph_state(self, max_bs: int, max_pages_per_request: int | None = None) -> None:
-        """Allocate, once, every buffer decode / verify graphs read; replays only copy into them."""
+    def init_cuda_graph_state(self, max_bs: int, *, max_pages_per_request: int | None = None) -> None:
+        """Allocate, once, every buffer decode / verify graphs read; replays only copy into them.
+
+        ``max_pages_per_request`` is keyword-only: SGLang's ``init_cuda_graph_state(max_bs, max_num_tokens)``
+        passed positionally would otherwise be read as a page count (``pagedmla.sglang`` adapts that call)."""
         if isinstance(max_bs, bool) or not isinstance(max_bs, int) or not 0 < max_bs <= self.config.max_batch_size:
             raise ValueError(f"max_bs: expected an int in 1..{self.config.max_batch_size}, got {max_bs!r}")
         pages = max_pages_per_request or self.config.max_pages_per_request
@@ -546,7 +557,7 @@ class MLABackend:
                                         num_splits=g.num_splits[: bs + 1], num_tokens=bs * q_len, max_q_len=q_len)
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
-                                                seq_lens: torch.Tensor, forward_mode: ForwardMode,
+                                                seq_lens: torch.Tensor, forward_mode: ForwardMode, *,
                                                 block_table: torch.Tensor, raw_bs: int | None = None) -> None:
         """Refill the graph buffers for a replay of the ``bs``-row graph: no host synchronisation and no new
         buffers (on CUDA the schedule kernel writes straight into them).

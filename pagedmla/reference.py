@@ -75,6 +75,11 @@ def paged_mla_attention(
         return out, lse
     qo_indptr = qo_indptr.to(device=dev, dtype=torch.int64)
     rows_ok = _is_partition(qo_indptr, T)
+    if cache.shape[0] == 0:
+        # A cache of 0 pages holds no key: requests of length 0 are empty, any other length is bad.
+        tok = torch.arange(T, device=dev)
+        req = torch.searchsorted(qo_indptr[1:], tok, right=True).clamp_(max=bs - 1)
+        return _poison(out, lse, (seq_lens.to(device=dev) != 0)[req] | ~rows_ok)
     max_kv = max_pages * page_size
     raw_lens = seq_lens.to(device=dev, dtype=torch.int64)
     # Per request: a length outside 0 .. the row's capacity, or a page id outside the cache among the pages
@@ -169,13 +174,16 @@ def merge_state(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Combine two partial attention results over disjoint key sets.
 
-    v_*: [T, H, D], s_*: [T, H] natural-log LSE. An empty state (LSE -inf) contributes nothing;
-    two empty states give output 0 and LSE -inf. Returns (v, s) in float32 (float64 for float64 inputs).
+    v_*: [T, H, D], s_*: [T, H] natural-log LSE. An empty state contributes nothing, whatever its values
+    hold; its LSE is -inf (pagedmla's convention) or +inf (FlashMLA's and FlashAttention's convention for a
+    row that saw no key): both read as empty. Two empty states give output 0 and LSE -inf. A NaN LSE, or a
+    NaN value in a non-empty state, is corruption and never read as empty: that row's output (and, for a
+    NaN LSE, its LSE) is NaN. Returns (v, s) in float32 (float64 for float64 inputs).
     """
     cdt = _compute_dtype(v_a)
-    s_a = s_a.to(cdt)
-    s_b = s_b.to(cdt)
-    m = torch.maximum(s_a, s_b)
+    s_a = _empty_as_neg_inf(s_a.to(cdt))
+    s_b = _empty_as_neg_inf(s_b.to(cdt))
+    m = torch.maximum(s_a, s_b)  # NaN if either is NaN
     empty = torch.isneginf(m)
     m_safe = torch.where(empty, torch.zeros_like(m), m)
     w_a = torch.exp(s_a - m_safe)
@@ -183,8 +191,15 @@ def merge_state(
     total = w_a + w_b
     inv = torch.where(empty, torch.zeros_like(total), 1.0 / torch.where(empty, torch.ones_like(total), total))
     zero = torch.zeros((), dtype=cdt, device=v_a.device)
-    # Empty states may carry garbage values (even NaN): select instead of multiplying by a zero weight.
-    part_a = torch.where((w_a > 0).unsqueeze(-1), v_a.to(cdt) * (w_a * inv).unsqueeze(-1), zero)
-    part_b = torch.where((w_b > 0).unsqueeze(-1), v_b.to(cdt) * (w_b * inv).unsqueeze(-1), zero)
+    # Select by emptiness rather than multiply by a zero weight: an empty state's values may be garbage
+    # (never-written memory, NaN), while a live state's NaN must reach the output even when its weight
+    # underflows to 0 (NaN * 0 is NaN).
+    part_a = torch.where(torch.isneginf(s_a).unsqueeze(-1), zero, v_a.to(cdt) * (w_a * inv).unsqueeze(-1))
+    part_b = torch.where(torch.isneginf(s_b).unsqueeze(-1), zero, v_b.to(cdt) * (w_b * inv).unsqueeze(-1))
     s = torch.where(empty, m, m_safe + torch.log(torch.where(empty, torch.ones_like(total), total)))
     return part_a + part_b, s
+
+
+def _empty_as_neg_inf(s: torch.Tensor) -> torch.Tensor:
+    """LSE with both empty-row conventions (+inf and -inf) mapped to -inf; NaN and finite values kept."""
+    return torch.where(torch.isinf(s), torch.full_like(s, float("-inf")), s)

@@ -259,7 +259,7 @@ def test_cuda_graph_replay_equals_eager_and_reuses_buffers():
             # The engine's block table may be narrower than the graph buffers: copy what it has.
             narrow = h.table.block_table[:, :20].clone()
             be.init_forward_metadata_replay_cuda_graph(bs, torch.tensor(real), torch.tensor(seq, dtype=torch.int32),
-                                                       mode, narrow, raw_bs=raw)
+                                                       mode, block_table=narrow, raw_bs=raw)
             graph_out = be.forward(q, lat[:, None], None, 0, loc_padded, h.cache)[: raw * q_len]
             assert [g.seq_lens.data_ptr(), g.block_table.data_ptr(), g.tile_scheduler_metadata.data_ptr(),
                     g.num_splits.data_ptr()] == buffers
@@ -298,7 +298,7 @@ def test_decode_planning_never_synchronises(monkeypatch):
     batch = ForwardBatch(ForwardMode.TARGET_VERIFY, torch.tensor(slots), seq, h.table.block_table)
     h.backend.init_forward_metadata(batch)
     h.backend.init_forward_metadata_replay_cuda_graph(4, torch.tensor(slots), seq, ForwardMode.TARGET_VERIFY,
-                                                      h.table.block_table, raw_bs=3)
+                                                      block_table=h.table.block_table, raw_bs=3)
 
 
 def test_override_num_extends():
@@ -444,4 +444,20 @@ def test_replay_rejects_a_block_table_wider_than_the_graph_buffers():
     wide = torch.zeros(4, h.cfg.max_pages_per_request + 1, dtype=torch.int32)
     with pytest.raises(ValueError, match="block_table"):
         h.backend.init_forward_metadata_replay_cuda_graph(2, torch.tensor([0, 1]), torch.ones(2, dtype=torch.int32),
-                                                          ForwardMode.DECODE, wide)
+                                                          ForwardMode.DECODE, block_table=wide)
+
+
+def test_argument_order_traps_are_type_errors():
+    """SGLang-style positional calls must fail loudly, not be read as pagedmla's arguments (issue 23):
+    init_cuda_graph_state(max_bs, max_num_tokens) would have taken max_num_tokens as a page count."""
+    h = Harness()
+    with pytest.raises(TypeError):
+        h.backend.init_cuda_graph_state(4, 4096)
+    h.backend.init_cuda_graph_state(4, max_pages_per_request=h.cfg.max_pages_per_request)
+    h.backend.init_forward_metadata_capture_cuda_graph(2, torch.zeros(2, dtype=torch.int64),
+                                                       torch.ones(2, dtype=torch.int32), ForwardMode.DECODE)
+    with pytest.raises(TypeError):  # SGLang's replay passes seq_lens_sum, encoder_lens, ... positionally
+        h.backend.init_forward_metadata_replay_cuda_graph(2, torch.tensor([0, 1]), torch.ones(2, dtype=torch.int32),
+                                                          ForwardMode.DECODE, h.table.block_table)
+    with pytest.raises(TypeError):  # save_kv_cache is keyword-only: a sixth positional is SGLang's forward_batch
+        h.backend.forward(torch.zeros(2, 4, 576), None, None, 0, torch.zeros(2, dtype=torch.int64), h.cache, True)

@@ -69,7 +69,7 @@ def test_captured_graph_replays_like_eager(mode, q_len):
         loc[: new_loc.shape[0]].copy_(new_loc)
         be.init_forward_metadata_replay_cuda_graph(bs, torch.tensor(real, device=dev),
                                                    torch.tensor(seq, dtype=torch.int32, device=dev), mode,
-                                                   h.table.block_table, raw_bs=len(real))
+                                                   block_table=h.table.block_table, raw_bs=len(real))
         graph.replay()
         n = len(real) * q_len
         replayed = out[:n].clone()

@@ -66,10 +66,10 @@ def test_every_attention_call_of_a_generation_agrees(monkeypatch):
         plan(batch)
         triton_backend.init_forward_metadata(batch)
 
-    def forward_both(q, k, v, layer, out_cache_loc, cache, save_kv_cache=True, **kwargs):
-        ref = forward(q, k, v, layer, out_cache_loc, cache, save_kv_cache, **kwargs)
+    def forward_both(q, k, v, layer, out_cache_loc, cache, *, save_kv_cache=True, **kwargs):
+        ref = forward(q, k, v, layer, out_cache_loc, cache, save_kv_cache=save_kv_cache, **kwargs)
         # The rows are already stored: the Triton backend only reads them.
-        out = triton_backend.forward(q, k, v, layer, out_cache_loc, cache, False, **kwargs)
+        out = triton_backend.forward(q, k, v, layer, out_cache_loc, cache, save_kv_cache=False, **kwargs)
         key = f"{ref_backend.metadata.mode.value}/{ref_backend.attention_form}"
         errors.setdefault(key, []).append(((out.float() - ref.float()).norm() / ref.float().norm()).item())
         return ref

@@ -146,6 +146,6 @@ class GraphRunner:
             buf[n_raw:n].zero_()
         batch = inputs.batch
         self.runner.backend.init_forward_metadata_replay_cuda_graph(bs, batch.req_pool_indices, batch.seq_lens, mode,
-                                                                    batch.block_table, raw_bs=raw)
+                                                                    block_table=batch.block_table, raw_bs=raw)
         self.graphs[(bs, mode)].replay()
         return self.outputs[(bs, mode)][:n_raw]

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from pagedmla import errors
-from pagedmla.ops import checks
+from pagedmla.ops import checks, library
 from pagedmla.ops.providers import resolve
 
 _KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -71,6 +71,9 @@ def flash_mla_with_kvcache(
     reads a page id outside the cache, gets NaN rows; metadata made for other lengths makes every row NaN
     (``pagedmla.errors``).
     """
+    if torch.compiler.is_dynamo_compiling():
+        return library.flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v,
+                                              tile_scheduler_metadata, num_splits, softmax_scale, causal, provider)
     try:
         key = (_signature(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits),
                _scalars(head_dim_v, softmax_scale), provider, os.environ.get("PAGEDMLA_PROVIDER"))
@@ -138,6 +141,9 @@ def flash_mla_varlen_with_kvcache(
     capacity or a page id outside the cache gets NaN rows; a qo_indptr that is not a partition of the T rows
     makes every row NaN.
     """
+    if torch.compiler.is_dynamo_compiling():
+        return library.flash_mla_varlen_with_kvcache(q, k_cache, block_table, cache_seqlens, qo_indptr, head_dim_v,
+                                                     softmax_scale, causal, max_q_len, provider)
     if max_q_len is not None and (isinstance(max_q_len, bool) or not isinstance(max_q_len, int) or max_q_len < 0):
         raise ValueError(f"max_q_len: expected an int >= 0, got {max_q_len!r}")
     try:
@@ -213,6 +219,9 @@ def flash_attn_varlen_func(
     Bad values (``pagedmla.errors``): a cu_seqlens_q that is not a partition of the q rows makes every row
     NaN; a sequence whose key range lies outside k, or longer than max_seqlen_q, gets NaN rows.
     """
+    if torch.compiler.is_dynamo_compiling():
+        return library.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                              softmax_scale, causal, return_attn_probs, out=out, provider=provider)
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
@@ -290,10 +299,14 @@ def merge_state(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Combine two attention results over disjoint key sets: softmax-weighted by their LSEs.
 
-    v_a, v_b: [T, H, D]; s_a, s_b: float32 [T, H] natural-log LSE. An empty state (LSE -inf) adds
-    nothing; two empty ones give 0 and -inf. ``out`` / ``out_lse`` receive the results when given (they
-    may be v_a / s_a for an in-place update). Returns (v [T, H, D], s [T, H] float32).
+    v_a, v_b: [T, H, D]; s_a, s_b: float32 [T, H] natural-log LSE. An empty state (LSE -inf, or +inf:
+    FlashMLA's and FlashAttention's empty row) adds nothing; two empty ones give 0 and -inf. A NaN LSE, or a
+    NaN value in a non-empty state, is corruption, never an empty state: that row's result is NaN.
+    ``out`` / ``out_lse`` receive the results when given (they may be v_a / s_a for an in-place update).
+    Returns (v [T, H, D], s [T, H] float32).
     """
+    if torch.compiler.is_dynamo_compiling():
+        return library.merge_state(v_a, s_a, v_b, s_b, out, out_lse=out_lse, provider=provider)
     checks.tensor(v_a, "v_a", ndim=3, dtypes=_KV_DTYPES)
     checks.tensor(v_b, "v_b", ndim=3)
     _same_dtype(v_a, "v_b", v_b)

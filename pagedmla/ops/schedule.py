@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedmla.ops import library
+
 BLOCK_N = 64
 BLOCK_M = 64
 # Up to 32 query rows per request (q_len x heads) the portable decode kernel runs one 16- or 32-row tile
@@ -107,6 +109,8 @@ def get_mla_metadata(
     call while capturing a CUDA graph (during a capture the tensor-op version runs, so that a first call
     never has to compile and load the Triton kernel inside it).
     """
+    if torch.compiler.is_dynamo_compiling():
+        return library.get_mla_metadata(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_sm_parts)
     if not isinstance(cache_seqlens, torch.Tensor):
         raise TypeError(f"cache_seqlens: expected a torch.Tensor, got {type(cache_seqlens).__name__}")
     if cache_seqlens.dim() != 1 or cache_seqlens.dtype != torch.int32:

@@ -1,9 +1,12 @@
 """Triton merge_state: combine two partial attention results over disjoint key sets.
 
 out = (exp(s_a) v_a + exp(s_b) v_b) / (exp(s_a) + exp(s_b)), s = log(exp(s_a) + exp(s_b)), computed
-against the larger LSE so nothing overflows. An empty state (LSE -inf) contributes nothing, whatever its
-values hold; two empty states give 0 and -inf. Memory bound: each program streams BLOCK_R (token, head)
-rows of both inputs once and writes one output, so it may run in place (out aliasing v_a or v_b).
+against the larger LSE so nothing overflows. An empty state contributes nothing, whatever its values hold:
+its LSE is -inf (pagedmla) or +inf (FlashMLA's / FlashAttention's empty row), both read as empty; two
+empty states give 0 and -inf. A NaN LSE, or a NaN value in a non-empty state, is corruption, never an
+empty state: the row's output (and for a NaN LSE its LSE) is NaN, as in ``reference.merge_state``.
+Memory bound: each program streams BLOCK_R (token, head) rows of both inputs once and writes one output,
+so it may run in place (out aliasing v_a or v_b).
 """
 
 from __future__ import annotations
@@ -30,25 +33,34 @@ def _merge_kernel(
     h = r % num_heads
     s_a = tl.load(SA + t * stride_sat + h * stride_sah, mask=row_ok, other=float("-inf")).to(tl.float32)
     s_b = tl.load(SB + t * stride_sbt + h * stride_sbh, mask=row_ok, other=float("-inf")).to(tl.float32)
+    # Both empty-row conventions (+inf, -inf) read as empty; NaN stays NaN.
+    s_a = tl.where(tl.abs(s_a) == float("inf"), float("-inf"), s_a)
+    s_b = tl.where(tl.abs(s_b) == float("inf"), float("-inf"), s_b)
+    # tl.maximum may return the non-NaN operand: carry NaN explicitly so corruption is never read as empty.
+    nan = (s_a != s_a) | (s_b != s_b)
     m = tl.maximum(s_a, s_b)
-    empty = m == float("-inf")
-    m_safe = tl.where(empty, 0.0, m)
+    empty = (m == float("-inf")) & (~nan)
+    m_safe = tl.where(empty | nan, 0.0, m)
     w_a = tl.exp(s_a - m_safe)
     w_b = tl.exp(s_b - m_safe)
     total = w_a + w_b
     inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, total))
+    inv = tl.where(nan, float("nan"), inv)
     c_a = w_a * inv
     c_b = w_b * inv
     d = tl.arange(0, BLOCK_D)
     mask = row_ok[:, None] & (d[None, :] < D)
     v_a = tl.load(VA + t[:, None] * stride_at + h[:, None] * stride_ah + d[None, :], mask=mask, other=0.0)
     v_b = tl.load(VB + t[:, None] * stride_bt + h[:, None] * stride_bh + d[None, :], mask=mask, other=0.0)
-    # Select rather than multiply so an empty state's values (possibly NaN/inf garbage) never leak in.
-    part_a = tl.where((c_a > 0.0)[:, None], v_a.to(tl.float32) * c_a[:, None], 0.0)
-    part_b = tl.where((c_b > 0.0)[:, None], v_b.to(tl.float32) * c_b[:, None], 0.0)
+    # Select by emptiness rather than multiply by a zero weight: an empty state's values may be garbage
+    # (NaN/inf) and must not leak, while a live state's NaN reaches the output even when its weight
+    # underflows to 0.
+    part_a = tl.where((s_a == float("-inf"))[:, None], 0.0, v_a.to(tl.float32) * c_a[:, None])
+    part_b = tl.where((s_b == float("-inf"))[:, None], 0.0, v_b.to(tl.float32) * c_b[:, None])
     out = part_a + part_b
     tl.store(VO + t[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :], out.to(VO.dtype.element_ty), mask=mask)
     s = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, total)))
+    s = tl.where(nan, float("nan"), s)
     tl.store(SO + t * stride_sot + h * stride_soh, s, mask=row_ok)
 
 
