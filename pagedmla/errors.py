@@ -97,7 +97,10 @@ def error_word(device: torch.device) -> torch.Tensor:
         with _lock:
             word = _words.get(index)
             if word is None:
-                word = torch.zeros(1, dtype=torch.int32, device=device)
+                # A normal tensor even when first asked for under torch.inference_mode (an engine's step):
+                # the word is updated in place outside it too.
+                with torch.inference_mode(False):
+                    word = torch.zeros(1, dtype=torch.int32, device=device)
                 _words[index] = word
     return word
 
