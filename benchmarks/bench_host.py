@@ -3,14 +3,15 @@
 Host µs per call: wall time of ``n`` back-to-back calls issued without waiting (few enough that CUDA's launch
 queue never fills, so the host is never held up by the GPU), divided by ``n``; best of five rounds (the host
 is shared and noisy). GPU µs: the same calls captured in a CUDA graph and replayed (no host in the way),
-``triton.testing.do_bench`` median. A call is host bound where its host µs exceed its GPU µs.
+``triton.testing.do_bench`` median (for get_mla_metadata that is its tensor-op form, which a capture runs;
+eagerly it is one Triton launch). A call is host bound where its host µs exceed its GPU µs.
 
 Steps: a DeepSeek-V3-shaped eager decode step (61 layers, 16 heads per rank, batch 64, mean context 4096:
 one plan, then per layer the latent store and the decode attention) and an eager prefill step (61 layers of
 ragged MHA over 8 prompts of 1024 tokens with their latent stores), through ``MLABackend`` as an engine
 drives it.
 
-    python3 benchmarks/bench_host.py [--csv out.csv] [--no-flashmla]
+    python3 benchmarks/bench_host.py [--csv out.csv] [--no-flashmla] [--profile]
 """
 
 from __future__ import annotations
@@ -73,48 +74,55 @@ def decode_inputs(b: int, q_len: int, heads: int, mean: int, seed: int = 0):
     return q, cache, table.cuda(), lens.cuda()
 
 
+def _decode_row(b: int, q_len: int, heads: int, mean: int, use_flashmla: bool) -> dict:
+    q, cache, table, lens = decode_inputs(b, q_len, heads, mean)
+    meta, splits = pagedmla.get_mla_metadata(lens, q_len * heads, 1)
+
+    def ours():
+        return pagedmla.flash_mla_with_kvcache(q, cache, table, lens, DV, meta, splits, causal=True)
+
+    row = {"call": f"flash_mla_with_kvcache {b}x{q_len}x{heads}x{mean}", "host_us": host_us(ours),
+           "gpu_us": gpu_us(ours)}
+    if use_flashmla:
+        import flash_mla
+
+        sched, _ = flash_mla.get_mla_metadata()
+
+        def theirs():
+            return flash_mla.flash_mla_with_kvcache(q, cache, table, lens, DV, sched, None, causal=True,
+                                                    use_legacy=True)
+
+        theirs()
+        row["flashmla_host_us"], row["flashmla_gpu_us"] = host_us(theirs), gpu_us(theirs)
+    return row
+
+
+def _varlen_row(b: int, length: int, heads: int) -> dict:
+    t = b * length
+    qm = (torch.randn(t, heads, 192, device="cuda") / 10).bfloat16()
+    km = (torch.randn(t, heads, 192, device="cuda") / 10).bfloat16()
+    vm = (torch.randn(t, heads, 128, device="cuda") / 10).bfloat16()
+    cu = torch.arange(0, t + 1, length, dtype=torch.int32, device="cuda")
+
+    def fn():
+        return pagedmla.flash_attn_varlen_func(qm, km, vm, cu, cu, length, length, causal=True)
+
+    return {"call": f"flash_attn_varlen_func {b}x{length}x{heads}", "host_us": host_us(fn, n=50),
+            "gpu_us": gpu_us(fn, reps=2)}
+
+
 def public_calls(use_flashmla: bool) -> list[dict]:
-    rows = []
-    for b, q_len, heads, mean in ((1, 1, 128, 4096), (8, 1, 128, 4096), (128, 1, 16, 1024), (64, 4, 16, 4096)):
-        q, cache, table, lens = decode_inputs(b, q_len, heads, mean)
-        meta, splits = pagedmla.get_mla_metadata(lens, q_len * heads, 1)
-
-        def ours():
-            return pagedmla.flash_mla_with_kvcache(q, cache, table, lens, DV, meta, splits, causal=True)
-
-        row = {"call": f"flash_mla_with_kvcache {b}x{q_len}x{heads}x{mean}", "host_us": host_us(ours),
-               "gpu_us": gpu_us(ours)}
-        if use_flashmla:
-            import flash_mla
-
-            sched, _ = flash_mla.get_mla_metadata()
-
-            def theirs():
-                return flash_mla.flash_mla_with_kvcache(q, cache, table, lens, DV, sched, None, causal=True,
-                                                        use_legacy=True)
-
-            theirs()
-            row["flashmla_host_us"], row["flashmla_gpu_us"] = host_us(theirs), gpu_us(theirs)
-        rows.append(row)
-    row = {"call": "get_mla_metadata 64x16"}
+    rows = [_decode_row(*cell, use_flashmla) for cell in ((1, 1, 128, 4096), (8, 1, 128, 4096), (128, 1, 16, 1024),
+                                                          (64, 4, 16, 4096))]
     lens = torch.randint(1, 8192, (64,), dtype=torch.int32, device="cuda")
-    row["host_us"] = host_us(lambda: pagedmla.get_mla_metadata(lens, 16, 1))
-    row["gpu_us"] = gpu_us(lambda: pagedmla.get_mla_metadata(lens, 16, 1))
-    rows.append(row)
-    for b, length, heads in ((8, 4096, 16), (256, 128, 16)):
-        t = b * length
-        qm = (torch.randn(t, heads, 192, device="cuda") / 10).bfloat16()
-        km = (torch.randn(t, heads, 192, device="cuda") / 10).bfloat16()
-        vm = (torch.randn(t, heads, 128, device="cuda") / 10).bfloat16()
-        cu = torch.arange(0, t + 1, length, dtype=torch.int32, device="cuda")
-        fn = lambda: pagedmla.flash_attn_varlen_func(qm, km, vm, cu, cu, length, length, causal=True)  # noqa: E731
-        rows.append({"call": f"flash_attn_varlen_func {b}x{length}x{heads}", "host_us": host_us(fn, n=50),
-                     "gpu_us": gpu_us(fn, reps=2)})
-    return rows
+    rows.append({"call": "get_mla_metadata 64x16", "host_us": host_us(lambda: pagedmla.get_mla_metadata(lens, 16, 1)),
+                 "gpu_us": gpu_us(lambda: pagedmla.get_mla_metadata(lens, 16, 1))})
+    return rows + [_varlen_row(8, 4096, 16), _varlen_row(256, 128, 16)]
 
 
-def step_costs() -> list[dict]:
-    """The two engine steps of the module docstring, host and GPU µs per step."""
+def step_costs(profile: bool) -> list[dict]:
+    """The two engine steps of the module docstring, host and GPU µs per step (GPU: the layers' calls as a
+    CUDA-graph replay, planned once); ``profile`` prints a cProfile of five decode steps."""
     layers, heads, bs, mean = 61, 16, 64, 4096
     cfg = MLAConfig(num_heads=heads, page_size=PAGE, dtype=torch.bfloat16, max_context_len=16384, max_batch_size=bs,
                     num_layers=layers)
@@ -136,10 +144,25 @@ def step_costs() -> list[dict]:
         for layer in range(layers):
             backend.forward(qd, latent, None, layer, loc, cache)
 
+    def decode_layers():
+        for layer in range(layers):
+            backend.forward(qd, latent, None, layer, loc, cache)
+
     decode_step()
     torch.cuda.synchronize()
     rows = [{"call": f"backend decode step {layers} layers {bs}x{heads}x{mean}", "host_us": host_us(decode_step, n=5),
-             "gpu_us": triton.testing.do_bench(decode_step, warmup=3, rep=50, return_mode="median") * 1e3}]
+             "gpu_us": gpu_us(decode_layers, reps=1)}]
+    if profile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(5):
+            decode_step()
+        prof.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(22)
 
     b, length = 8, 1024
     t = b * length
@@ -163,11 +186,14 @@ def step_costs() -> list[dict]:
         for layer in range(layers):
             backend.forward(qm, km, vm, layer, ploc, pcache, latent=plat)
 
+    def prefill_layers():
+        for layer in range(layers):
+            backend.forward(qm, km, vm, layer, ploc, pcache, latent=plat)
+
     prefill_step()
     torch.cuda.synchronize()
     rows.append({"call": f"backend prefill step {layers} layers {b}x{length}x{heads}",
-                 "host_us": host_us(prefill_step, n=2, rounds=3),
-                 "gpu_us": triton.testing.do_bench(prefill_step, warmup=1, rep=30, return_mode="median") * 1e3})
+                 "host_us": host_us(prefill_step, n=2, rounds=3), "gpu_us": gpu_us(prefill_layers, reps=1)})
     return rows
 
 
@@ -175,6 +201,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--csv")
     ap.add_argument("--no-flashmla", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="cProfile the decode step's host time")
     args = ap.parse_args()
     use_flashmla = not args.no_flashmla
     if use_flashmla:
@@ -182,7 +209,7 @@ def main() -> None:
             import flash_mla  # noqa: F401
         except ImportError:
             use_flashmla = False
-    rows = public_calls(use_flashmla) + step_costs()
+    rows = public_calls(use_flashmla) + step_costs(args.profile)
     print(f"{'call':<52} {'host us':>9} {'GPU us':>9} {'FlashMLA host':>14} {'FlashMLA GPU':>13}")
     for r in rows:
         fm = (f"{r['flashmla_host_us']:>14.1f} {r['flashmla_gpu_us']:>13.1f}" if "flashmla_host_us" in r else "")

@@ -402,7 +402,20 @@ class MLABackend:
     def save_kv(self, latent: torch.Tensor, layer, out_cache_loc: torch.Tensor, cache: MLAKVCache) -> None:
         """Write this step's latent rows ([T, 576] or [T, 1, 576]) at ``out_cache_loc`` (a slot outside the
         cache is dropped and reported, ``pagedmla.errors``)."""
-        cache.write(_layer_id(layer), out_cache_loc, latent, validate=self._host_checks)
+        if self._host_checks:
+            cache.write(_layer_id(layer), out_cache_loc, latent, validate=True)
+            return
+        # The checks of MLAKVCache.write that the step's shapes do not already settle, then its unchecked store.
+        if not isinstance(latent, torch.Tensor) or not latent.is_floating_point() or latent.dim() not in (2, 3) \
+                or latent.shape[-1] != self.kv_dim or (latent.dim() == 3 and latent.shape[1] != 1):
+            raise ValueError(f"latent: expected [T, {self.kv_dim}] or [T, 1, {self.kv_dim}] rows, got "
+                             f"{getattr(latent, 'shape', type(latent).__name__)}")
+        if not isinstance(out_cache_loc, torch.Tensor) or out_cache_loc.dtype != torch.int64 \
+                or out_cache_loc.shape != latent.shape[:1] or out_cache_loc.device != cache.device:
+            raise ValueError(f"out_cache_loc: expected int64 [{latent.shape[0]}] slots on {cache.device}, got "
+                             f"{getattr(out_cache_loc, 'dtype', type(out_cache_loc).__name__)} "
+                             f"{tuple(getattr(out_cache_loc, 'shape', ()))}")
+        cache.store(_layer_id(layer), out_cache_loc, latent.reshape(latent.shape[0], self.kv_dim))
 
     def _check_pages(self, meta: ForwardMetadata, cache: MLAKVCache) -> None:
         """``PAGEDMLA_VALIDATE=all``: the step's page ids against this cache, read back."""

@@ -198,6 +198,9 @@ class MLAKVCache:
         self.dtype = dtype
         self.num_slots = num_pages * page_size
         self.buffers = [torch.empty(self.num_slots, 1, kv_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        # The two views every step takes of each layer, made once (a view costs host time on every call).
+        self._flat = [b.view(self.num_slots, kv_dim) for b in self.buffers]
+        self._paged = [b.view(num_pages, page_size, 1, kv_dim) for b in self.buffers]
 
     @property
     def device(self) -> torch.device:
@@ -210,23 +213,16 @@ class MLAKVCache:
 
     def paged_view(self, layer_id: int) -> torch.Tensor:
         """The layer's buffer as the kernels see it: [num_pages, page_size, 1, kv_dim]."""
-        return self.layer(layer_id).view(self.num_pages, self.page_size, 1, self.kv_dim)
+        self.layer(layer_id)
+        return self._paged[layer_id]
 
-    def write(self, layer_id: int, out_cache_loc: torch.Tensor, latent: torch.Tensor, validate: bool = True) -> None:
-        """Store full latent rows: latent [T, kv_dim] or [T, 1, kv_dim] at slots out_cache_loc int64 [T].
-
-        ``validate`` checks the slot range on the host where ``pagedmla.errors.host_value_checks`` says (a
-        synchronisation on CUDA with ``PAGEDMLA_VALIDATE=all``); ``validate=False`` never does, for callers
-        inside a step such as the backend. Either way a slot outside the cache is never written: that row
-        is dropped and the device error word reports it (``errors.CACHE_SLOT``)."""
-        buf = self.layer(layer_id)
-        checks.tensor(latent, "latent", dtypes=checks.FLOAT_DTYPES)
-        if tuple(latent.shape[1:]) not in ((self.kv_dim,), (1, self.kv_dim)):
-            raise ValueError(f"latent: expected shape [T, {self.kv_dim}] or [T, 1, {self.kv_dim}], "
-                             f"got {tuple(latent.shape)}")
-        rows = latent.reshape(latent.shape[0], self.kv_dim)
-        self._check_slots(out_cache_loc, rows.shape[0], check_values=validate)
-        flat = buf.view(self.num_slots, self.kv_dim)
+    def store(self, layer_id: int, out_cache_loc: torch.Tensor, rows: torch.Tensor) -> None:
+        """``write`` without its argument checks, for a caller that checked them (the backend, once per layer):
+        rows [T, kv_dim] of any float dtype, out_cache_loc int64 [T] on the cache's device, layer_id valid.
+        A slot outside the cache is dropped and reported (``errors.CACHE_SLOT``), never written."""
+        if not 0 <= layer_id < len(self._flat):
+            raise ValueError(f"layer_id: expected an int in 0..{len(self._flat) - 1}, got {layer_id!r}")
+        flat = self._flat[layer_id]
         if flat.is_cuda:
             from pagedmla.kernels.triton.rows import store_rows
 
@@ -236,6 +232,22 @@ class MLAKVCache:
         # A row with a bad slot rewrites slot 0 (the reserved page: no request's data) with what it holds.
         flat.index_copy_(0, torch.where(ok, out_cache_loc, 0), torch.where(ok.unsqueeze(1), rows.to(self.dtype),
                                                                              flat[0]))
+
+    def write(self, layer_id: int, out_cache_loc: torch.Tensor, latent: torch.Tensor, validate: bool = True) -> None:
+        """Store full latent rows: latent [T, kv_dim] or [T, 1, kv_dim] at slots out_cache_loc int64 [T].
+
+        ``validate`` checks the slot range on the host where ``pagedmla.errors.host_value_checks`` says (a
+        synchronisation on CUDA with ``PAGEDMLA_VALIDATE=all``); ``validate=False`` never does, for callers
+        inside a step such as the backend. Either way a slot outside the cache is never written: that row
+        is dropped and the device error word reports it (``errors.CACHE_SLOT``)."""
+        self.layer(layer_id)
+        checks.tensor(latent, "latent", dtypes=checks.FLOAT_DTYPES)
+        if tuple(latent.shape[1:]) not in ((self.kv_dim,), (1, self.kv_dim)):
+            raise ValueError(f"latent: expected shape [T, {self.kv_dim}] or [T, 1, {self.kv_dim}], "
+                             f"got {tuple(latent.shape)}")
+        rows = latent.reshape(latent.shape[0], self.kv_dim)
+        self._check_slots(out_cache_loc, rows.shape[0], check_values=validate)
+        self.store(layer_id, out_cache_loc, rows)
 
     def write_split(self, layer_id: int, out_cache_loc: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
         """Store rows given as their two parts: c_kv [T, kv_lora_rank] and k_pe [T, rope_dim] (or [T, 1, *])."""
@@ -254,9 +266,9 @@ class MLAKVCache:
     def gather(self, layer_id: int, slots: torch.Tensor, validate: bool = True) -> torch.Tensor:
         """Rows at ``slots`` (int64 [n]) as [n, kv_dim]; ``validate`` as in ``write``. A slot outside the cache
         gives a NaN row (and sets ``errors.CACHE_SLOT``)."""
-        buf = self.layer(layer_id)
+        self.layer(layer_id)
         self._check_slots(slots, None, name="slots", check_values=validate)
-        flat = buf.view(self.num_slots, self.kv_dim)
+        flat = self._flat[layer_id]
         if flat.is_cuda:
             from pagedmla.kernels.triton.rows import gather_rows
 

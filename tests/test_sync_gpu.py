@@ -131,7 +131,8 @@ def test_graph_replay_planning_never_synchronises(mode, q_len):
     lat.copy_(h.dev(h.rand(bs * q_len, 1, 576)))
     q.copy_(h.dev(h.rand(bs * q_len, 16, 576)))
     with no_sync():
-        be.init_forward_metadata_replay_cuda_graph(bs, real, seq, mode, h.table.block_table, raw_bs=len(slots))
+        be.init_forward_metadata_replay_cuda_graph(bs, real, seq, mode, block_table=h.table.block_table,
+                                                   raw_bs=len(slots))
         graph.replay()
     torch.cuda.synchronize()
     assert torch.isfinite(out[: len(slots) * q_len].float()).all()

@@ -15,8 +15,16 @@ first key the earliest query row cannot see) run without masks; the last one or 
 run masked: the loads past the sequence end are skipped (unused cache slots may hold anything, NaN
 included) and masked scores become -inf before the exponential, so no such value reaches the output.
 
+Guards (``pagedmla.errors``). Metadata rows are clamped to the batch, lengths to the block-table row, page
+ids to page 0 and piece indices to the partials buffer, so no value sends a load or store outside the
+tensors; a request with a bad length or page gets NaN rows. Part 0 also checks the metadata's fingerprint
+(``ops.schedule.fingerprint``: metadata and num_splits made for these lengths) and leaves its verdict at
+the end of the partials buffer; without it the combine kernel poisons every request, since a schedule
+made for other lengths may skip or repeat any request's keys.
+
 Launch parameters depend only on shapes and the metadata's shape (no host synchronisation), so the
-metadata call, the main kernel and the combine kernel can be captured in a CUDA graph.
+metadata call, the main kernel and the combine kernel can be captured in a CUDA graph. A plan per call
+shape (``_DecodePlan``) keeps both launches bound (``launch.BoundLaunch``) after the first call.
 """
 
 from __future__ import annotations

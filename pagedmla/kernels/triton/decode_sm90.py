@@ -100,12 +100,12 @@ def sm90_supported(q: torch.Tensor, k_cache: torch.Tensor, head_dim_v: int) -> b
 if HAVE_GLUON:
 
     @gluon.jit
-    def page_ok(bt_row, n0, num_pages, PAGE: gl.constexpr):
-        """Whether the page id of KV token n0 is inside the cache: warpgroup 0 checks each tile's page
-        itself (the loader has already read page 0 instead of a bad one), so no flag crosses partitions;
-        the load is issued before the tile's wait and lands while the warpgroup waits."""
-        _, bad = checked_page(gl.load(bt_row + n0 // PAGE), num_pages)
-        return bad == 0
+    def pages_ok(flag):
+        """Warpgroup side of the page check: whether the loader found every page id of the request (or tile)
+        it last loaded into ``flag``'s slot inside the cache. Read after the wait for that request's last KV
+        tile, which the loader signalled after writing the flag: the check costs the warpgroups no global
+        load in their tile loop."""
+        return gl.max(flag.load(gl.BlockedLayout([1], [32], [4], [0])), axis=0) == 0
 
     @gluon.jit
     def _zero_tail_rows(kv, col0, valid, CHUNKS: gl.constexpr, num_warps: gl.constexpr):
@@ -151,16 +151,22 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _load_kv_tiles(kv_desc, kv_pe_desc, bt_row, first_page, tok_lo, tok_hi, it, kv_ring, kv_pe_ring, kv_ready,
-                       kv_empty, num_pages, PAGE: gl.constexpr):
+                       kv_empty, flag, num_pages, PAGE: gl.constexpr):
         """Loader: KV tokens tok_lo .. tok_hi - 1 of one request (tok_lo a multiple of 64, tok_lo < tok_hi,
         tok_hi within the block-table row's capacity) into the ring from slot it on, 64 per slot; first_page
         is the block-table entry of tok_lo, already loaded. Each tile's page id is loaded one tile ahead, so
-        no refill waits on a block-table read; a page id outside the cache reads page 0 (warpgroup 0
-        poisons the request). Returns the ring position after the last tile."""
-        page_id, _ = checked_page(first_page, num_pages)
+        no refill waits on a block-table read; a page id outside the cache reads page 0, and whether any did
+        goes into ``flag`` (an int32 [1] shared-memory slot) before the last tile is signalled, for warpgroup
+        0 to poison the request (``pages_ok``). Returns the ring position after the last tile."""
+        page_id, bad = checked_page(first_page, num_pages)
         for n0 in range(tok_lo, tok_hi, _BN):
             # The last tile's look-ahead re-reads its own entry (inside the row: tok_hi <= the row's capacity).
-            next_page, _ = checked_page(gl.load(bt_row + gl.minimum(n0 + _BN, tok_hi - 1) // PAGE), num_pages)
+            next_page, next_bad = checked_page(gl.load(bt_row + gl.minimum(n0 + _BN, tok_hi - 1) // PAGE),
+                                               num_pages)
+            if n0 + _BN >= tok_hi:
+                flag.store(gl.full([1], 0, gl.int32, gl.BlockedLayout([1], [32], [1], [0])) + bad.to(gl.int32))
+                gl.thread_barrier()  # the whole warp's store before the one thread that signals the tile
+            bad = bad | next_bad
             s = it % _STAGES
             mbarrier.wait(kv_empty.index(s), ((it // _STAGES) & 1) ^ 1)
             row = page_id * PAGE + n0 % PAGE
@@ -255,7 +261,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _loader(q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, PIECES, CAPACITY, num_pages, seqlens_ptr,
                 meta_ptr, splits_ptr, partials_ptr, err_ptr, B, PARTS, ROWS, q_smem, q_pe_smem, kv_ring, kv_pe_ring,
-                q_ready, q_free, kv_ready, kv_empty, PAGE: gl.constexpr, META_W: gl.constexpr):
+                q_ready, q_free, kv_ready, kv_empty, page_flags, PAGE: gl.constexpr, META_W: gl.constexpr):
         pid_m = gl.program_id(0)
         part = gl.program_id(1)
         begin_req, begin_blk, end_req, end_blk, _ = part_bounds(meta_ptr, part, B - 1, META_W)
@@ -273,9 +279,9 @@ if HAVE_GLUON:
                 # Q of the previous request stays until warpgroup 0's last S of it is done.
                 mbarrier.wait(q_free, (nq & 1) ^ 1)
                 _load_q(q_desc, q_pe_desc, b * ROWS + pid_m * _BM, q_smem, q_pe_smem, q_ready)
-                nq += 1
                 it = _load_kv_tiles(kv_desc, kv_pe_desc, bt_row, first_page, tok_lo, tok_hi, it, kv_ring, kv_pe_ring,
-                                    kv_ready, kv_empty, num_pages, PAGE)
+                                    kv_ready, kv_empty, page_flags.index(nq % 2), num_pages, PAGE)
+                nq += 1
         if (pid_m == 0) & (part == 0):
             # The schedule verdict (decode.py's partials layout), once the loads are issued: the loader has
             # nothing else to do while the warpgroups finish.
@@ -287,7 +293,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _softmax_warpgroup(
         q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, kv_ready, kv_empty,
-        p_ready, p_free, bt_ptr, stride_btb, PIECES, CAPACITY, num_pages, seqlens_ptr, meta_ptr, splits_ptr, out_ptr,
+        p_ready, p_free, page_flags, PIECES, CAPACITY, seqlens_ptr, meta_ptr, splits_ptr, out_ptr,
         lse_ptr, partials_ptr, err_ptr, B, PARTS, H, Q_LEN, ROWS, qk_scale, stride_ob, stride_ot, stride_oh,
         CAUSAL: gl.constexpr, PAGE: gl.constexpr, META_W: gl.constexpr,
     ):
@@ -305,7 +311,6 @@ if HAVE_GLUON:
             seqlen, tok_lo, tok_hi, bits = request_span(seqlens_ptr, b, begin_req, begin_blk, end_req, end_blk,
                                                         CAPACITY, _BN)
             if tok_lo < tok_hi:
-                bt_row = bt_ptr + b.to(gl.int64) * stride_btb
                 # Keys row r may see: [0, lim); with causal, query t of Q_LEN sees keys 0 .. seqlen - Q_LEN + t.
                 if CAUSAL:
                     first_masked = seqlen - Q_LEN + 1
@@ -316,17 +321,15 @@ if HAVE_GLUON:
                 m_i = gl.full([_BM], float("-inf"), dtype=gl.float32, layout=row_l)
                 l_i = gl.zeros([_BM], dtype=gl.float32, layout=row_l)
                 o = gl.zeros([_BM, 256], dtype=gl.float32, layout=o_layout)
-                pages_ok = True
                 mbarrier.wait(q_ready, nq & 1)
                 for n0 in range(tok_lo, tok_hi, _BN):
-                    pages_ok = pages_ok & page_ok(bt_row, n0, num_pages, PAGE)
                     o, m_i, l_i = _softmax_tile(o, m_i, l_i, it, npm, n0, first_masked, lim, seqlen,
                                                 n0 + _BN >= tok_hi, qk_scale, q_smem, q_pe_smem, kv_ring,
                                                 kv_pe_ring, p_smem, scale_smem, q_free, kv_ready, kv_empty,
                                                 p_ready, p_free, s_layout, o_layout)
                     npm += 1
                     it += 1
-                bits = bits | gl.where(pages_ok, 0, BLOCK_TABLE)
+                bits = bits | gl.where(pages_ok(page_flags.index(nq % 2)), 0, BLOCK_TABLE)
                 report(err_ptr, bits)
                 inv_l, lse2 = _softmax_finish(m_i, l_i, qk_scale, bits != 0, npm, scale_smem, p_ready, p_free)
                 npm += 1
@@ -372,7 +375,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _mla_buffers(q_desc, q_pe_desc, kv_desc, kv_pe_desc):
         """Shared memory and barriers of the MLA kernels: Q, the two-stage KV ring, P and its per-row scale;
-        ready/free barriers for Q, each ring slot (freed by both warpgroups) and P."""
+        ready/free barriers for Q, each ring slot (freed by both warpgroups) and P; the page-check flags."""
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
         q_pe_smem = gl.allocate_shared_memory(dtype, q_pe_desc.block_type.shape, q_pe_desc.layout)
@@ -388,6 +391,8 @@ if HAVE_GLUON:
         p_free = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], bar_layout)
         kv_empty = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], bar_layout)
+        # The loader's page-check result of the two requests (tiles) in flight, by Q-load parity.
+        page_flags = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         mbarrier.init(q_ready, count=1)
         mbarrier.init(q_free, count=1)
         mbarrier.init(p_ready, count=1)
@@ -396,7 +401,7 @@ if HAVE_GLUON:
             mbarrier.init(kv_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=2)  # one arrive per warpgroup
         return (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, p_ready, p_free,
-                kv_ready, kv_empty)
+                kv_ready, kv_empty, page_flags)
 
     @gluon.jit
     def _decode_sm90_kernel(
@@ -411,10 +416,10 @@ if HAVE_GLUON:
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
                                       is_pure=False, pack=1)
         (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, p_ready, p_free, kv_ready,
-         kv_empty) = _mla_buffers(q_desc, q_pe_desc, kv_desc, kv_pe_desc)
+         kv_empty, page_flags) = _mla_buffers(q_desc, q_pe_desc, kv_desc, kv_pe_desc)
         gl.warp_specialize(
             [(_softmax_warpgroup, (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free,
-                                   kv_ready, kv_empty, p_ready, p_free, bt_ptr, stride_btb, PIECES, CAPACITY, num_pages,
+                                   kv_ready, kv_empty, p_ready, p_free, page_flags, PIECES, CAPACITY,
                                    seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr, partials_ptr, err_ptr, B,
                                    PARTS, H, Q_LEN, ROWS, qk_scale, stride_ob, stride_ot, stride_oh, CAUSAL, PAGE,
                                    META_W)),
@@ -424,7 +429,7 @@ if HAVE_GLUON:
                                  ROWS, stride_ob, stride_ot, stride_oh, PAGE, META_W)),
              (_loader, (q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, PIECES, CAPACITY, num_pages,
                         seqlens_ptr, meta_ptr, splits_ptr, partials_ptr, err_ptr, B, PARTS, ROWS, q_smem, q_pe_smem,
-                        kv_ring, kv_pe_ring, q_ready, q_free, kv_ready, kv_empty, PAGE, META_W))],
+                        kv_ring, kv_pe_ring, q_ready, q_free, kv_ready, kv_empty, page_flags, PAGE, META_W))],
             worker_num_warps=[4, 1],
             worker_num_regs=[232, 32],
         )

@@ -65,7 +65,7 @@ if HAVE_GLUON:
         _tile_layout,
         _value_finish,
         _value_tile,
-        page_ok,
+        pages_ok,
     )
 
 if HAVE_GLUON:
@@ -110,7 +110,7 @@ if HAVE_GLUON:
     def _publish_tile(i, counter, T, qo_ptr, seqlens_ptr, H, batch, capacity, tile_info, tile_ready, tile_free,
                       CAUSAL: gl.constexpr, SEARCH_STEPS: gl.constexpr):
         """Loader: claim the next tile from the global counter and hand it to the warpgroups as their i-th
-        (slot i % 2: claim index, first flat q row, r0, q_len, kv_len, length error bits, end, request).
+        (slot i % 2: claim index, first flat q row, r0, q_len, kv_len, length error bits, end, a spare word).
         Claims run from the last tile down: within a request, the heaviest causal tiles first. Returns
         (request, first flat q row of the tile, end of its keys: 0 when the tile loads nothing, -1 past the
         last tile)."""
@@ -127,14 +127,14 @@ if HAVE_GLUON:
                                                            batch, capacity, CAUSAL, SEARCH_STEPS)
         k = gl.arange(0, 8, layout=_ONE_WARP)
         slot.store(gl.where(k == 0, claim, gl.where(k == 1, row0, gl.where(k == 2, r0, gl.where(
-            k == 3, q_len, gl.where(k == 4, kv_len, gl.where(k == 5, bits, gl.where(k == 6, end, b))))))))
+            k == 3, q_len, gl.where(k == 4, kv_len, gl.where(k == 5, bits, gl.where(k == 6, end, 0))))))))
         gl.thread_barrier()
         mbarrier.arrive(tile_ready.index(s), count=1)
         return b, row0 + r0, gl.where(claim < T, gl.where(r0 < q_len * H, end, 0), -1)
 
     @gluon.jit
     def _receive_tile(i, tile_info, tile_ready, tile_free):
-        """A warpgroup's i-th tile as the loader published it (``_publish_tile``'s eight fields)."""
+        """A warpgroup's i-th tile as the loader published it (``_publish_tile``'s seven fields)."""
         s = i % 2
         mbarrier.wait(tile_ready.index(s), (i // 2) & 1)
         # Every thread holds the whole slot: the fields come out without cross-thread reductions.
@@ -147,7 +147,7 @@ if HAVE_GLUON:
         return (gl.sum(gl.where(k == 0, info, 0), axis=0), gl.sum(gl.where(k == 1, info, 0), axis=0),
                 gl.sum(gl.where(k == 2, info, 0), axis=0), gl.sum(gl.where(k == 3, info, 0), axis=0),
                 gl.sum(gl.where(k == 4, info, 0), axis=0), gl.sum(gl.where(k == 5, info, 0), axis=0),
-                gl.sum(gl.where(k == 6, info, 0), axis=0), gl.sum(gl.where(k == 7, info, 0), axis=0))
+                gl.sum(gl.where(k == 6, info, 0), axis=0))
 
     @gluon.jit
     def _store_rows(o, scale, lse2, col0, out_ptr, lse_ptr, row0, r0, n_rows, WRITE_LSE: gl.constexpr,
@@ -175,7 +175,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _prefill_loader(q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, seqlens_ptr, qo_ptr, counter, T,
                         H, batch, T_rows, capacity, num_pages, q_smem, q_pe_smem, kv_ring, kv_pe_ring, tile_info,
-                        tile_ready, tile_free, q_ready, q_free, kv_ready, kv_empty, CAUSAL: gl.constexpr,
+                        tile_ready, tile_free, q_ready, q_free, kv_ready, kv_empty, page_flags, CAUSAL: gl.constexpr,
                         PAGE: gl.constexpr, SEARCH_STEPS: gl.constexpr):
         if _rows_ok(qo_ptr, batch, T_rows, _ONE_WARP):
             b, q_row, end = _publish_tile(0, counter, T, qo_ptr, seqlens_ptr, H, batch, capacity, tile_info,
@@ -188,10 +188,10 @@ if HAVE_GLUON:
                     # Q of the previous tile stays until warpgroup 0's last S of it is done.
                     mbarrier.wait(q_free, (nq & 1) ^ 1)
                     _load_q(q_desc, q_pe_desc, q_row, q_smem, q_pe_smem, q_ready)
-                    nq += 1
                     bt_row = bt_ptr + b.to(gl.int64) * stride_btb
                     it = _load_kv_tiles(kv_desc, kv_pe_desc, bt_row, gl.load(bt_row), 0, end, it, kv_ring,
-                                        kv_pe_ring, kv_ready, kv_empty, num_pages, PAGE)
+                                        kv_pe_ring, kv_ready, kv_empty, page_flags.index(nq % 2), num_pages, PAGE)
+                    nq += 1
                 # The next tile is claimed once this one's loads are all issued (the warpgroups are then about
                 # two KV tiles from its end): late enough that a program never sits on a claimed tile it has not
                 # started while others run out of work, early enough for the search to finish before it is needed.
@@ -202,8 +202,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _prefill_softmax_warpgroup(
         q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, tile_info, tile_ready, tile_free, q_ready,
-        q_free, kv_ready, kv_empty, p_ready, p_free, out_ptr, lse_ptr, bt_ptr, stride_btb, qo_ptr, err_ptr,
-        num_pages, batch, T_rows, T, H, qk_scale, CAUSAL: gl.constexpr, PAGE: gl.constexpr,
+        q_free, kv_ready, kv_empty, p_ready, p_free, page_flags, out_ptr, lse_ptr, qo_ptr, err_ptr, batch, T_rows, T,
+        H, qk_scale, CAUSAL: gl.constexpr,
     ):
         s_layout: gl.constexpr = _S_LAYOUT
         o_layout: gl.constexpr = _O_LAYOUT
@@ -219,7 +219,7 @@ if HAVE_GLUON:
             npm = 0
             claim = 0
             while claim < T:
-                claim, row0, r0, q_len, kv_len, bits, end, b = _receive_tile(i, tile_info, tile_ready, tile_free)
+                claim, row0, r0, q_len, kv_len, bits, end = _receive_tile(i, tile_info, tile_ready, tile_free)
                 i += 1
                 n_rows = q_len * H
                 if (claim < T) & (r0 < n_rows):
@@ -233,13 +233,10 @@ if HAVE_GLUON:
                     m_i = gl.full([_BM], float("-inf"), dtype=gl.float32, layout=row_l)
                     l_i = gl.zeros([_BM], dtype=gl.float32, layout=row_l)
                     o = gl.zeros([_BM, 256], dtype=gl.float32, layout=o_layout)
-                    bt_row = bt_ptr + b.to(gl.int64) * stride_btb
-                    pages_ok = True
                     if end > 0:
                         mbarrier.wait(q_ready, nq & 1)
                         nq += 1
                     for n0 in range(0, end, _BN):
-                        pages_ok = pages_ok & page_ok(bt_row, n0, num_pages, PAGE)
                         # The last S of the tile hands Q back to the loader for the next one.
                         o, m_i, l_i = _softmax_tile(o, m_i, l_i, it, npm, n0, first_masked, lim, kv_len,
                                                     n0 + _BN >= end, qk_scale, q_smem, q_pe_smem, kv_ring, kv_pe_ring,
@@ -247,7 +244,8 @@ if HAVE_GLUON:
                                                     s_layout, o_layout)
                         it += 1
                         npm += 1
-                    bits = bits | gl.where(pages_ok, 0, BLOCK_TABLE)
+                    if end > 0:  # the loader's page check of this tile's keys (nq counted its Q load)
+                        bits = bits | gl.where(pages_ok(page_flags.index((nq - 1) % 2)), 0, BLOCK_TABLE)
                     if r0 == 0:
                         report(err_ptr, bits)
                     inv_l, lse2 = _softmax_finish(m_i, l_i, qk_scale, bits != 0, npm, scale_smem, p_ready, p_free)
@@ -268,7 +266,7 @@ if HAVE_GLUON:
             npm = 0
             claim = 0
             while claim < T:
-                claim, row0, r0, q_len, kv_len, _, end, _ = _receive_tile(i, tile_info, tile_ready, tile_free)
+                claim, row0, r0, q_len, kv_len, _, end = _receive_tile(i, tile_info, tile_ready, tile_free)
                 i += 1
                 if (claim < T) & (r0 < q_len * H):
                     o = gl.zeros([_BM, 256], dtype=gl.float32, layout=o_layout)
@@ -289,7 +287,7 @@ if HAVE_GLUON:
         CAUSAL: gl.constexpr, PAGE: gl.constexpr, SEARCH_STEPS: gl.constexpr,
     ):
         (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, p_ready, p_free, kv_ready,
-         kv_empty) = _mla_buffers(q_desc, q_pe_desc, kv_desc, kv_pe_desc)
+         kv_empty, page_flags) = _mla_buffers(q_desc, q_pe_desc, kv_desc, kv_pe_desc)
         tile_info = gl.allocate_shared_memory(gl.int32, [2, 8], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
         tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
@@ -301,14 +299,14 @@ if HAVE_GLUON:
         gl.warp_specialize(
             [(_prefill_softmax_warpgroup, (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, tile_info,
                                            tile_ready, tile_free, q_ready, q_free, kv_ready, kv_empty, p_ready, p_free,
-                                           out_ptr, lse_ptr, bt_ptr, stride_btb, qo_ptr, err_ptr, num_pages, batch,
-                                           T_rows, T, H, qk_scale, CAUSAL, PAGE)),
+                                           page_flags, out_ptr, lse_ptr, qo_ptr, err_ptr, batch, T_rows, T, H,
+                                           qk_scale, CAUSAL)),
              (_prefill_value_warpgroup, (kv_ring, p_smem, scale_smem, tile_info, tile_ready, tile_free, kv_ready,
                                          kv_empty, p_ready, p_free, out_ptr, lse_ptr, qo_ptr, batch, T_rows, T, H)),
              (_prefill_loader, (q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, seqlens_ptr, qo_ptr,
                                 counter, T, H, batch, T_rows, capacity, num_pages, q_smem, q_pe_smem, kv_ring,
                                 kv_pe_ring, tile_info, tile_ready, tile_free, q_ready, q_free, kv_ready, kv_empty,
-                                CAUSAL, PAGE, SEARCH_STEPS))],
+                                page_flags, CAUSAL, PAGE, SEARCH_STEPS))],
             worker_num_warps=[4, 1],
             worker_num_regs=[232, 32],
         )

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from pagedmla import errors
 from pagedmla.kernels.triton.common import report
-from pagedmla.kernels.triton.launch import CachedKernel
+from pagedmla.kernels.triton.launch import BoundLaunch, CachedKernel, current_stream
 
 _ROWS = 16  # rows per program: 16 x 576 x 2 bytes = 18 KB in flight
 
@@ -70,15 +70,34 @@ _GATHER = CachedKernel(_gather_rows_kernel)
 _SELECT = CachedKernel(_select_requests_kernel)
 
 
+# Bound launches of the store per call shape (the backend stores one layer's rows per call, every layer of
+# every step): False where binding does not apply.
+_store_plans: dict[tuple, BoundLaunch | bool] = {}
+
+
 def store_rows(buf: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, err_bit: int = errors.CACHE_SLOT) -> None:
     """buf[slots[i]] = rows[i] (cast to buf's dtype) for buf [num_slots, D], slots int [n], rows [n, D]
     (unit last strides); rows whose slot is outside 0 .. num_slots - 1 are skipped and set ``err_bit``."""
     n, d = rows.shape
     if n == 0:
         return
-    _STORE.launch(buf.device, (-(-n // _ROWS),), buf, slots, rows, errors.error_word(buf.device), n, buf.shape[0],
-                  buf.stride(0), rows.stride(0), D=d, BLOCK_D=triton.next_power_of_2(d), ROWS=_ROWS, ERR=err_bit,
-                  num_warps=4)
+    dev = buf.device
+    err = errors.error_word(dev)
+    grid = (-(-n // _ROWS), 1, 1)
+    key = (buf.shape, buf.stride(), buf.dtype, rows.shape, rows.stride(), rows.dtype, slots.dtype, dev, err_bit)
+    plan = _store_plans.get(key)
+    if plan:
+        ptrs = (buf.data_ptr(), slots.data_ptr(), rows.data_ptr(), err.data_ptr())
+        if not (ptrs[0] | ptrs[1] | ptrs[2]) & 15:  # the alignment the kernel was compiled for
+            plan.launch(grid, current_stream(dev.index), ptrs)
+            return
+    args = (buf, slots, rows, err, n, buf.shape[0], buf.stride(0), rows.stride(0))
+    options = dict(D=d, BLOCK_D=triton.next_power_of_2(d), ROWS=_ROWS, ERR=err_bit, num_warps=4)
+    if plan is None and dev.type == "cuda":
+        if len(_store_plans) > 1024:
+            _store_plans.clear()
+        _store_plans[key] = _STORE.bind(dev, grid, *args, **options) or False
+    _STORE.launch(dev, grid, *args, **options)
 
 
 def gather_rows(buf: torch.Tensor, slots: torch.Tensor, err_bit: int = errors.CACHE_SLOT) -> torch.Tensor:

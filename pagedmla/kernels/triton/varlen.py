@@ -26,7 +26,14 @@ from pagedmla.kernels.triton.common import (
     indptr_is_partition,
     report,
 )
-from pagedmla.kernels.triton.varlen_sm90 import MAX_TILES, varlen_sm90, varlen_sm90_plan, varlen_sm90_supported
+from pagedmla.kernels.triton.launch import current_stream
+from pagedmla.kernels.triton.varlen_sm90 import (
+    MAX_TILES,
+    varlen_sm90,
+    varlen_sm90_args,
+    varlen_sm90_plan,
+    varlen_sm90_supported,
+)
 from pagedmla.ops import checks
 from pagedmla.ops.providers import register_impl, triton_interpreting
 
@@ -246,6 +253,44 @@ def _use_hopper(config: dict | None, q: torch.Tensor, k: torch.Tensor, v: torch.
     return max_seqlen_q >= HOPPER_COPY_MIN_Q or all(t.is_contiguous() for t in (q, k, v))
 
 
+# Bound Hopper launches by call shape (False where binding does not apply: strided inputs are copied per call).
+_hopper_bound: dict[tuple, tuple | bool] = {}
+
+
+def _bind_hopper(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal, out, lse):
+    """(BoundLaunch, grid, result shapes) of the Hopper launch for calls shaped like this one, when every
+    tensor goes to the kernel as it is (contiguous q / k / v rows, cu_seqlens dense), else False."""
+    rows = [x.reshape(x.shape[0], -1) for x in (q, k, v)]
+    if any(r.stride() != (r.shape[1], 1) for r in rows) or not (cu_seqlens_q.is_contiguous()
+                                                                and cu_seqlens_k.is_contiguous()):
+        return False
+    if len(_hopper_bound) > 1024:
+        _hopper_bound.clear()
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+    kernel, grid, args, options = varlen_sm90_args(*rows, q.shape[1], k.shape[1], cu_seqlens_q, cu_seqlens_k,
+                                                   max_seqlen_q, softmax_scale, causal, out, lse, counter)
+    bound = kernel.bind(q.device, grid, *args, **options)
+    return False if bound is None else (bound, grid, (q.shape[0], q.shape[1], v.shape[2]))
+
+
+def _launch_bound(bound, q, k, v, cu_seqlens_q, cu_seqlens_k, out):
+    """(out, lse) of a bound launch, or None when an address is not 16-byte aligned as the kernel was compiled
+    for (the caller then takes the full path)."""
+    launch, grid, (tq, h, dv) = bound
+    qp, kp, vp, cqp, ckp = q.data_ptr(), k.data_ptr(), v.data_ptr(), cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
+    op = 0 if out is None else out.data_ptr()
+    if (qp | kp | vp | cqp | ckp | op) & 15:
+        return None
+    dev = q.device
+    if out is None:
+        out = torch.empty(tq, h, dv, dtype=q.dtype, device=dev)
+    lse = torch.empty(tq, h, dtype=torch.float32, device=dev)
+    counter = torch.zeros(1, dtype=torch.int32, device=dev)
+    ptrs = (out.data_ptr(), lse.data_ptr(), cqp, ckp, counter.data_ptr(), errors.error_word(dev).data_ptr())
+    launch.launch(grid, current_stream(dev.index), ptrs, (qp, qp, kp, kp, vp))
+    return out, lse
+
+
 def varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -272,6 +317,16 @@ def varlen_attention(
     ``{"HOPPER": False}`` the portable kernel. Returns (out [Tq, H, Dv] q.dtype, lse [Tq, H] float32, natural log; rows
     that see no key give 0 and -inf). No host synchronisation.
     """
+    # The Hopper kernel's launch, bound for this call shape by an earlier call (see _bind_hopper).
+    key = None if config is not None else (
+        q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.get_device(),
+        cu_seqlens_q.shape, cu_seqlens_q.stride(), cu_seqlens_k.shape, cu_seqlens_k.stride(), max_seqlen_q,
+        softmax_scale, causal, None if out is None else (out.shape, out.stride(), out.dtype))
+    bound = _hopper_bound.get(key)
+    if bound:
+        result = _launch_bound(bound, q, k, v, cu_seqlens_q, cu_seqlens_k, out)
+        if result is not None:
+            return result
     softmax_scale = checks.positive_scale(softmax_scale)
     check_dtype(q, "q")
     for name, t in (("k", k), ("v", v)):
@@ -310,6 +365,9 @@ def varlen_attention(
     if config:
         cfg.update(config)
     if _use_hopper(config, q, k, v, max_seqlen_q, batch):
+        if key is not None and key not in _hopper_bound and q.is_cuda:
+            _hopper_bound[key] = _bind_hopper(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale,
+                                              causal, out, lse)
         varlen_sm90(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal, out, lse)
         return out, lse
     d1, d2 = split_head_dim(dk)

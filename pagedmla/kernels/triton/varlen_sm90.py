@@ -531,6 +531,35 @@ def _layout(rows: int, width: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, width], _gl_dtype(dtype))
 
 
+def varlen_sm90_args(q2: torch.Tensor, k2: torch.Tensor, v2: torch.Tensor, heads: int, kv_heads: int,
+                     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, softmax_scale: float,
+                     causal: bool, out: torch.Tensor, lse: torch.Tensor, counter: torch.Tensor):
+    """(kernel, grid, args, options) of a launch over q2 [Tq, H * Dqk], k2 [Tk, Hk * Dqk], v2 [Tk, Hk * Dv]
+    (rows from ``tma_rows``), ``counter`` an int32 [1] zero (the tile counter)."""
+    tq, tk = q2.shape[0], k2.shape[0]
+    dk, dv = q2.shape[1] // heads, v2.shape[1] // kv_heads
+    batch = cu_seqlens_q.shape[0] - 1
+    dk1 = 128 if dk == 192 else dk
+    dk2 = dk - dk1
+    pe_width = dk2 or 64  # without a rope part the pe descriptors are passed but never used
+    tiles, per_sequence = varlen_sm90_plan(max_seqlen_q, tq, heads, batch)
+    if tiles >= MAX_TILES:
+        raise ValueError(f"max_seqlen_q: {max_seqlen_q} over {batch} sequences, {tq} rows and {heads} heads is {tiles} "
+                         f"work tiles; the Hopper kernel's int32 tile counter takes fewer than {MAX_TILES} (the "
+                         "portable kernel has no such limit)")
+    args = (descriptor(q2, [64, dk1], _layout(64, dk1, q2.dtype)),
+            descriptor(q2, [64, pe_width], _layout(64, pe_width, q2.dtype)),
+            descriptor(k2, [BLOCK_N, dk1], _layout(BLOCK_N, dk1, q2.dtype)),
+            descriptor(k2, [BLOCK_N, pe_width], _layout(BLOCK_N, pe_width, q2.dtype)),
+            descriptor(v2, [BLOCK_N, dv], _layout(BLOCK_N, dv, q2.dtype)),
+            out, lse, cu_seqlens_q, cu_seqlens_k, counter, errors.error_word(q2.device),
+            heads, heads // kv_heads, -(-max_seqlen_q // BLOCK_M), tiles, batch, tq, tk, max_seqlen_q,
+            softmax_scale * LOG2E, out.stride(0), out.stride(1))
+    options = dict(DK1=dk1, DK2=dk2, DV=dv, CAUSAL=bool(causal),
+                   SEARCH_STEPS=max(1, batch.bit_length()) if per_sequence else 1, PER_SEQ=per_sequence, num_warps=4)
+    return _MAIN, (min(tiles, sm_count(q2.device)), 1, 1), args, options
+
+
 def varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                 cu_seqlens_k: torch.Tensor, max_seqlen_q: int, softmax_scale: float, causal: bool,
                 out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -545,36 +574,17 @@ def varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
     if not varlen_sm90_supported(q, k, v):
         raise ValueError("config: HOPPER needs an sm_90 GPU, Triton's Gluon, bf16/fp16 q/k/v, q/k head dim 64, "
                          "128 or 192 and value head dim 64 or 128")
-    tq, h, dk = q.shape
-    tk, hk, dv = v.shape
+    tq, h, _ = q.shape
+    tk, hk, _ = v.shape
     batch = cu_seqlens_q.shape[0] - 1
     if tq == 0:
         return
     if batch == 0 or tk == 0:
         raise ValueError(f"cu_seqlens_q/k: the Hopper kernel needs sequences and keys, got {batch} sequences "
                          f"over {tk} keys")
-    dk1 = 128 if dk == 192 else dk
-    dk2 = dk - dk1
     # A non-contiguous input is copied here (varlen_attention's default avoids that for short queries).
     q2, k2, v2 = (tma_rows(x.reshape(x.shape[0], -1)) for x in (q, k, v))
-    pe_width = dk2 or 64  # without a rope part the pe descriptors are passed but never used
-    tiles, per_sequence = varlen_sm90_plan(max_seqlen_q, tq, h, batch)
-    if tiles >= MAX_TILES:
-        raise ValueError(f"max_seqlen_q: {max_seqlen_q} over {batch} sequences, {tq} rows and {h} heads is {tiles} "
-                         f"work tiles; the Hopper kernel's int32 tile counter takes fewer than {MAX_TILES} (the "
-                         "portable kernel has no such limit)")
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
-    _MAIN.launch(
-        q.device, (min(tiles, sm_count(q.device)),),
-        descriptor(q2, [64, dk1], _layout(64, dk1, q.dtype)),
-        descriptor(q2, [64, pe_width], _layout(64, pe_width, q.dtype)),
-        descriptor(k2, [BLOCK_N, dk1], _layout(BLOCK_N, dk1, q.dtype)),
-        descriptor(k2, [BLOCK_N, pe_width], _layout(BLOCK_N, pe_width, q.dtype)),
-        descriptor(v2, [BLOCK_N, dv], _layout(BLOCK_N, dv, q.dtype)),
-        out, lse, cu_seqlens_q, cu_seqlens_k, counter, errors.error_word(q.device),
-        h, h // hk, -(-max_seqlen_q // BLOCK_M), tiles, batch, tq, tk, max_seqlen_q, softmax_scale * LOG2E,
-        out.stride(0), out.stride(1),
-        DK1=dk1, DK2=dk2, DV=dv, CAUSAL=bool(causal), SEARCH_STEPS=max(1, batch.bit_length()) if per_sequence else 1,
-        PER_SEQ=per_sequence,
-        num_warps=4,
-    )
+    kernel, grid, args, options = varlen_sm90_args(q2, k2, v2, h, hk, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                   softmax_scale, causal, out, lse, counter)
+    kernel.launch(q.device, grid, *args, **options)
