@@ -5,6 +5,9 @@ batch 1 and 8 at 128 heads / 4096, batch 32 at 16 heads / 32768 and batch 64 x q
 Inputs: varlen lengths from N(mean, mean/2) clamped to >= q_len, randomly permuted block tables, page 64,
 bf16, causal, random data (randn/10, clamped). Formulas (FlashMLA's):
 FLOPs = 2 q_len sum(seq) H (576 + 512); bytes = 2 (sum(seq) 576 + b q_len H (576 + 512)).
+On CPU (``pagedmla bench decode``) the grid is a few tiny float32 cells, the Triton kernels run under the
+interpreter beside the torch reference provider, and a wall-clock median times them: a smoke run of the
+path, labelled as such. The torch provider joins any run as a baseline with ``--torch``.
 Times: ``triton.testing.do_bench`` median of the whole call (main + combine kernels and launches);
 each library's schedule is computed once per cell and reused, as an engine does across layers. Inputs
 smaller than a few L2s are rotated among copies so that repeated calls do not run from L2. Batches of
@@ -12,8 +15,10 @@ at most 8 (every cell with ``--graphs``) are also timed as CUDA-graph replays, w
 launch cost (pagedmla's Python wrapper costs more host time than FlashMLA's C++ one). Each cell checks
 pagedmla's output against FlashMLA's (cos diff column) and FlashInfer's.
 
-    python3 benchmarks/bench_decode.py [--quick] [--flashinfer] [--alt] [--graphs] [--csv out.csv] [--plot out.png]
+    python3 benchmarks/bench_decode.py [--quick] [--flashinfer] [--alt] [--graphs] [--torch] [--csv out.csv]
+                                       [--plot out.png]
     python3 benchmarks/bench_decode.py --sweep [SPECS]  # time kernel configs on representative cells
+    pagedmla bench decode [--quick]                     # the same from an installed package, with a plot
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import functools
 import math
 import sys
 from collections.abc import Callable
@@ -28,11 +34,29 @@ from collections.abc import Callable
 import torch
 import triton
 
+from pagedmla.bench.common import CPU_TIMER, CUDA_TIMER, bar_plot, check_plotting, wall_clock_us
 from pagedmla.kernels.triton.decode import DecodeConfig, default_config, paged_decode_triton, select_config
 from pagedmla.kernels.triton.decode_sm90 import sm90_supported
+from pagedmla.ops.attention import flash_mla_with_kvcache
 from pagedmla.ops.schedule import get_mla_metadata, tile_plan
 
 D, DV, PAGE = 576, 512, 64
+HEADER = ["b", "q_len", "heads", "mean_seq", "config", "pagedmla_us", "TFLOPs", "GBps", "flashmla_us",
+          "flashmla_TFLOPs", "ratio_flashmla", "flashinfer_us", "ratio_flashinfer", "cos_diff_vs_flashmla",
+          "cuda_graph_note", "alt_config", "alt_us", "alt_ratio_flashmla", "graph_us", "flashmla_graph_us",
+          "ratio_flashmla_graph"]
+# Columns of the torch reference baseline (CPU runs, or --torch), after the others.
+TORCH_HEADER = ["torch_us", "ratio_torch", "cos_diff_vs_torch"]
+# (column, title) of the summary table, in order.
+SUMMARY = [("b", "b"), ("q_len", "q_len"), ("heads", "heads"), ("mean_seq", "mean seq"), ("config", "config"),
+           ("pagedmla_us", "pagedmla µs"), ("TFLOPs", "TFLOP/s"), ("GBps", "GB/s"), ("flashmla_us", "FlashMLA µs"),
+           ("ratio_flashmla", "FlashMLA/pagedmla"), ("flashinfer_us", "FlashInfer µs"),
+           ("ratio_flashinfer", "FlashInfer/pagedmla"), ("cos_diff_vs_flashmla", "cos diff"),
+           ("alt_config", "other plan"), ("alt_us", "its µs"), ("alt_ratio_flashmla", "FlashMLA/it"),
+           ("graph_us", "graph µs"), ("flashmla_graph_us", "FlashMLA graph µs"),
+           ("ratio_flashmla_graph", "FlashMLA/pagedmla (graphs)")]
+TORCH_SUMMARY = [("torch_us", "torch µs"), ("ratio_torch", "torch/pagedmla"),
+                 ("cos_diff_vs_torch", "cos diff vs torch")]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +67,11 @@ class Cell:
     mean: int
 
 
-def grid(quick: bool) -> list[Cell]:
+def grid(quick: bool, device: torch.device | None = None) -> list[Cell]:
+    """The cells of one run; on a CPU device a few tiny ones (the interpreter takes ~1 s per call)."""
+    if device is not None and device.type != "cuda":
+        cells = [Cell(2, 1, 16, 128), Cell(2, 2, 16, 64)]
+        return cells if quick else cells + [Cell(4, 1, 16, 512), Cell(1, 1, 64, 256)]
     if quick:
         return [Cell(128, 1, 16, 4096), Cell(128, 1, 64, 4096), Cell(128, 1, 128, 4096), Cell(128, 2, 128, 4096),
                 Cell(1, 1, 128, 4096), Cell(64, 4, 16, 4096)]
@@ -52,13 +80,15 @@ def grid(quick: bool) -> list[Cell]:
 
 
 class Inputs:
-    """One cell's inputs: ``copies`` rotated (q, cache) pairs sharing lengths and block table."""
+    """One cell's inputs: ``copies`` rotated (q, cache) pairs sharing lengths and block table, in ``dtype``
+    on ``device``."""
 
-    def __init__(self, cell: Cell, seed: int, l2_bytes: int):
+    def __init__(self, cell: Cell, seed: int, l2_bytes: int, device: torch.device | str = "cuda",
+                 dtype: torch.dtype = torch.bfloat16):
         g = torch.Generator().manual_seed(seed)
         lens = torch.normal(float(cell.mean), cell.mean / 2, (cell.b,), generator=g).clamp(min=cell.q_len)
         self.lens_host = lens.int().tolist()
-        self.seqlens = torch.tensor(self.lens_host, dtype=torch.int32, device="cuda")
+        self.seqlens = torch.tensor(self.lens_host, dtype=torch.int32, device=device)
         pages = [math.ceil(n / PAGE) for n in self.lens_host]
         total = sum(pages)
         self.num_pages = total + 1
@@ -68,14 +98,14 @@ class Inputs:
         for i, n in enumerate(pages):
             self.table[i, :n] = perm[at:at + n]
             at += n
-        self.table = self.table.cuda()
+        self.table = self.table.to(device)
         self.cell = cell
         self.flops = 2 * cell.q_len * sum(self.lens_host) * cell.heads * (D + DV)
         self.bytes = 2 * (sum(self.lens_host) * D + cell.b * cell.q_len * cell.heads * (D + DV))
         copies = max(1, min(16, math.ceil(4 * l2_bytes / self.bytes)))
-        self.q = [(torch.randn(cell.b, cell.q_len, cell.heads, D, device="cuda") / 10).clamp(-1, 1).bfloat16()
+        self.q = [(torch.randn(cell.b, cell.q_len, cell.heads, D, device=device) / 10).clamp(-1, 1).to(dtype)
                   for _ in range(copies)]
-        self.cache = [(torch.randn(self.num_pages, PAGE, 1, D, device="cuda") / 10).clamp(-1, 1).bfloat16()
+        self.cache = [(torch.randn(self.num_pages, PAGE, 1, D, device=device) / 10).clamp(-1, 1).to(dtype)
                       for _ in range(copies)]
         self._i = 0
 
@@ -118,6 +148,18 @@ def pagedmla_fn(inp: Inputs, config: DecodeConfig | None = None, parts: int | No
     def call(i: int):
         return paged_decode_triton(inp.q[i], inp.cache[i], inp.table, inp.seqlens, DV, meta, splits, D ** -0.5,
                                    True, config)
+
+    return (lambda: call(inp.next())), (lambda: call(0)), call
+
+
+def torch_fn(inp: Inputs) -> tuple[Callable, Callable, Callable]:
+    """The torch reference provider through the public call, with pagedmla's own schedule."""
+    c = inp.cell
+    meta, splits = get_mla_metadata(inp.seqlens, c.q_len * c.heads, 1)
+
+    def call(i: int):
+        return flash_mla_with_kvcache(inp.q[i], inp.cache[i], inp.table, inp.seqlens, DV, meta, splits,
+                                      softmax_scale=D ** -0.5, causal=True, provider="torch")
 
     return (lambda: call(inp.next())), (lambda: call(0)), call
 
@@ -255,11 +297,12 @@ def alternative(inp: Inputs, sms: int) -> tuple[DecodeConfig, int] | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="a six-cell subset")
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The benchmark's options (shared by the script and ``pagedmla bench decode``)."""
+    ap.add_argument("--quick", action="store_true", help="a six-cell subset (CPU: two tiny cells)")
     ap.add_argument("--flashinfer", action="store_true", help="also time FlashInfer fa3 (JIT-compiles, ~30-80 s)")
     ap.add_argument("--no-flashmla", action="store_true", help="skip FlashMLA even when it is installed")
+    ap.add_argument("--torch", action="store_true", help="also time the torch reference provider (always on CPU)")
     ap.add_argument("--csv", help="write the table as CSV here")
     ap.add_argument("--plot", help="write a PNG bar chart of the ratios here")
     ap.add_argument("--sweep", nargs="?", const="", metavar="SPECS",
@@ -269,32 +312,53 @@ def main(argv: list[str] | None = None) -> None:
                     help="time every cell as CUDA-graph replays too (no host launch cost), both libraries")
     ap.add_argument("--alt", action="store_true",
                     help="also time the other main kernel (Hopper kernel vs the portable kernel's default tile)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_decode: needs a CUDA GPU")
-    props = torch.cuda.get_device_properties(0)
-    l2 = getattr(props, "L2_cache_size", 50 << 20)
-    print(f"# {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
+    run(args)
+
+
+def run(args: argparse.Namespace, compact: bool = False) -> list[dict]:
+    """Time the grid on the CUDA device, or (no CUDA) the tiny CPU grid; prints the CSV rows as they come
+    and the summary table, writes ``args.csv`` / ``args.plot``. ``compact``: the summary leaves out columns
+    that no cell filled. Returns the rows (column name -> value, "" where not measured)."""
+    check_plotting(args.plot)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    if cuda:
+        props = torch.cuda.get_device_properties(0)
+        l2, sms = getattr(props, "L2_cache_size", 50 << 20), props.multi_processor_count
+        print(f"# {props.name}, {sms} SMs, torch {torch.__version__}, triton {triton.__version__}")
+    else:
+        l2, sms = 0, 1
+        print(f"# CPU, {torch.get_num_threads()} torch threads, torch {torch.__version__}, triton "
+              f"{triton.__version__}; float32, tiny cells; times: {CPU_TIMER}")
     if args.sweep is not None:
         sweep(l2, [s for s in args.sweep.split(",") if s])
-        return
+        return []
+    # On CPU every timed call has been made once already (its output is checked); the interpreter's ~1 s
+    # per call makes the quick grid time one call.
+    timer = bench if cuda else functools.partial(wall_clock_us, reps=1 if args.quick else 3, warmup=False)
+    with_torch = args.torch or not cuda
+    header = HEADER + (TORCH_HEADER if with_torch else [])
     rows = []
-    header = ["b", "q_len", "heads", "mean_seq", "config", "pagedmla_us", "TFLOPs", "GBps", "flashmla_us",
-              "flashmla_TFLOPs", "ratio_flashmla", "flashinfer_us", "ratio_flashinfer", "cos_diff_vs_flashmla",
-              "cuda_graph_note", "alt_config", "alt_us", "alt_ratio_flashmla", "graph_us", "flashmla_graph_us",
-              "ratio_flashmla_graph"]
     print(",".join(header), flush=True)
-    for n, cell in enumerate(grid(args.quick)):
-        inp = Inputs(cell, n, l2)
+    for n, cell in enumerate(grid(args.quick, device)):
+        inp = Inputs(cell, n, l2, device, torch.bfloat16 if cuda else torch.float32)
         timed, once, indexed = pagedmla_fn(inp)
         out = once()[0]
-        t = bench(timed)
+        t = timer(timed)
         graph_note = ""
         graph_cols = ["", "", ""]
-        fm = None if args.no_flashmla else _guarded("FlashMLA", flashmla_fn, inp)
-        t_fm = bench(fm[0]) if fm else float("nan")
+        fm = None if args.no_flashmla or not cuda else _guarded("FlashMLA", flashmla_fn, inp)
+        t_fm = timer(fm[0]) if fm else float("nan")
         diff = cos_diff(out, fm[1]()[0]) if fm else float("nan")
-        if cell.b <= 8 or args.graphs:  # small batches are launch bound: time both under CUDA graphs too
+        if cuda and (cell.b <= 8 or args.graphs):  # small batches are launch bound: time both under CUDA graphs too
             try:
                 tg = bench_graph(indexed, len(inp.q))
                 tg_fm = bench_graph(fm[2], len(inp.q)) if fm else float("nan")
@@ -303,8 +367,8 @@ def main(argv: list[str] | None = None) -> None:
             except Exception as e:
                 graph_note = f"graph timing failed: {type(e).__name__}"
             print(f"# b={cell.b} h={cell.heads} {graph_note}", flush=True)
-        fi = _guarded("FlashInfer", flashinfer_fn, inp) if args.flashinfer else None
-        t_fi = bench(fi[0]) if fi else float("nan")
+        fi = _guarded("FlashInfer", flashinfer_fn, inp) if args.flashinfer and cuda else None
+        t_fi = timer(fi[0]) if fi else float("nan")
         if fi:
             fi_diff = cos_diff(out, fi[1]()[0])
             if fi_diff > 1e-5:
@@ -314,29 +378,36 @@ def main(argv: list[str] | None = None) -> None:
                round(inp.flops / t / 1e6), round(inp.bytes / t / 1e3), round(t_fm, 1),
                round(inp.flops / t_fm / 1e6) if fm else "", round(t_fm / t, 3) if fm else "",
                round(t_fi, 1) if fi else "", round(t_fi / t, 3) if fi else "", f"{diff:.2e}", graph_note]
-        alt = alternative(inp, props.multi_processor_count) if args.alt else None
+        alt = alternative(inp, sms) if args.alt and cuda else None
         if alt:
             a_timed, a_once, _ = pagedmla_fn(inp, alt[0], alt[1])
             a_diff = cos_diff(a_once()[0], out)
-            t_alt = bench(a_timed)
+            t_alt = timer(a_timed)
             row += [f"{alt[0].spec} {alt[1]} parts", round(t_alt, 1), round(t_fm / t_alt, 3) if fm else ""]
             if a_diff > 1e-5:
                 print(f"# alternative plan output differs: cos diff {a_diff:.2e}", flush=True)
         else:
             row += ["", "", ""]
         row += graph_cols
-        rows.append(row)
+        if with_torch:
+            ref_timed, ref_once, _ = torch_fn(inp)
+            ref_diff = cos_diff(out, ref_once()[0])
+            t_ref = timer(ref_timed)
+            row += [round(t_ref, 1), round(t_ref / t, 3), f"{ref_diff:.2e}"]
+        rows.append(dict(zip(header, row)))
         print(",".join(str(x) for x in row), flush=True)
         del inp
-        torch.cuda.empty_cache()
-    _summary(rows)
+        if cuda:
+            torch.cuda.empty_cache()
+    _summary(rows, header, compact)
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(header)
-            w.writerows(rows)
+            w.writerows([r[h] for h in header] for r in rows)
     if args.plot:
-        _plot(rows, args.plot)
+        _plot(rows, args.plot, CUDA_TIMER if cuda else CPU_TIMER)
+    return rows
 
 
 def _guarded(name: str, make: Callable, inp: Inputs):
@@ -351,43 +422,34 @@ def _guarded(name: str, make: Callable, inp: Inputs):
         return None
 
 
-def _summary(rows: list[list]) -> None:
-    print("\n| b | q_len | heads | mean seq | config | pagedmla µs | TFLOP/s | GB/s | FlashMLA µs | FlashMLA/pagedmla "
-          "| FlashInfer µs | FlashInfer/pagedmla | cos diff | other plan | its µs | FlashMLA/it | graph µs "
-          "| FlashMLA graph µs | FlashMLA/pagedmla (graphs) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+def _summary(rows: list[dict], header: list[str], compact: bool = False) -> None:
+    """The markdown table of the run and the batch-128 geometric means; ``compact`` drops empty columns."""
+    columns = SUMMARY + (TORCH_SUMMARY if "torch_us" in header else [])
+    if compact:
+        columns = [(k, t) for k, t in columns if any(str(r[k]) not in ("", "nan") for r in rows)]
+    print("\n| " + " | ".join(t for _, t in columns) + " |")
+    print("|" + "---|" * len(columns))
     for r in rows:
-        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]} | {r[6]} | {r[7]} | {r[8]} | {r[10]} "
-              f"| {r[11]} | {r[12]} | {r[13]} | {r[15]} | {r[16]} | {r[17]} | {r[18]} | {r[19]} | {r[20]} |")
-    for label, col in (("eager calls", 10), ("CUDA graphs", 20)):
-        ratios = [r[col] for r in rows if r[0] == 128 and r[col] != ""]
+        print("| " + " | ".join(str(r[k]) for k, _ in columns) + " |")
+    for label, col in (("eager calls", "ratio_flashmla"), ("CUDA graphs", "ratio_flashmla_graph")):
+        ratios = [r[col] for r in rows if r["b"] == 128 and r[col] != ""]
         if ratios:
             geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
             print(f"\nbatch-128 grid, {label}: geometric mean FlashMLA/pagedmla {geo:.3f}, min {min(ratios):.3f} "
                   f"over {len(ratios)} cells")
-        mem = [r[col] for r in rows if r[1] * r[2] <= 32 and r[col] != ""]
+        mem = [r[col] for r in rows if r["q_len"] * r["heads"] <= 32 and r[col] != ""]
         if mem:
             print(f"memory-bound cells (heads x q_len <= 32), {label}: min FlashMLA/pagedmla {min(mem):.3f}")
 
 
-def _plot(rows: list[list], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [f"b{r[0]} q{r[1]} h{r[2]} s{r[3]}" for r in rows]
-    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.45), 4.5))
-    x = range(len(rows))
-    ax.bar([i - 0.2 for i in x], [r[10] or 0 for r in rows], width=0.4, label="FlashMLA time / pagedmla time")
-    ax.bar([i + 0.2 for i in x], [r[12] or 0 for r in rows], width=0.4, label="FlashInfer time / pagedmla time")
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks(list(x))
-    ax.set_xticklabels(labels, rotation=70, fontsize=7)
-    ax.set_ylabel("speed-up of pagedmla (>1 = faster)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+def _plot(rows: list[dict], path: str, timer: str) -> None:
+    """Bars of each baseline's time over pagedmla's, per cell (>1: pagedmla is faster)."""
+    names = {"ratio_flashmla": "FlashMLA time / pagedmla time", "ratio_flashinfer": "FlashInfer time / pagedmla time",
+             "ratio_flashmla_graph": "FlashMLA / pagedmla, CUDA graphs", "ratio_torch": "torch time / pagedmla time"}
+    series = {label: [r[k] if r[k] != "" else None for r in rows]
+              for k, label in names.items() if any(r.get(k, "") != "" for r in rows)}
+    bar_plot(path, [f"b{r['b']} q{r['q_len']} h{r['heads']} s{r['mean_seq']}" for r in rows], series,
+             "speed-up of pagedmla (>1 = faster)", f"paged MLA decode; {timer}", reference=1.0)
 
 
 if __name__ == "__main__":

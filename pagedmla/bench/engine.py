@@ -12,6 +12,10 @@ batch to the longest output). ``match`` counts requests whose greedy tokens equa
     python benchmarks/bench_engine.py --preset v2-lite                     # GPU: bf16, batch 64
     python benchmarks/bench_engine.py --preset tiny --device cpu --num-requests 4 --prompt-len 8:24 \\
         --output-len 4:8 --batch-size 4                                    # CPU smoke run
+    pagedmla bench engine [--quick]                                        # installed package, with a plot
+
+Without ``--preset`` the run takes ``v2-lite`` on CUDA and ``tiny`` on CPU; workload options left unset take
+the defaults of WORKLOADS for the device and ``--quick``.
 
 Presets: ``v2-lite`` is DeepSeek-V2-Lite's shape (27 layers, hidden 2048, 16 heads, kv_lora 512, rope 64,
 nope 128, v 128, 64 routed experts top-6 + 2 shared, moe_intermediate 1408, first layer dense with
@@ -30,6 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pagedmla.bench.common import bar_plot, check_plotting
 from pagedmla.config import resolve_dtype
 from pagedmla.engine import LLM, SamplingParams
 from pagedmla.model.build import build_empty
@@ -56,6 +61,11 @@ PRESETS = {
                  rope_parameters={**_YARN, "factor": 4.0, "original_max_position_embeddings": 1024},
                  rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1),
 }
+
+
+# (num_requests, prompt_len, output_len, batch_size) for options left unset, by device type and --quick.
+WORKLOADS = {("cuda", False): (64, "128:512", "64:256", 64), ("cuda", True): (16, "64:256", "32:64", 16),
+             ("cpu", False): (8, "16:64", "8:16", 8), ("cpu", True): (4, "8:24", "4:8", 4)}
 
 
 def _range(text: str, name: str) -> tuple[int, int]:
@@ -183,16 +193,18 @@ def _fmt(values) -> str:
     return " / ".join(f"{1e3 * v:.1f}" for v in values) if values else "-"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Parse arguments, run every configuration, print the table; returns the exit status."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="v2-lite")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's options (shared by the script and ``pagedmla bench engine``)."""
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="default: v2-lite on CUDA, tiny on CPU")
     parser.add_argument("--device", default=None, help="default: cuda when available")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--prompt-len", default="128:512", help="MIN:MAX, uniform")
-    parser.add_argument("--output-len", default="64:256", help="MIN:MAX, uniform")
-    parser.add_argument("--batch-size", type=int, default=64, help="engine max_batch_size and transformers' batch")
+    parser.add_argument("--quick", action="store_true", help="a smaller workload (see WORKLOADS)")
+    parser.add_argument("--num-requests", type=int, default=None, help="default: 64 on CUDA")
+    parser.add_argument("--prompt-len", default=None, help="MIN:MAX, uniform (default on CUDA: 128:512)")
+    parser.add_argument("--output-len", default=None, help="MIN:MAX, uniform (default on CUDA: 64:256)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="engine max_batch_size and transformers' batch (default on CUDA: 64)")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--mixed", action="store_true", help="MIXED prefill + decode steps")
@@ -203,27 +215,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--profile-attention", action="store_true",
                         help="one more eager run per provider timing every attention call (after warm-up)")
     parser.add_argument("--seed", type=int, default=0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse arguments, run every configuration, print the table; returns the exit status."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
     args = parser.parse_args(argv)
+    args.plot = None
     try:
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device: CUDA is not available")
-        dtype = resolve_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"), "--dtype")
-        for name in ("num_requests", "batch_size"):
-            if getattr(args, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')}: expected a positive int")
-        prompts, out_lens = workload(args)
-        if args.providers:
-            providers = args.providers.split(",")
-        elif device.type == "cuda":
-            providers = [p for p in ("torch", "triton", "flashmla") if p in available_providers("paged_decode")]
-        else:
-            providers = ["torch"]
-        graph_mode = args.cuda_graph or ("both" if device.type == "cuda" else "off")
-        if graph_mode != "off" and device.type != "cuda":
-            raise ValueError("--cuda-graph: CUDA graphs need --device cuda")
+        return run(args)
     except ValueError as exc:
         parser.exit(2, f"bench_engine: error: {exc}\n")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run every configuration and print the table (``args.plot``: also a PNG of the throughputs); bad
+    options raise ValueError naming the flag before anything is built. Returns the exit status."""
+    check_plotting(args.plot)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device: CUDA is not available")
+    args.preset = args.preset or ("v2-lite" if device.type == "cuda" else "tiny")
+    defaults = WORKLOADS[("cuda" if device.type == "cuda" else "cpu", args.quick)]
+    for name, value in zip(("num_requests", "prompt_len", "output_len", "batch_size"), defaults):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    dtype = resolve_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"), "--dtype")
+    for name in ("num_requests", "batch_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: expected a positive int")
+    prompts, out_lens = workload(args)
+    if args.providers:
+        providers = args.providers.split(",")
+    elif device.type == "cuda":
+        providers = [p for p in ("torch", "triton", "flashmla") if p in available_providers("paged_decode")]
+    else:
+        providers = ["torch"]
+    graph_mode = args.cuda_graph or ("both" if device.type == "cuda" else "off")
+    if graph_mode != "off" and device.type != "cuda":
+        raise ValueError("--cuda-graph: CUDA graphs need --device cuda")
     graph_settings = {"on": [True], "off": [False], "both": [False, True]}[graph_mode]
     ours, hf = build_models(args.preset, device, dtype, args.seed, not args.no_hf)
     print(f"preset {args.preset}, {device}, {str(dtype).replace('torch.', '')}: {args.num_requests} requests, "
@@ -253,6 +284,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             eager, graphed = steps[f"pagedmla {p}"], steps[f"pagedmla {p} +graphs"]
             print(f"{p}: decode step {eager:.2f} ms eager, {graphed:.2f} ms with CUDA graphs "
                   f"({eager / graphed:.2f}x)")
+    if args.plot:
+        bar_plot(args.plot, [r["name"] for r in rows], {"output tokens/s": [r["tok_s"] for r in rows]},
+                 "output tokens/s", f"engine, preset {args.preset}, {device}, {args.num_requests} requests "
+                 "(wall clock, after a warm-up)")
     return 0
 
 
