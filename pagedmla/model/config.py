@@ -231,7 +231,11 @@ class DeepseekConfig:
         if not os.path.isfile(path):
             raise ValueError(f"path: no config.json at {path}")
         with open(path) as f:
-            return cls.from_dict(json.load(f))
+            try:
+                raw = json.load(f)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise ValueError(f"path: {path} is not valid JSON ({exc})") from None
+        return cls.from_dict(raw)
 
 
 def _positive(name: str, value: Any) -> None:

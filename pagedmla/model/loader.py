@@ -16,7 +16,8 @@ import re
 from contextlib import ExitStack
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
+from tqdm.auto import tqdm
 
 from pagedmla.model.build import build_empty
 from pagedmla.model.config import DeepseekConfig
@@ -38,7 +39,10 @@ class _Checkpoint:
         index = os.path.join(path, _INDEX)
         if os.path.isfile(index):
             with open(index) as f:
-                weight_map = json.load(f).get("weight_map")
+                try:
+                    weight_map = json.load(f).get("weight_map")
+                except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+                    raise ValueError(f"path: {index} is not a valid index ({exc})") from None
             if not isinstance(weight_map, dict):
                 raise ValueError(f"path: {index} has no weight_map")
             self.files = {name: os.path.join(path, shard) for name, shard in weight_map.items()}
@@ -58,7 +62,11 @@ class _Checkpoint:
 
     def _open(self, file: str):
         if file not in self._handles:
-            self._handles[file] = self._stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+            try:
+                handle = safe_open(file, framework="pt", device="cpu")
+            except SafetensorError as exc:  # a truncated or corrupt file: name it rather than the Rust error
+                raise ValueError(f"path: {file} is not a readable safetensors file ({exc})") from None
+            self._handles[file] = self._stack.enter_context(handle)
         return self._handles[file]
 
     def __contains__(self, name: str) -> bool:
@@ -91,7 +99,11 @@ def load_checkpoint(path: str | os.PathLike, *, device: torch.device | str = "cp
     model = build_empty(cfg, device, dtype)
     with ExitStack() as stack, torch.no_grad():
         ckpt = _Checkpoint(path, stack)
-        for name, target in model.state_dict().items():
+        shards = len(set(ckpt.files.values()))
+        # Shown on a terminal only, and only once loading has taken a second (the hub checkpoints take minutes).
+        tensors = tqdm(model.state_dict().items(), desc=f"loading {shards} shard(s)", unit="tensor", delay=1.0,
+                       disable=None)
+        for name, target in tensors:
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 ckpt.used.add(name)
                 continue
