@@ -35,6 +35,7 @@ import torch
 import triton
 
 from pagedmla.bench.common import CPU_TIMER, CUDA_TIMER, bar_plot, check_plotting, wall_clock_us
+from pagedmla.bench.options import decode_arguments
 from pagedmla.kernels.triton.decode import DecodeConfig, default_config, paged_decode_triton, select_config
 from pagedmla.kernels.triton.decode_sm90 import sm90_supported
 from pagedmla.ops.attention import flash_mla_with_kvcache
@@ -297,26 +298,9 @@ def alternative(inp: Inputs, sms: int) -> tuple[DecodeConfig, int] | None:
     return None
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    """The benchmark's options (shared by the script and ``pagedmla bench decode``)."""
-    ap.add_argument("--quick", action="store_true", help="a six-cell subset (CPU: two tiny cells)")
-    ap.add_argument("--flashinfer", action="store_true", help="also time FlashInfer fa3 (JIT-compiles, ~30-80 s)")
-    ap.add_argument("--no-flashmla", action="store_true", help="skip FlashMLA even when it is installed")
-    ap.add_argument("--torch", action="store_true", help="also time the torch reference provider (always on CPU)")
-    ap.add_argument("--csv", help="write the table as CSV here")
-    ap.add_argument("--plot", help="write a PNG bar chart of the ratios here")
-    ap.add_argument("--sweep", nargs="?", const="", metavar="SPECS",
-                    help="time pagedmla kernel configs instead of the grid: the built-in lists, or these "
-                         "comma-separated specs with parts per SM (e.g. m16n32w4s2c4x2,m16n32w4s3c4px2)")
-    ap.add_argument("--graphs", action="store_true",
-                    help="time every cell as CUDA-graph replays too (no host launch cost), both libraries")
-    ap.add_argument("--alt", action="store_true",
-                    help="also time the other main kernel (Hopper kernel vs the portable kernel's default tile)")
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(ap)
+    decode_arguments(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_decode: needs a CUDA GPU")

@@ -35,33 +35,13 @@ from collections.abc import Sequence
 import torch
 
 from pagedmla.bench.common import bar_plot, check_plotting
+from pagedmla.bench.options import PRESETS, engine_arguments
 from pagedmla.config import resolve_dtype
 from pagedmla.engine import LLM, SamplingParams
 from pagedmla.model.build import build_empty
 from pagedmla.model.config import DeepseekConfig
 from pagedmla.model.random_weights import init_random_
 from pagedmla.ops.providers import available_providers
-
-_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
-         "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
-PRESETS = {
-    "v2-lite": dict(model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
-                    moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
-                    q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-                    n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, n_group=1, topk_group=1,
-                    topk_method="greedy", scoring_func="softmax", norm_topk_prob=False, routed_scaling_factor=1.0,
-                    first_k_dense_replace=1, moe_layer_freq=1, max_position_embeddings=163840,
-                    rope_parameters=_YARN, rms_norm_eps=1e-6, bos_token_id=100000, eos_token_id=100001),
-    "tiny": dict(model_type="deepseek_v2", vocab_size=512, hidden_size=256, intermediate_size=512,
-                 moe_intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
-                 q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-                 n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
-                 topk_method="greedy", scoring_func="softmax", norm_topk_prob=False, routed_scaling_factor=1.0,
-                 first_k_dense_replace=1, moe_layer_freq=1, max_position_embeddings=4096,
-                 rope_parameters={**_YARN, "factor": 4.0, "original_max_position_embeddings": 1024},
-                 rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1),
-}
-
 
 # (num_requests, prompt_len, output_len, batch_size) for options left unset, by device type and --quick.
 WORKLOADS = {("cuda", False): (64, "128:512", "64:256", 64), ("cuda", True): (16, "64:256", "32:64", 16),
@@ -193,36 +173,11 @@ def _fmt(values) -> str:
     return " / ".join(f"{1e3 * v:.1f}" for v in values) if values else "-"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The benchmark's options (shared by the script and ``pagedmla bench engine``)."""
-    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                        help="default: v2-lite on CUDA, tiny on CPU")
-    parser.add_argument("--device", default=None, help="default: cuda when available")
-    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--quick", action="store_true", help="a smaller workload (see WORKLOADS)")
-    parser.add_argument("--num-requests", type=int, default=None, help="default: 64 on CUDA")
-    parser.add_argument("--prompt-len", default=None, help="MIN:MAX, uniform (default on CUDA: 128:512)")
-    parser.add_argument("--output-len", default=None, help="MIN:MAX, uniform (default on CUDA: 64:256)")
-    parser.add_argument("--batch-size", type=int, default=None,
-                        help="engine max_batch_size and transformers' batch (default on CUDA: 64)")
-    parser.add_argument("--page-size", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--mixed", action="store_true", help="MIXED prefill + decode steps")
-    parser.add_argument("--providers", default=None, help="comma list (default: torch,triton,flashmla available)")
-    parser.add_argument("--cuda-graph", choices=("on", "off", "both"), default=None,
-                        help="default: both on CUDA, off on CPU")
-    parser.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
-    parser.add_argument("--profile-attention", action="store_true",
-                        help="one more eager run per provider timing every attention call (after warm-up)")
-    parser.add_argument("--seed", type=int, default=0)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse arguments, run every configuration, print the table; returns the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
+    engine_arguments(parser)
     args = parser.parse_args(argv)
-    args.plot = None
     try:
         return run(args)
     except ValueError as exc:

@@ -35,6 +35,7 @@ import torch
 import triton
 
 from pagedmla.bench.common import CPU_TIMER, CUDA_TIMER, bar_plot, check_plotting, wall_clock_us
+from pagedmla.bench.options import prefill_arguments
 from pagedmla.kernels.triton import merge as tmerge
 from pagedmla.kernels.triton import paged_prefill as tpaged
 from pagedmla.kernels.triton import varlen as tvarlen
@@ -310,23 +311,12 @@ def summary() -> dict[str, dict[str, float]]:
     return ratios
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The benchmark's options (shared by the script and ``pagedmla bench prefill``)."""
-    parser.add_argument("--flashinfer", action="store_true", help="also time FlashInfer fa3 (JIT compiles 30-80 s)")
-    parser.add_argument("--variants", action="store_true", help="time several Triton tile configurations")
-    parser.add_argument("--quick", action="store_true", help="fewer cells")
-    parser.add_argument("--csv", metavar="PATH", help="write every measurement to PATH")
-    parser.add_argument("--only", choices=("ragged", "skewed", "paged", "merge"), action="append",
-                        help="run only these parts")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
+    prefill_arguments(parser)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_prefill: needs a CUDA GPU")
-    args.plot = None
     run(args)
 
 
