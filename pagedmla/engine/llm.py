@@ -287,6 +287,7 @@ class LLM:
             _check_positive_int("max_context_len", max_context_len)
         _check_positive_int("cache_bytes", cache_bytes)
         _check_positive_int("ngram_max_n", ngram_max_n)
+        _check_positive_int("page_size", page_size)  # the default num_pages divides by it
         self.tokenizer = resolve_tokenizer(tokenizer, model)
         self._tokenizer_hint = missing_tokenizer_hint(model) if self.tokenizer is None else ""
         if isinstance(model, DeepseekForCausalLM):

@@ -60,12 +60,13 @@ class Tokenizer:
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def _auto_tokenizer(directory: str, name: str, what: str) -> Any:
+def _auto_tokenizer(directory: str, name: str, need: str) -> Any:
+    """transformers' AutoTokenizer for ``directory``; ValueError naming ``name`` ("``need`` need transformers")
+    where transformers is missing or cannot read it."""
     try:
         from transformers import AutoTokenizer
     except ImportError:
-        raise ValueError(f"{name}: {what} need transformers (pip install transformers); "
-                         f"{directory} has no {TOKENIZER_FILE} that the tokenizers package reads") from None
+        raise ValueError(f"{name}: {need} need transformers (pip install transformers)") from None
     try:
         return AutoTokenizer.from_pretrained(directory)
     except (OSError, ValueError) as exc:
@@ -87,7 +88,8 @@ def load_tokenizer(path: str | os.PathLike, name: str = "tokenizer") -> Tokenize
         if not os.path.isfile(file):
             if not has_tokenizer_files(path):
                 raise ValueError(f"{name}: {path} has no tokenizer files ({TOKENIZER_FILE})")
-            return Tokenizer(_auto_tokenizer(path, name, "its tokenizer files"), path)
+            return Tokenizer(_auto_tokenizer(path, name, f"tokenizer files other than {TOKENIZER_FILE} (in {path})"),
+                             path)
     elif os.path.isfile(path):
         file = path
     else:
