@@ -26,7 +26,7 @@ from pagedmla.model.factory import TINY
 
 # Python argument names that errors start with, where the flag is not simply "--" + the name with dashes.
 _FLAG_NAMES = {"max_tokens": "--max-new-tokens", "enable_cuda_graph": "--cuda-graph", "prompts": "--prompt",
-               "path": "--model", "stop": "--stop", "chat": "--chat"}
+               "path": "--model"}
 # Models whose hidden size is below this run on one CPU thread by default: their ops are too small for torch's
 # intra-op threads to pay, and on a busy machine the threads' spin-waits cost more than the work (the tiny
 # model on 2 cores with both busy: 5 prefill / 5 decode tokens/s with 2 threads, 330 / 30 with one).
@@ -266,10 +266,8 @@ def _stream(llm: LLM, prompt, params: SamplingParams):
     for delta in llm.stream(prompt, params):
         piece = delta.text if delta.text is not None else "".join(f"{t} " for t in delta.token_ids)
         print(piece, end="", flush=True)
-        if delta.output is not None:
-            print()
-            return delta.output
-    raise AssertionError("LLM.stream ended without an output")
+    print()
+    return delta.output  # the last delta carries it
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -3,6 +3,8 @@ vLLM-shaped outputs, stop strings and stop token ids, n samples, per-token logpr
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from tiny_checkpoint import train_tokenizer, write_checkpoint
@@ -172,3 +174,20 @@ def test_find_stop_searches_only_new_text():
     assert find_stop("abcXYZdef", ["XYZ", "def"]) == (3, "XYZ")
     assert find_stop("abcXYZdef", ["XYZ"], start=7) is None
     assert find_stop("abcXYZ", ["XYZ"], start=5) == (3, "XYZ")
+
+
+def test_tokenizer_objects_are_accepted(checkpoint):
+    from tokenizers import Tokenizer
+
+    expected = LLM(checkpoint, device="cpu", page_size=16, max_context_len=64).generate(
+        PROMPT, SamplingParams(max_tokens=4))[0]
+    objects = [Tokenizer.from_file(str(checkpoint / "tokenizer.json"))]
+    if importlib.util.find_spec("transformers") is not None:
+        from transformers import PreTrainedTokenizerFast
+
+        objects.append(PreTrainedTokenizerFast(tokenizer_file=str(checkpoint / "tokenizer.json")))
+    for obj in objects:
+        llm = LLM("tiny", device="cpu", page_size=16, max_context_len=64, tokenizer=obj)
+        out = llm.generate(PROMPT, SamplingParams(max_tokens=4))[0]
+        assert (out.prompt_token_ids, out.token_ids, out.text) == \
+            (expected.prompt_token_ids, expected.token_ids, expected.text)

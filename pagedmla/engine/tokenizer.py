@@ -20,27 +20,21 @@ _STREAM_CONTEXT = 4
 
 class Tokenizer:
     """A checkpoint's tokenizer: ``encode`` text -> ids (with the special tokens its post-processor adds,
-    such as BOS), ``decode`` ids -> text. ``source``: the file or directory it was read from.
+    such as BOS), ``decode`` ids -> text.
 
-    backend: a ``tokenizers.Tokenizer`` or a transformers tokenizer. ``apply_chat_template`` loads
-    transformers' AutoTokenizer from ``source`` when the backend is not one already."""
+    backend: a ``tokenizers.Tokenizer`` or a transformers tokenizer; source: the file or directory it was
+    read from (None for an object passed in). ``apply_chat_template`` loads transformers' AutoTokenizer
+    from ``source`` when the backend is not a transformers tokenizer already."""
 
-    def __init__(self, backend: Any, source: str):
+    def __init__(self, backend: Any, source: str | None):
         self.backend = backend
         self.source = source
-        self._chat: Any = None
-
-    @property
-    def vocab_size(self) -> int:
-        """Ids this tokenizer can produce (special tokens included)."""
-        if hasattr(self.backend, "get_vocab_size"):
-            return self.backend.get_vocab_size(with_added_tokens=True)
-        return len(self.backend)
+        # The tokenizers package's Tokenizer (encode returns an Encoding) rather than a transformers one.
+        self._fast = hasattr(backend, "get_vocab_size")
+        self._chat: Any = None if self._fast else backend
 
     def encode(self, text: str) -> list[int]:
-        if hasattr(self.backend, "get_vocab_size"):
-            return list(self.backend.encode(text).ids)
-        return list(self.backend.encode(text))
+        return list(self.backend.encode(text).ids if self._fast else self.backend.encode(text))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -50,9 +44,11 @@ class Tokenizer:
         template with the assistant's turn opened. Needs transformers (ValueError naming ``chat`` if it is
         missing or the checkpoint has no template)."""
         if self._chat is None:
-            self._chat = self.backend if not hasattr(self.backend, "get_vocab_size") else \
-                _auto_tokenizer(os.path.dirname(self.source) if os.path.isfile(self.source) else self.source,
-                                "chat", "chat templates")
+            if self.source is None:
+                raise ValueError("chat: a tokenizers.Tokenizer object carries no chat template; pass the "
+                                 "checkpoint's tokenizer path instead")
+            directory = os.path.dirname(self.source) if os.path.isfile(self.source) else self.source
+            self._chat = _auto_tokenizer(directory, "chat", "chat templates")
         if not getattr(self._chat, "chat_template", None):
             raise ValueError(f"chat: the tokenizer at {self.source} has no chat template")
         ids = self._chat.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -116,8 +112,9 @@ def resolve_tokenizer(tokenizer: Any, model: Any) -> Any:
     """What ``LLM(tokenizer=...)`` holds: "auto" reads the checkpoint directory's tokenizer when it ships one
     that can be read here (None otherwise: no files, files that only transformers reads without
     transformers installed, the built-in or an already loaded model); a path (str / PathLike) is read with
-    ``load_tokenizer``; None means no tokenizer; any other object must have ``encode(text)`` and
-    ``decode(ids, skip_special_tokens=...)`` methods. TypeError / ValueError naming ``tokenizer`` otherwise."""
+    ``load_tokenizer``; None means no tokenizer; any other object (a ``tokenizers.Tokenizer`` or a
+    transformers tokenizer) must have ``encode(text)`` and ``decode(ids, skip_special_tokens=...)`` methods
+    and is wrapped in a Tokenizer. TypeError / ValueError naming ``tokenizer`` otherwise."""
     if tokenizer is None:
         return None
     if isinstance(tokenizer, str) and tokenizer == "auto":
@@ -129,10 +126,12 @@ def resolve_tokenizer(tokenizer: Any, model: Any) -> Any:
         return None
     if isinstance(tokenizer, (str, os.PathLike)):
         return load_tokenizer(tokenizer)
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer
     if not (callable(getattr(tokenizer, "encode", None)) and callable(getattr(tokenizer, "decode", None))):
         raise TypeError(f"tokenizer: expected 'auto', None, a path or an object with encode/decode methods, "
                         f"got {type(tokenizer).__name__}")
-    return tokenizer
+    return Tokenizer(tokenizer, None)
 
 
 class Detokenizer:
