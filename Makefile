@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(VPY) -m pagedmla.selfcheck
-	$(VENV)/bin/pagedmla generate --model tiny --prompt "1 2 3 4 5 6 7 8" --max-new-tokens 16
+	$(VENV)/bin/pagedmla generate --model tiny --prompt-ids "1 2 3 4 5 6 7 8" --max-new-tokens 16
 
 test: $(STAMP)
 	$(VPY) -m ruff check pagedmla tests benchmarks
@@ -31,6 +31,14 @@ GPU_WORKERS ?= 4
 test-gpu:
 	PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -q -m gpu -p no:cacheprovider \
 		$$($(PYTHON) -c 'import xdist' 2>/dev/null && echo '-n $(GPU_WORKERS) --dist loadfile') tests
+
+# `pagedmla bench decode|prefill` (the grids against the baselines installed, a table and bench-KIND.png): with
+# the .venv's python where it exists (CPU: tiny shapes under the Triton interpreter), else $(PYTHON) with the
+# checkout on PYTHONPATH (the device machine). BENCH_ARGS passes options, e.g. BENCH_ARGS=--quick.
+BENCH_PY = $(if $(wildcard $(VPY)),$(VPY),$(PYTHON))
+BENCH_ARGS ?=
+bench-decode bench-prefill:
+	PYTHONPATH=$(CURDIR) $(BENCH_PY) -m pagedmla bench $(@:bench-%=%) $(BENCH_ARGS)
 
 lint: $(STAMP)
 	$(VPY) -m ruff check pagedmla tests benchmarks

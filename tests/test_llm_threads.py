@@ -136,3 +136,40 @@ def test_a_stepping_thread_and_a_thread_adding_and_aborting(tiny):
         assert out.token_ids == reference[ids[rid]].token_ids[: len(out.token_ids)]
     llm.pages.audit(llm.scheduler.running)
     assert llm.pages.allocator.num_used == 0
+
+
+def _lock_is_free(llm: LLM) -> bool:
+    """Whether another thread could take the engine's lock now (probed without waiting)."""
+    got: list[bool] = []
+
+    def probe():
+        ok = llm._lock.acquire(blocking=False)
+        if ok:
+            llm._lock.release()
+        got.append(ok)
+
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    t.join(JOIN_TIMEOUT_S)
+    assert not t.is_alive(), "the probe hung"
+    return got[0]
+
+
+def test_a_stream_holds_the_lock_until_it_ends_or_is_closed(tiny):
+    """LLM.stream is generate yielding midway: between its deltas no other thread may step, add or abort
+    (they would take its request's output away from it), and the lock is free again once it ends or is
+    closed."""
+    llm = _llm(tiny)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    stream = llm.stream([1, 2, 3], params)
+    assert _lock_is_free(llm)  # nothing runs before the first delta is asked for
+    deltas = [next(stream)]
+    assert not _lock_is_free(llm)
+    deltas += list(stream)
+    assert _lock_is_free(llm)
+    assert deltas[-1].output.token_ids == _llm(tiny).generate([[1, 2, 3]], params)[0].token_ids
+    abandoned = llm.stream([4, 5, 6], params)
+    next(abandoned)
+    assert not _lock_is_free(llm)
+    abandoned.close()
+    assert _lock_is_free(llm)

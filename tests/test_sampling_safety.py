@@ -244,6 +244,101 @@ def test_a_tokenizer_that_cannot_decode_fails_only_its_request(tiny):
 
     llm = _llm(tiny, tokenizer=Tokenizer())
     outs = llm.generate(["5 6 7 8", "1 2"], [GREEDY, SamplingParams(max_tokens=3, ignore_eos=True)])
-    assert outs[0].finish_reason == "length" and outs[0].text == " ".join(map(str, outs[0].token_ids))
+    # The text continues the prompt's (it is detokenised after the prompt's last tokens), so this tokenizer's
+    # separating space comes first.
+    assert outs[0].finish_reason == "length" and outs[0].text == "".join(f" {t}" for t in outs[0].token_ids)
     assert outs[1].finish_reason == "error" and outs[1].text is None and len(outs[1].token_ids) == 3
     assert outs[1].error == "tokenizer: decoding the output raised IndexError: piece id is out of range"
+
+
+# ------------------------------------------------------------------------ samples, logprobs, streaming
+def test_nan_logits_fail_only_their_sample_of_n(tiny):
+    """A request of n samples: the one sample whose logits turn NaN ends "error", its siblings finish as
+    they would have; RequestOutput.error reads the first sample's."""
+    params = SamplingParams(temperature=0.8, seed=11, max_tokens=6, ignore_eos=True, n=3)
+    expected = _llm(tiny).generate([PROMPT], params)[0]
+    llm = _llm(tiny)
+    rid = llm.add_request(PROMPT, params)
+    _poison_request(llm, llm._requests[rid].seqs[1].seq_id, after_steps=2)
+    outs = {}
+    while llm.has_unfinished():
+        for out in llm.step():
+            outs[out.request_id] = out
+    out = outs[rid]
+    failed = out.outputs[1]
+    assert failed.finish_reason == "error" and "inf or NaN" in failed.error
+    assert failed.token_ids == expected.outputs[1].token_ids[: len(failed.token_ids)] and len(failed.token_ids) < 6
+    for i in (0, 2):
+        assert out.outputs[i].token_ids == expected.outputs[i].token_ids and out.outputs[i].error is None
+        assert out.outputs[i].finish_reason == "length"
+    assert out.error is None and out.finish_reason == "length"
+    assert llm.pages.allocator.num_used == 0
+
+
+def test_an_exception_computing_logprobs_fails_only_that_request(tiny, monkeypatch):
+    real = llm_module.token_logprobs
+
+    def flaky(logits, tokens, top):
+        if 3 in top:
+            raise RuntimeError("boom")
+        return real(logits, tokens, top)
+
+    prompts = [PROMPT, [1, 2, 3], [9, 10]]
+    params = [SamplingParams(max_tokens=5, ignore_eos=True, logprobs=1),
+              SamplingParams(max_tokens=5, ignore_eos=True, logprobs=3), GREEDY]
+    expected = _llm(tiny).generate(prompts, params)
+    monkeypatch.setattr(llm_module, "token_logprobs", flaky)
+    llm = _llm(tiny)
+    outs = llm.generate(prompts, params)
+    assert outs[1].finish_reason == "error" and outs[1].error == "log-probabilities raised RuntimeError: boom"
+    assert outs[1].token_ids == [] and outs[1].outputs[0].logprobs == []
+    for i in (0, 2):
+        assert outs[i].token_ids == expected[i].token_ids and outs[i].error is None
+    got, want = outs[0].outputs[0].logprobs, expected[0].outputs[0].logprobs
+    # (Batched with other rows, the same logits may differ in the last bits.)
+    assert len(got) == 5 and [e.keys() for e in got] == [e.keys() for e in want]
+    assert all(e[t] == pytest.approx(w[t], abs=1e-4) for e, w in zip(got, want) for t in e)
+    assert outs[2].outputs[0].logprobs is None and not llm.has_unfinished()
+    assert llm.pages.allocator.num_used == 0
+
+
+class _BreakableTokenizer:
+    """Ids as space-separated numbers; ``decode`` raises while ``broken``."""
+
+    broken = False
+
+    def encode(self, text):
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids, skip_special_tokens=False):
+        if self.broken:
+            raise RuntimeError("decoder state lost")
+        return " ".join(map(str, ids))
+
+
+def test_a_tokenizer_failing_mid_stream_fails_only_the_stream(tiny):
+    """The stream's text is built step by step: a decode that raises there finishes the streamed request
+    with "error" (its last delta carries it) while a request running alongside finishes normally."""
+    tok = _BreakableTokenizer()
+    other = SamplingParams(max_tokens=10, ignore_eos=True)
+    reference = _llm(tiny).generate([[1, 2], PROMPT], [other, GREEDY])
+    llm = _llm(tiny, tokenizer=tok)
+    rid = llm.add_request([1, 2], other)
+    stream = llm.stream(" ".join(map(str, PROMPT)), GREEDY)
+    first = next(stream)
+    assert first.token_ids == reference[1].token_ids[:1] and first.text == f" {first.token_ids[0]}"
+    tok.broken = True
+    rest = list(stream)
+    tok.broken = False
+    final = rest[-1].output
+    assert final is not None and final.finish_reason == "error" and final.text is None
+    assert final.error == "tokenizer: decoding the output raised RuntimeError: decoder state lost"
+    assert final.token_ids == reference[1].token_ids[: len(final.token_ids)] and len(final.token_ids) == 2
+    # The text streamed is what was decoded before the failure.
+    assert "".join(d.text for d in [first, *rest]) == first.text
+    outs = {}
+    while llm.has_unfinished():
+        outs.update((o.request_id, o) for o in llm.step())
+    assert outs[rid].token_ids == reference[0].token_ids and outs[rid].error is None
+    assert outs[rid].text == "".join(f" {t}" for t in reference[0].token_ids)
+    assert llm.pages.allocator.num_used == 0

@@ -725,3 +725,11 @@ def test_from_hf_config_transformers_object_missing_fields():
     transformers = pytest.importorskip("transformers")
     with pytest.raises(ValueError, match="kv_lora_rank"):
         MLAConfig.from_hf_config(transformers.LlamaConfig(num_attention_heads=8, hidden_size=256))
+
+
+def test_available_providers_names_the_ops():
+    assert "torch" in pagedmla.available_providers("paged_decode")
+    with pytest.raises(ValueError, match=names("op")) as exc:
+        pagedmla.available_providers("decode")
+    for op in ("paged_decode", "paged_varlen", "varlen", "merge"):
+        assert op in str(exc.value)

@@ -3,7 +3,7 @@
 from pagedmla.engine.cuda_graph import GraphRunner
 from pagedmla.engine.drafter import NgramDrafter
 from pagedmla.engine.kv_pages import KVPages, PageBookError
-from pagedmla.engine.llm import LLM, EngineStats, RequestOutput
+from pagedmla.engine.llm import LLM, CompletionOutput, EngineStats, RequestOutput, StreamDelta
 from pagedmla.engine.model_runner import ModelRunner
 from pagedmla.engine.prefix_cache import PrefixCache
 from pagedmla.engine.sampling import SamplingParams, sample
@@ -12,6 +12,7 @@ from pagedmla.engine.sequence import Sequence, SequenceStatus
 
 __all__ = [
     "LLM",
+    "CompletionOutput",
     "EngineStats",
     "GraphRunner",
     "KVPages",
@@ -25,5 +26,6 @@ __all__ = [
     "Scheduler",
     "Sequence",
     "SequenceStatus",
+    "StreamDelta",
     "sample",
 ]

@@ -6,22 +6,27 @@ Features (each leaves greedy output unchanged): chunked prefill under a per-step
 prefill + decode steps, prefix caching, preemption with recomputation when pages run out, CUDA graphs
 for decode / verify steps, and n-gram speculative decoding verified in one target step.
 
-A step never fails for one request: a request whose logits hold inf/NaN, or whose sampling or
-post-processing raises, finishes with finish_reason "error" (``RequestOutput.error`` says why) and the
-step's other requests go on.
+A step never fails for one request: a sample (one of a request's ``n``) whose logits hold inf/NaN, or
+whose sampling, log-probabilities, post-processing or detokenisation raises, finishes with finish_reason
+"error" (``CompletionOutput.error`` says why; ``RequestOutput.error`` reads the first sample's) and the
+step's other samples go on. Its tokens and text are what it had made before (text None when decoding
+was what failed).
 
 Threads: one ``LLM`` may be shared. Its public methods hold one re-entrant lock, so concurrent
-``generate`` calls run one after the other (each to completion, returning only its own requests), and
-``add_request`` / ``step`` / ``abort`` / ``pop_finished`` / ``has_unfinished`` are safe to call from any
+``generate`` calls run one after the other (each to completion, returning only its own requests), a
+``stream`` holds the lock from its first delta to its last (or until it is closed), and ``add_request``
+/ ``step`` / ``abort`` / ``pop_finished`` / ``has_unfinished`` / ``encode`` are safe to call from any
 thread (a server: one thread stepping, others adding and aborting; an ``add_request`` waits at most for
-the step in progress, or for a ``generate`` call in progress to return).
+the step in progress, or for a ``generate`` call or a stream in progress to end).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,34 +42,112 @@ from pagedmla.engine.kv_pages import KVPages
 from pagedmla.engine.model_runner import ModelRunner
 from pagedmla.engine.prefix_cache import PrefixCache
 from pagedmla.engine.profiler import AttentionProfiler
-from pagedmla.engine.sampling import NonFiniteLogitsError, SamplingParams, sample
+from pagedmla.engine.sampling import NonFiniteLogitsError, SamplingParams, sample, token_logprobs
 from pagedmla.engine.scheduler import ScheduledBatch, Scheduler
 from pagedmla.engine.sequence import Sequence
 from pagedmla.engine.speculative import verify
+from pagedmla.engine.tokenizer import Detokenizer, find_stop, missing_tokenizer_hint, resolve_tokenizer
 from pagedmla.model.deepseek import DeepseekForCausalLM
 from pagedmla.model.factory import TINY, load_model
 from pagedmla.model.memory import check_fits
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+_DEVICE_TYPES = ("cpu", "cuda")
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request (``RequestOutput.outputs[index]``).
+
+    text: the generated text (None without a tokenizer), cut before a stop string; token_ids: the
+    generated ids (up to the token that completed a stop string, or the stop token itself);
+    finish_reason: "stop" (EOS, a stop token or a stop string), "length" (max_tokens or the context),
+    "abort", or "error" (the engine could not sample, post-process or decode this sample; ``error`` says
+    why); stop_reason: the stop string or stop token id that ended it (None otherwise, EOS included);
+    logprobs: with ``SamplingParams.logprobs``, per generated token a {token id: log-probability} dict
+    (the token's and the top-k); cumulative_logprob: the sum of the generated tokens' log-probabilities;
+    token_times: ``time.perf_counter()`` when each token came out; error: why it failed (None unless
+    finish_reason is "error")."""
+
+    index: int
+    text: str | None
+    token_ids: list[int]
+    finish_reason: str
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    error: str | None = None
 
 
 @dataclass
 class RequestOutput:
-    """A finished (or aborted) request: its prompt, generated token ids (and text when a tokenizer exists).
+    """A finished (or aborted) request, shaped as vLLM's: its prompt and ``outputs``, one CompletionOutput
+    per sample (``SamplingParams.n``). ``token_ids``, ``text``, ``finish_reason``, ``token_times`` and
+    ``error`` read the first sample's.
 
-    finish_reason: "stop", "length", "abort", or "error" (the engine could not sample or post-process
-    the request; ``error`` says why). arrival_time / token_times: ``time.perf_counter()`` when the
-    request was added and when each generated token came out (time to first token, inter-token
-    latency)."""
+    prompt: the prompt text (None for a prompt of ids); arrival_time: ``time.perf_counter()`` when the
+    request was added (with ``token_times``: time to first token, inter-token latency)."""
 
     request_id: int
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    finish_reason: str
-    text: str | None = None
+    outputs: list[CompletionOutput]
+    prompt: str | None = None
     arrival_time: float = 0.0
-    token_times: list[float] = field(default_factory=list)
-    error: str | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str | None:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
+
+    @property
+    def token_times(self) -> list[float]:
+        return self.outputs[0].token_times
+
+    @property
+    def error(self) -> str | None:
+        return self.outputs[0].error
+
+
+@dataclass
+class StreamDelta:
+    """What one engine step added to a streamed request (``LLM.stream``): its new token ids and, with a
+    tokenizer, their text (held back while it could still turn into a stop string); ``output`` is set on
+    the last delta, the request's final RequestOutput."""
+
+    token_ids: list[int]
+    text: str | None
+    output: RequestOutput | None = None
+
+
+@dataclass
+class _Request:
+    """A queued prompt and its n samples (one Sequence each); ``done`` holds the finished samples by index."""
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    done: dict[int, CompletionOutput] = field(default_factory=dict)
+
+
+@dataclass
+class _Sample:
+    """The engine's bookkeeping for one Sequence beyond the scheduler's: its request and index there, the
+    incremental text (stop strings and streaming), its tokens' log-probabilities, what stopped it."""
+
+    request: _Request
+    index: int
+    detokenizer: Detokenizer | None = None
+    logprobs: list[dict[int, float]] | None = None
+    stop_reason: int | str | None = None
+    stop_at: int | None = None  # where the stop string starts in the detokenizer's text
 
 
 @dataclass
@@ -126,12 +209,32 @@ def _check_positive_int(name: str, value: Any) -> None:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
 
 
+def parse_device(device: Any) -> torch.device:
+    """``device`` (None: CUDA when available, else CPU) as a torch.device the engine runs on; ValueError
+    naming ``device`` for a malformed name, a device type other than cpu / cuda, or CUDA this machine lacks."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device: {device!r} is not a device name; expected cpu, cuda or cuda:N") from None
+    if dev.type not in _DEVICE_TYPES:
+        raise ValueError(f"device: {dev.type!r} is not supported; pagedmla runs on {' or '.join(_DEVICE_TYPES)}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device: CUDA was asked for but is not available on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device: {dev} does not exist; this machine has {torch.cuda.device_count()} "
+                             "CUDA device(s)")
+    return dev
+
+
 def _check_loaded_model(model: DeepseekForCausalLM, device: Any, dtype: Any, seed: int | None) -> None:
     """A model passed in already has its device, dtype and weights: arguments asking for others (which
     only apply to a model LLM loads) are errors rather than silently ignored."""
     weight = model.model.embed_tokens.weight
     if device is not None:
-        dev = torch.device(device)
+        dev = parse_device(device)
         # "cuda" names whichever CUDA device the model is on; "cuda:1" names one.
         if dev.type != weight.device.type or (dev.index is not None and dev.index != weight.device.index):
             raise ValueError(f"device: the given model is on {weight.device}, not {dev}; move the model there "
@@ -169,6 +272,30 @@ def _check_cache_fits(model: DeepseekForCausalLM, page_size: int, num_pages: int
     check_fits(pages + tables, field, value, weight.device, "the KV cache and its page tables", where)
 
 
+def _isolated(rows: list[int], run: Callable[[list[int]], list[Any]], what: str,
+              errors: dict[int, str]) -> list[Any]:
+    """``run(rows)``: one result per batch row, all rows at once. Should that raise, each row is run
+    alone so that only the rows that raise again fail: their result None and ``errors[row]`` saying
+    that ``what`` raised (one request's failure must not take the step's others with it)."""
+    try:
+        return run(rows)
+    except Exception:
+        pass
+    out: list[Any] = []
+    for i in rows:
+        try:
+            out += run([i])
+        except Exception as exc:
+            out.append(None)
+            errors[i] = f"{what} raised {type(exc).__name__}: {exc}"
+    return out
+
+
+def _decode_error(exc: Exception) -> str:
+    """The error of a sample whose tokenizer could not decode its tokens."""
+    return f"tokenizer: decoding the output raised {type(exc).__name__}: {exc}"
+
+
 class LLM:
     """Generate with a DeepSeek-V2/V3 model on pagedmla.
 
@@ -189,8 +316,11 @@ class LLM:
     0; a checkpoint's weights ignore it). device, dtype and seed apply to a model LLM loads: with a
     loaded model they must be unset or agree with it (ValueError otherwise). max_context_len: tokens per
     request at most, prompt included (None: the model's max positions). cache_bytes: cache size in
-    bytes that the default num_pages fills. tokenizer: "auto" (the checkpoint's, if it ships one),
-    None, or a tokenizer object. backend_options: further MLAConfig fields for the backend.
+    bytes that the default num_pages fills. tokenizer: "auto" (the checkpoint directory's tokenizer.json,
+    or its transformers-only tokenizer files when transformers is installed), a path to a tokenizer.json
+    or a directory holding one, None, or an object with ``encode(text)`` / ``decode(ids,
+    skip_special_tokens=...)`` (a transformers tokenizer); checked here, before the model loads.
+    backend_options: further MLAConfig fields for the backend.
 
     ``generate`` returns its own requests' outputs; requests queued with ``add_request`` that finish
     during a ``generate`` call are kept for ``pop_finished``.
@@ -220,19 +350,18 @@ class LLM:
             _check_positive_int("max_context_len", max_context_len)
         _check_positive_int("cache_bytes", cache_bytes)
         _check_positive_int("ngram_max_n", ngram_max_n)
-        _check_positive_int("page_size", page_size)
+        _check_positive_int("page_size", page_size)  # the default num_pages divides by it
         _check_positive_int("max_batch_size", max_batch_size)
         if num_pages is not None:
             _check_positive_int("num_pages", num_pages)
+        self.tokenizer = resolve_tokenizer(tokenizer, model)
+        self._tokenizer_hint = missing_tokenizer_hint(model) if self.tokenizer is None else ""
         if isinstance(model, DeepseekForCausalLM):
             _check_loaded_model(model, device, dtype, seed)
             self.model = model
         else:
-            dev = torch.device(device) if device is not None else \
-                torch.device("cuda" if torch.cuda.is_available() else "cpu")
-            if dev.type == "cuda" and not torch.cuda.is_available():
-                raise ValueError("device: CUDA was asked for but is not available on this machine")
-            self.model = load_model(model, device=dev, dtype=dtype, seed=0 if seed is None else seed)
+            self.model = load_model(model, device=parse_device(device), dtype=dtype,
+                                    seed=0 if seed is None else seed)
         cfg = self.model.config
         weight = self.model.model.embed_tokens.weight
         context = cfg.max_position_embeddings if max_context_len is None else max_context_len
@@ -256,10 +385,11 @@ class LLM:
             enable_cuda_graph = self.runner.device.type == "cuda"
         if enable_cuda_graph:
             self.runner.graphs = GraphRunner(self.runner, cuda_graph_batch_sizes)
-        self.tokenizer = _load_tokenizer(model) if isinstance(tokenizer, str) and tokenizer == "auto" else tokenizer
         self.profiler = AttentionProfiler(self.runner.backend) if profile_attention else None
         self.stats = EngineStats()
-        self._requests: dict[int, Sequence] = {}
+        # Unfinished requests by request id, and the engine's state of each of their samples by seq_id.
+        self._requests: dict[int, _Request] = {}
+        self._samples: dict[int, _Sample] = {}
         # Outputs of add_request'ed requests that finished inside a generate call, for pop_finished.
         self._finished: dict[int, RequestOutput] = {}
         # Held by every public method that reads or changes the requests (the module's thread contract).
@@ -270,39 +400,65 @@ class LLM:
         return self.runner.device
 
     def encode(self, prompt: str | Seq[int]) -> list[int]:
-        """A prompt as token ids: a list of ids as is (checked against the vocabulary), text through the tokenizer."""
+        """A prompt as token ids: a list of ids as is, text through the tokenizer; either way checked
+        against the model's vocabulary."""
+        vocab = self.model.config.vocab_size
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("prompts: text prompts need a tokenizer; this model has none, pass token id lists")
-            return list(self.tokenizer.encode(prompt))
+                raise ValueError("prompts: text prompts need a tokenizer and this model has none"
+                                 f"{self._tokenizer_hint}; pass tokenizer=PATH (a tokenizer.json) or token id lists")
+            # Under the lock: steps decode with the same tokenizer, which need not be safe to enter from two
+            # threads at once (transformers' fast tokenizers can raise "Already borrowed").
+            with self._lock:
+                ids = list(self.tokenizer.encode(prompt))
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"tokenizer: it encodes the prompt to id {bad[0]}, outside the model's vocabulary "
+                                 f"(0..{vocab - 1}): the tokenizer does not belong to this model")
+            return ids
         if isinstance(prompt, torch.Tensor):
             prompt = prompt.tolist()
         ids = list(prompt)
-        vocab = self.model.config.vocab_size
         if not ids or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompts: expected a non-empty list of token ids in 0..{vocab - 1}, got {prompt!r}")
         return ids
 
     def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> int:
         """Queue a request; it joins the running batch at the next step. Returns its request id."""
-        seq = self._new_sequence(prompt, params)
         with self._lock:
-            self._enqueue(seq)
-        return seq.seq_id
+            request = self._new_request(prompt, params)
+            self._enqueue(request)
+        return request.request_id
 
-    def _new_sequence(self, prompt: str | Seq[int], params: SamplingParams | None) -> Sequence:
-        """A request checked to be runnable (ValueError / TypeError naming the argument otherwise), not queued."""
+    def _new_request(self, prompt: str | Seq[int], params: SamplingParams | None,
+                     stream: bool = False) -> _Request:
+        """A request checked to be runnable (ValueError / TypeError naming the argument otherwise), not
+        queued: one Sequence per sample, sample i seeded with seed + i. ``stream``: its text is built as
+        it grows (``LLM.stream``)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
-        seq = Sequence(self.encode(prompt), params, self.device, arrival_time=time.perf_counter())
-        self.scheduler.check(seq)
-        return seq
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer and this model has none; "
+                             "use stop_token_ids")
+        ids = self.encode(prompt)
+        now = time.perf_counter()
+        per_sample = [params if params.n == 1 else dataclasses.replace(
+            params, n=1, seed=None if params.seed is None else params.seed + i) for i in range(params.n)]
+        seqs = [Sequence(ids, p, self.device, arrival_time=now) for p in per_sample]
+        self.scheduler.check(seqs[0])
+        request = _Request(seqs[0].seq_id, prompt if isinstance(prompt, str) else None, ids, seqs)
+        for i, seq in enumerate(seqs):
+            text = self.tokenizer is not None and (bool(params.stop) or stream)
+            self._samples[seq.seq_id] = _Sample(request, i, Detokenizer(self.tokenizer, ids) if text else None,
+                                                [] if params.logprobs is not None else None)
+        return request
 
-    def _enqueue(self, seq: Sequence) -> None:
-        """Queue a checked request and track it until it finishes or is aborted."""
-        self.scheduler.add(seq)
-        self._requests[seq.seq_id] = seq
+    def _enqueue(self, request: _Request) -> None:
+        """Queue a checked request's samples and track it until they finish or it is aborted."""
+        for seq in request.seqs:
+            self.scheduler.add(seq)
+        self._requests[request.request_id] = request
 
     def has_unfinished(self) -> bool:
         """Whether any request is still waiting or running."""
@@ -318,14 +474,18 @@ class LLM:
         return finished
 
     def abort(self, request_id: int) -> RequestOutput:
-        """Stop an unfinished request now (waiting or running), freeing its pages; returns its output so
-        far with finish_reason "abort"."""
+        """Stop an unfinished request now (its waiting or running samples), freeing its pages; returns its
+        output so far, finish_reason "abort" on the samples it stopped."""
         with self._lock:
-            seq = self._requests.get(request_id)
-            if seq is None:
+            request = self._requests.get(request_id)
+            if request is None:
                 raise ValueError(f"request_id: {request_id!r} is not an unfinished request of this engine")
-            self.scheduler.finish(seq, "abort")
-            return self._output(seq)
+            output = None
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, "abort")
+                    output = self._finish_sample(seq)
+            return output
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; returns the requests that finished in it (those that failed in it
@@ -354,6 +514,7 @@ class LLM:
         logits = self.runner.run(batch.seqs, mode, batch.num_extends, tokens=tokens, all_logits=drafts is not None,
                                  backend=self.profiler)
         new_tokens, errors = self._sample(batch, logits, drafts)
+        logprobs = self._logprobs(batch, logits, new_tokens, drafts is not None, errors)
         now = time.perf_counter()  # the tokens were read back, so the device is done
         if self.profiler:
             kind = mode.value
@@ -363,19 +524,84 @@ class LLM:
         lengths = [len(seq) for seq in batch.seqs]
         finished = self.scheduler.postprocess(batch, new_tokens, verified=drafts is not None, now=now,
                                               errors=errors)
-        # Stop tokens and max_tokens may cut a request's new tokens short: count what it kept.
+        finished += self._advance_text(batch, lengths)
+        # Stop tokens, stop strings and max_tokens may cut a request's new tokens short: count what it kept.
         kept = [len(seq) - n for seq, n in zip(batch.seqs, lengths)]
+        for seq, n, rows in zip(batch.seqs, kept, logprobs):
+            if rows is not None:
+                self._samples[seq.seq_id].logprobs += rows[:n]
         self._record(batch, mode, new_tokens, kept, proposed, now - start)
         self._record_page_counts(before)
-        return [self._output(seq) for seq in finished]
+        return [out for out in map(self._finish_sample, finished) if out is not None]
+
+    def _logprobs(self, batch: ScheduledBatch, logits: torch.Tensor, new_tokens: list[list[int]],
+                  verified: bool, errors: dict[int, str]) -> list[list[dict[int, float]] | None]:
+        """Per request of the step, the log-probability dicts of its new tokens when it asked for them (None
+        otherwise). A verify step's row j of a request is the distribution its j-th new token came from; other
+        steps have one row per request. A request whose log-probabilities raise (alone, as ``_isolated``
+        finds out) fails: an entry in ``errors`` for its batch row, and its ``new_tokens`` emptied."""
+        wanted = [i for i, seq in enumerate(batch.seqs) if seq.params.logprobs is not None and new_tokens[i]]
+        out: list[list[dict[int, float]] | None] = [None] * len(batch.seqs)
+        if not wanted:
+            return out
+        per_request = logits.shape[0] // len(batch.seqs) if verified else 1
+
+        def compute(idx: list[int]) -> list[list[dict[int, float]]]:
+            rows = [i * per_request + j for i in idx for j in range(len(new_tokens[i]))]
+            tokens = [t for i in idx for t in new_tokens[i]]
+            top = [batch.seqs[i].params.logprobs for i in idx for _ in new_tokens[i]]
+            entries = iter(token_logprobs(logits[rows], tokens, top))
+            return [[next(entries) for _ in new_tokens[i]] for i in idx]
+
+        for i, entries in zip(wanted, _isolated(wanted, compute, "log-probabilities", errors)):
+            if entries is None:
+                new_tokens[i] = []
+            else:
+                out[i] = entries
+        return out
+
+    def _advance_text(self, batch: ScheduledBatch, lengths: list[int]) -> list[Sequence]:
+        """Feed each step's new tokens (those past ``lengths``) to the samples that build their text as it
+        grows (``_push_text``); a sample whose tokenizer raises fails alone. Returns the samples this
+        finished (the scheduler had not already)."""
+        finished = []
+        for seq, start in zip(batch.seqs, lengths):
+            state = self._samples.get(seq.seq_id)
+            if state is None or state.detokenizer is None:
+                continue
+            was_finished = seq.is_finished
+            try:
+                self._push_text(seq, start, state)
+            except Exception as exc:  # one sample's tokenizer failure must not take the step's others with it
+                self.scheduler.fail(seq, _decode_error(exc))
+            if seq.is_finished and not was_finished:
+                finished.append(seq)
+        return finished
+
+    def _push_text(self, seq: Sequence, start: int, state: _Sample) -> None:
+        """Push ``seq``'s tokens from ``start`` on to its detokenizer; once its text holds one of its stop
+        strings it loses the tokens after the one completing it and finishes with reason "stop"."""
+        text = state.detokenizer
+        for pos in range(start, len(seq)):
+            searched = len(text.text)
+            text.push(seq.token_ids[pos])
+            # A sample that failed keeps "error" (its text still grows to what its tokens say).
+            hit = find_stop(text.text, seq.params.stop, searched) if seq.params.stop and seq.error is None else None
+            if hit is None:
+                continue
+            state.stop_at, state.stop_reason = hit
+            self.scheduler.finish(seq, "stop")
+            del seq.token_ids[pos + 1:]
+            del seq.token_times[seq.num_output_tokens:]
+            return
 
     def _sample(self, batch: ScheduledBatch, logits: torch.Tensor,
                 drafts: list[list[int]] | None) -> tuple[list[list[int]], dict[int, str]]:
         """Each request's new tokens this step (none for a prompt chunk that is not its last), and a
         message for each batch row that could not be sampled (its tokens are then []).
 
-        The batch is sampled at once; rows reported non-finite fail alone. Any other exception samples
-        the requests one at a time, so that only those that raise again fail."""
+        The batch is sampled at once; rows reported non-finite (None) fail alone. Any other exception
+        samples the requests one at a time (``_isolated``), so that only those that raise again fail."""
         seqs = batch.seqs
         if drafts is not None:
             rows = list(range(len(seqs)))
@@ -383,32 +609,26 @@ class LLM:
 
             def draw(idx: list[int]) -> list[list[int] | None]:
                 part = logits if len(idx) == len(seqs) else logits[idx[0] * width:(idx[0] + 1) * width]
-                return verify(part, [drafts[i] for i in idx], [seqs[i].params for i in idx],
-                              [seqs[i].generator for i in idx])
+                try:
+                    return verify(part, [drafts[i] for i in idx], [seqs[i].params for i in idx],
+                                  [seqs[i].generator for i in idx])
+                except NonFiniteLogitsError as exc:
+                    return exc.tokens
         else:
             # Only a step that reaches a request's last token samples (not the earlier prompt chunks).
             rows = [i for i in range(len(seqs)) if batch.samples(i)]
 
             def draw(idx: list[int]) -> list[list[int] | None]:
-                tokens = sample(logits[idx], [seqs[i].params for i in idx], [seqs[i].generator for i in idx])
-                return [[t] for t in tokens]
+                try:
+                    tokens = sample(logits[idx], [seqs[i].params for i in idx], [seqs[i].generator for i in idx])
+                except NonFiniteLogitsError as exc:
+                    tokens = exc.tokens
+                return [None if t is None else [t] for t in tokens]
         new_tokens: list[list[int]] = [[] for _ in seqs]
         errors: dict[int, str] = {}
         if not rows:
             return new_tokens, errors
-        try:
-            drawn = draw(rows)
-        except NonFiniteLogitsError as exc:
-            drawn = [None if t is None else (t if drafts is not None else [t]) for t in exc.tokens]
-        except Exception:
-            drawn = []
-            for i in rows:
-                try:
-                    drawn += draw([i])
-                except Exception as exc:
-                    drawn.append(None)
-                    errors[i] = f"sampling raised {type(exc).__name__}: {exc}"
-        for i, tokens in zip(rows, drawn):
+        for i, tokens in zip(rows, _isolated(rows, draw, "sampling", errors)):
             if tokens is None:
                 errors.setdefault(i, "logits: inf or NaN in this request's logits (the model's numbers "
                                      "overflowed or its weights are corrupt); no token could be sampled")
@@ -467,26 +687,55 @@ class LLM:
             s.mixed_seconds += seconds
             s.mixed_steps += 1
 
-    def _output(self, seq: Sequence) -> RequestOutput:
-        """The output of a request that just finished; a tokenizer that cannot decode its tokens fails the
-        request ("error") rather than the step."""
-        del self._requests[seq.seq_id]
-        text = None
-        if self.tokenizer is not None:
-            try:
-                text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-            except Exception as exc:
-                seq.finish_reason = "error"
-                seq.error = f"tokenizer: decoding the output raised {type(exc).__name__}: {exc}"
-        return RequestOutput(request_id=seq.seq_id, prompt_token_ids=seq.prompt_token_ids,
-                             token_ids=seq.output_token_ids, finish_reason=seq.finish_reason, text=text,
-                             arrival_time=seq.arrival_time, token_times=list(seq.token_times), error=seq.error)
+    def _finish_sample(self, seq: Sequence) -> RequestOutput | None:
+        """Record a finished sample (failed, finish_reason "error", if its text cannot be decoded); its
+        request's RequestOutput once every sample of it is done (else None)."""
+        state = self._samples.pop(seq.seq_id)
+        request = state.request
+        ids = seq.output_token_ids
+        if state.stop_reason is None and seq.finish_reason == "stop" and ids and ids[-1] in seq.params.stop_token_ids:
+            state.stop_reason = ids[-1]
+        cumulative = None
+        if state.logprobs is not None:
+            cumulative = sum(entry[t] for entry, t in zip(state.logprobs, ids))
+        try:
+            text = self._text(state, seq)
+        except Exception as exc:  # a tokenizer that cannot decode the tokens fails the sample, not the step
+            text = None
+            if seq.error is None:  # else it failed already, and that is the error to report
+                self.scheduler.fail(seq, _decode_error(exc))
+        request.done[state.index] = CompletionOutput(
+            index=state.index, text=text, token_ids=ids, finish_reason=seq.finish_reason,
+            stop_reason=state.stop_reason, logprobs=state.logprobs, cumulative_logprob=cumulative,
+            token_times=list(seq.token_times), error=seq.error)
+        if len(request.done) < len(request.seqs):
+            return None
+        del self._requests[request.request_id]
+        return RequestOutput(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                             outputs=[request.done[i] for i in range(len(request.seqs))], prompt=request.prompt,
+                             arrival_time=seq.arrival_time)
+
+    def _text(self, state: _Sample, seq: Sequence) -> str | None:
+        """A finished sample's text: what its detokenizer built (cut before the stop string), or the same
+        incremental decoding run over its tokens now; None without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        text = state.detokenizer
+        if text is None:
+            text = Detokenizer(self.tokenizer, seq.prompt_token_ids)
+            for token in seq.output_token_ids:
+                text.push(token)
+        if state.stop_at is not None:
+            return text.text[:state.stop_at]
+        return text.text + text.flush()
 
     def generate(self, prompts: str | Seq[int] | Seq[str | Seq[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool | None = False) -> list[RequestOutput]:
         """Run ``prompts`` (one prompt, or a list of token-id lists / strings) to completion; outputs in
-        prompt order. ``params``: one SamplingParams for all, or one per prompt.
+        prompt order. ``params``: one SamplingParams for all, or one per prompt. ``use_tqdm``: a progress
+        bar over the generated tokens on stderr (None: only when stderr is a terminal), shown once the
+        run has taken a second.
 
         Every prompt and its params are checked before any is queued, so an error queues nothing.
         Requests queued earlier with ``add_request`` run alongside: those finishing during the call are
@@ -496,7 +745,8 @@ class LLM:
             return self._generate(prompts, params, use_tqdm)
 
     def _generate(self, prompts: str | Seq[int] | Seq[str | Seq[int]],
-                  params: SamplingParams | Seq[SamplingParams] | None, use_tqdm: bool) -> list[RequestOutput]:
+                  params: SamplingParams | Seq[SamplingParams] | None,
+                  use_tqdm: bool | None) -> list[RequestOutput]:
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                         and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
@@ -506,31 +756,85 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"params: expected {len(prompts)} SamplingParams (one per prompt), got {len(params)}")
-        seqs = [self._new_sequence(p, sp) for p, sp in zip(prompts, params)]
-        for seq in seqs:
-            self._enqueue(seq)
-        ids = [seq.seq_id for seq in seqs]
-        wanted = set(ids)
+        requests: list[_Request] = []
+        try:
+            for p, sp in zip(prompts, params):
+                requests.append(self._new_request(p, sp))
+        except (ValueError, TypeError):
+            self._forget(requests)
+            raise
+        for request in requests:
+            self._enqueue(request)
+        wanted = {r.request_id for r in requests}
         done: dict[int, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
-        while len(done) < len(ids) and self.scheduler.has_unfinished():
+        seqs = [seq for r in requests for seq in r.seqs]
+        bar = tqdm(total=self._token_budget(seqs), desc="generate", unit="tok", delay=1.0,
+                   disable=None if use_tqdm is None else not use_tqdm)
+        while len(done) < len(requests) and self.scheduler.has_unfinished():
             for out in self._step():
                 if out.request_id in wanted:
                     done[out.request_id] = out
-                    bar.update(1)
                 else:
                     # A request queued earlier through add_request: not this call's, but not to be lost.
                     self._finished[out.request_id] = out
+            if not bar.disable:
+                bar.total = self._token_budget(seqs)
+                bar.n = sum(seq.num_output_tokens for seq in seqs)
+                bar.set_postfix_str(f"{len(done)}/{len(requests)} requests", refresh=True)
         bar.close()
-        return [done[i] for i in ids]
+        return [done[r.request_id] for r in requests]
 
+    def _token_budget(self, seqs: list[Sequence]) -> int:
+        """Output tokens ``seqs`` produce at most: max_tokens within the context, or what a finished one made."""
+        context = self.scheduler.max_context_len
+        return sum(seq.num_output_tokens if seq.is_finished else
+                   min(seq.params.max_tokens, context - seq.num_prompt_tokens) for seq in seqs)
 
-def _load_tokenizer(model: Any):
-    """transformers' AutoTokenizer from a checkpoint directory that ships tokenizer files, else None."""
-    if not isinstance(model, (str, os.PathLike)) or not os.path.isdir(model):
-        return None
-    if not any(os.path.isfile(os.path.join(model, f)) for f in _TOKENIZER_FILES):
-        return None
-    from transformers import AutoTokenizer
+    def _forget(self, requests: list[_Request]) -> None:
+        """Drop the sample states of requests that were checked but never queued."""
+        for request in requests:
+            for seq in request.seqs:
+                self._samples.pop(seq.seq_id, None)
 
-    return AutoTokenizer.from_pretrained(os.fspath(model))
+    def stream(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+        """Run one prompt (one sample: ``params.n`` 1) to completion, yielding after every step that added
+        to it a StreamDelta with its new ids and text; the last delta carries the RequestOutput. The text
+        deltas add up to ``output.text`` (for a request that failed, finish_reason "error", to the text it
+        had before; its ``output.text`` is None if decoding failed). Other queued requests run alongside,
+        as in ``generate``.
+
+        Like ``generate``, a stream holds the engine's lock from its first delta until it ends or is
+        closed, so other threads' calls wait meanwhile; iterate it (and close it, if abandoned) in the
+        thread that started it."""
+        with self._lock:
+            yield from self._stream(prompt, params)
+
+    def _stream(self, prompt: str | Seq[int], params: SamplingParams | None) -> Iterator[StreamDelta]:
+        params = SamplingParams() if params is None else params
+        if isinstance(params, SamplingParams) and params.n != 1:
+            raise ValueError(f"params: stream runs one sample, got n={params.n}")
+        request = self._new_request(prompt, params, stream=True)
+        self._enqueue(request)
+        seq = request.seqs[0]
+        state = self._samples[seq.seq_id]
+        # Text that a longer stop string could still start within is held back until it cannot.
+        hold = max((len(s) for s in params.stop), default=1) - 1
+        sent_ids, sent_text = 0, 0
+        while True:
+            output = None
+            for out in self._step():
+                if out.request_id == request.request_id:
+                    output = out
+                else:
+                    self._finished[out.request_id] = out
+            ids = output.token_ids if output is not None else seq.output_token_ids
+            text = None
+            if self.tokenizer is not None:
+                full = state.detokenizer.text if output is None or output.text is None else output.text
+                end = len(full) if output is not None else max(sent_text, len(full) - hold)
+                text, sent_text = full[sent_text:end], end
+            if output is not None or len(ids) > sent_ids or text:
+                yield StreamDelta(ids[sent_ids:], text, output)
+                sent_ids = len(ids)
+            if output is not None:
+                return

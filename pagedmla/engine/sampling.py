@@ -46,6 +46,12 @@ class SamplingParams:
     torch generator).
     max_tokens: new tokens to generate at most. stop_token_ids: tokens that end the request (kept in
     the output). ignore_eos: do not stop at the model's end-of-sequence token(s).
+    n: independent samples of the prompt (``RequestOutput.outputs`` holds n completions; with a seed,
+    sample i draws from seed + i). stop: strings that end the request once the generated text contains
+    one (needs a tokenizer; the text stops before it, the token ids include the token completing it).
+    logprobs: k >= 0 records, for every generated token, the log-probabilities (natural log, of the
+    model's distribution before temperature and filters) of that token and of the k most likely ones
+    (None: off).
     """
 
     temperature: float = 0.0
@@ -55,6 +61,9 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
@@ -75,6 +84,15 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos: expected a bool, got {self.ignore_eos!r}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n: expected an int >= 1, got {self.n!r}")
+        stop = [self.stop] if isinstance(self.stop, str) else [] if self.stop is None else self.stop
+        if not isinstance(stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop: expected a non-empty string or a list of them, got {self.stop!r}")
+        self.stop = list(stop)
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or self.logprobs < 0):
+            raise ValueError(f"logprobs: expected an int >= 0 or None, got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -128,3 +146,24 @@ def sampling_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return probs
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: list[int]) -> list[dict[int, float]]:
+    """logits float32 [n, vocab] of the rows that produced ``tokens`` (one each) -> per row a dict of
+    log-probabilities (natural log of softmax(logits), before temperature and filters): the produced token's
+    and those of the ``top[i]`` most likely tokens. One readback for all rows."""
+    if logits.shape[0] != len(tokens) or len(tokens) != len(top):
+        raise ValueError(f"logits/tokens/top: expected one row per token, got {logits.shape[0]}, {len(tokens)}, "
+                         f"{len(top)}")
+    logp = logits.float().log_softmax(dim=-1)
+    chosen = logp.gather(1, torch.tensor(tokens, device=logits.device).view(-1, 1))
+    k = min(max(top, default=0), logp.shape[-1])
+    best = logp.topk(k, dim=-1)
+    # Ids ride along as float32, exact below 2**24 (vocabularies are far smaller): one readback.
+    rows = torch.cat([chosen, best.values, best.indices.float()], dim=1).tolist()
+    out = []
+    for row, token, n in zip(rows, tokens, top):
+        entry = {int(t): v for t, v in zip(row[1 + k: 1 + k + n], row[1: 1 + n])}
+        entry[token] = row[0]
+        out.append(entry)
+    return out

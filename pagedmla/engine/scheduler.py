@@ -252,21 +252,21 @@ class Scheduler:
         for a prompt chunk that is not the last; 1 + accepted drafts for a verify step, ``verified``).
         Finishes the requests that stop (freeing their pages) and returns them.
 
-        errors: batch row -> message for requests whose step failed (no token could be sampled): they
-        finish with reason "error" instead, as does a request whose own advance raises; the others are
-        unaffected."""
+        errors: batch row -> message for requests whose step failed (no token, or no log-probabilities,
+        could be had): they finish with reason "error" instead, as does a request whose own advance
+        raises; the others are unaffected."""
         finished = []
         errors = errors or {}
         for i, (seq, tokens) in enumerate(zip(batch.seqs, new_tokens)):
             if i in errors:
-                self._fail(seq, errors[i])
+                self.fail(seq, errors[i])
                 finished.append(seq)
                 continue
             try:
                 reason = self._advance(seq, tokens, batch.num_tokens[i], verified, now)
             except Exception as exc:  # one request's failure must not take the step's others with it
                 reason = None
-                self._fail(seq, f"post-processing raised {type(exc).__name__}: {exc}")
+                self.fail(seq, f"post-processing raised {type(exc).__name__}: {exc}")
             if seq.is_finished:
                 finished.append(seq)
             elif reason is not None:
@@ -296,7 +296,8 @@ class Scheduler:
         self.pages.commit(seq)
         return reason
 
-    def _fail(self, seq: Sequence, message: str) -> None:
+    def fail(self, seq: Sequence, message: str) -> None:
+        """End ``seq`` (running, waiting or already finished) with reason "error"; ``message`` says why."""
         seq.error = message
         self.finish(seq, "error")
 

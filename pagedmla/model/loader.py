@@ -25,6 +25,7 @@ from contextlib import ExitStack
 
 import torch
 from safetensors import SafetensorError, safe_open
+from tqdm.auto import tqdm
 
 from pagedmla.model.build import build_empty
 from pagedmla.model.config import CheckpointError, DeepseekConfig, one_line
@@ -148,7 +149,11 @@ def load_checkpoint(path: str | os.PathLike, *, device: torch.device | str = "cp
     model = build_empty(cfg, device, dtype)
     with ExitStack() as stack, torch.no_grad():
         ckpt = _Checkpoint(path, stack)
-        for name, target in model.state_dict().items():
+        shards = len(set(ckpt.files.values()))
+        # Shown on a terminal only, and only once loading has taken a second (the hub checkpoints take minutes).
+        tensors = tqdm(model.state_dict().items(), desc=f"loading {shards} shard(s)", unit="tensor", delay=1.0,
+                       disable=None)
+        for name, target in tensors:
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 ckpt.used.add(name)
                 continue

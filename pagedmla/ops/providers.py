@@ -52,7 +52,13 @@ def _load(provider: str) -> None:
 
 
 def available_providers(op: str) -> list[str]:
-    """Providers that implement ``op`` in this installation."""
+    """Providers that implement ``op`` in this installation, in ``PROVIDERS`` order.
+
+    op: one of ``OPS``: ``"paged_decode"`` (``flash_mla_with_kvcache``), ``"paged_varlen"``
+    (``flash_mla_varlen_with_kvcache``), ``"varlen"`` (``flash_attn_varlen_func``) or ``"merge"``
+    (``merge_state``); anything else raises ValueError listing them."""
+    if op not in OPS:
+        raise ValueError(f"op: unknown op {op!r}; expected one of {', '.join(OPS)}")
     for p in PROVIDERS:
         _load(p)
     return [p for p in PROVIDERS if p in _impls[op]]

@@ -1,0 +1,64 @@
+"""What the benchmark grids share: the CPU wall-clock timer, baseline detection and the PNG plots."""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+# Timer labels printed with every table, so that CPU figures are never read as GPU ones.
+CUDA_TIMER = "triton.testing.do_bench median (CUDA events)"
+CPU_TIMER = "wall-clock median (CPU; Triton kernels under the interpreter: a smoke run, not a speed)"
+
+
+def installed(module: str) -> bool:
+    """Whether ``module`` can be imported here (without importing it: baselines are slow to import)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def wall_clock_us(fn: Callable[[], object], reps: int = 3, warmup: bool = True) -> float:
+    """Median µs of ``reps`` calls of fn, after one warm-up call unless ``warmup`` is False (the caller ran
+    it already), by ``time.perf_counter`` (CPU tensors: the calls are synchronous)."""
+    if warmup:
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(times)
+
+
+def check_plotting(path: str | None) -> None:
+    """ValueError naming --plot, before any timing starts, when a plot is asked for without matplotlib."""
+    if path and not installed("matplotlib"):
+        raise ValueError("--plot: writing the PNG needs matplotlib: pip install 'pagedmla[bench]' (or pass --no-plot)")
+
+
+def bar_plot(path: str, labels: Sequence[str], series: dict[str, Sequence[float | None]], ylabel: str,
+             title: str, reference: float | None = None) -> None:
+    """A grouped bar chart as a PNG: one group per label, one bar per series (None: no bar)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(8, len(labels) * 0.45 * max(1, len(series)) / 2), 4.5))
+    width = 0.8 / max(1, len(series))
+    for k, (name, values) in enumerate(series.items()):
+        xs = [i - 0.4 + width * (k + 0.5) for i in range(len(labels))]
+        ax.bar(xs, [v if v is not None else 0 for v in values], width=width, label=name)
+    if reference is not None:
+        ax.axhline(reference, color="k", lw=0.8)
+    ax.set_xticks(list(range(len(labels))))
+    ax.set_xticklabels(labels, rotation=70, fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
