@@ -355,8 +355,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         if args.debug:
             raise
-        if isinstance(exc, CheckpointError):  # names a config field or a file, never a flag: as it is
-            parser.exit(2, f"{where}: error: {exc}\n")
+        if isinstance(exc, CheckpointError):  # names a config field or a file, never a flag: as it is,
+            # except the checkpoint path itself, which the user gave as --model
+            message = str(exc)
+            if message.startswith("path: "):
+                message = "--model: " + message.removeprefix("path: ")
+            parser.exit(2, f"{where}: error: {message}\n")
         if isinstance(exc, (ValueError, TypeError)):
             parser.exit(2, f"{where}: error: {_flag_message(str(exc), args)}\n")
         if isinstance(exc, OSError) and exc.filename is not None:
