@@ -142,11 +142,16 @@ def cos_diff(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def pagedmla_fn(inp: Inputs, config: DecodeConfig | None = None, parts: int | None = None):
-    """(rotating timed call, call on copy 0, call on copy i); ``parts`` overrides the schedule's part count."""
+    """(rotating timed call, call on copy 0, call on copy i); ``parts`` overrides the schedule's part count.
+    With the defaults the public call runs as a user makes it (its checks, the default provider); a config
+    sweep calls the Triton entry point with that config."""
     c = inp.cell
     meta, splits = get_mla_metadata(inp.seqlens, c.q_len * c.heads, 1, num_sm_parts=parts)
 
     def call(i: int):
+        if config is None:
+            return flash_mla_with_kvcache(inp.q[i], inp.cache[i], inp.table, inp.seqlens, DV, meta, splits,
+                                          causal=True)
         return paged_decode_triton(inp.q[i], inp.cache[i], inp.table, inp.seqlens, DV, meta, splits, D ** -0.5,
                                    True, config)
 
