@@ -41,6 +41,19 @@ def _signature(*tensors: torch.Tensor) -> tuple:
     return tuple((t.shape, t.dtype, t.get_device()) for t in tensors)
 
 
+def _memoised(table: dict[tuple, tuple[Callable, float]], key: tuple | None,
+              check: Callable[[], tuple[Callable, float]]) -> tuple[Callable, float]:
+    """The entry of a checked call signature: ``check()`` (which raises for a bad call) the first time."""
+    entry = table.get(key)
+    if entry is None:
+        entry = check()
+        if key is not None:
+            if len(table) > 4096:  # shapes vary with the batch: keep the table bounded
+                table.clear()
+            table[key] = entry
+    return entry
+
+
 def _scalars(*values) -> tuple:
     """Scalar arguments as a memo key: with their types, since 32 == 32.0 == True-like values must not share
     the checks of a valid call."""
@@ -79,14 +92,9 @@ def flash_mla_with_kvcache(
                _scalars(head_dim_v, softmax_scale), provider, os.environ.get("PAGEDMLA_PROVIDER"))
     except AttributeError:  # not tensors: the full checks below say which
         key = None
-    entry = _decode_signatures.get(key)
-    if entry is None:
-        entry = _check_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                              num_splits, softmax_scale, provider)
-        if key is not None:
-            if len(_decode_signatures) > 4096:
-                _decode_signatures.clear()
-            _decode_signatures[key] = entry
+    entry = _memoised(_decode_signatures, key, lambda: _check_decode(
+        q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits, softmax_scale,
+        provider))
     impl, scale = entry
     if errors.host_value_checks(q.device):
         checks.paged_values(block_table, cache_seqlens, k_cache.shape[0], k_cache.shape[1])
@@ -151,14 +159,8 @@ def flash_mla_varlen_with_kvcache(
                provider, os.environ.get("PAGEDMLA_PROVIDER"))
     except AttributeError:  # not tensors: the full checks below say which
         key = None
-    entry = _paged_varlen_signatures.get(key)
-    if entry is None:
-        entry = _check_paged_varlen(q, k_cache, block_table, cache_seqlens, qo_indptr, head_dim_v, softmax_scale,
-                                    provider)
-        if key is not None:
-            if len(_paged_varlen_signatures) > 4096:
-                _paged_varlen_signatures.clear()
-            _paged_varlen_signatures[key] = entry
+    entry = _memoised(_paged_varlen_signatures, key, lambda: _check_paged_varlen(
+        q, k_cache, block_table, cache_seqlens, qo_indptr, head_dim_v, softmax_scale, provider))
     impl, scale = entry
     if errors.host_value_checks(q.device):
         checks.indptr_values(qo_indptr, "qo_indptr", q.shape[0])
@@ -230,13 +232,8 @@ def flash_attn_varlen_func(
                _scalars(softmax_scale), provider, os.environ.get("PAGEDMLA_PROVIDER"))
     except AttributeError:  # not tensors: the full checks below say which
         key = None
-    entry = _varlen_signatures.get(key)
-    if entry is None:
-        entry = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, out, provider)
-        if key is not None:
-            if len(_varlen_signatures) > 4096:
-                _varlen_signatures.clear()
-            _varlen_signatures[key] = entry
+    entry = _memoised(_varlen_signatures, key, lambda: _check_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, out, provider))
     impl, scale = entry
     if errors.host_value_checks(q.device):
         checks.indptr_values(cu_seqlens_q, "cu_seqlens_q", q.shape[0])

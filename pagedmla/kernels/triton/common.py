@@ -75,3 +75,12 @@ def indptr_is_partition(indptr_ptr, n, total, lanes):
         hi = tl.load(indptr_ptr + j + 1, mask=j < n, other=0)
         ok = ok & (tl.max((hi < lo).to(tl.int32), 0) == 0)
     return ok
+
+
+@triton.jit
+def store_nan(o_ptrs, lse_ptrs, row_ok, col_ok):
+    """NaN into the output block ``o_ptrs`` [R, C] (rows ``row_ok``, columns ``col_ok``) and its LSEs
+    ``lse_ptrs`` [R]: the defined result of rows whose indices could not be trusted."""
+    nan = float("nan")
+    tl.store(o_ptrs, tl.full(o_ptrs.shape, nan, o_ptrs.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(lse_ptrs, tl.full(lse_ptrs.shape, nan, lse_ptrs.dtype.element_ty), mask=row_ok)

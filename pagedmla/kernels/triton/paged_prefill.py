@@ -29,6 +29,7 @@ from pagedmla.kernels.triton.common import (
     finish_rows,
     indptr_is_partition,
     report,
+    store_nan,
 )
 from pagedmla.kernels.triton.decode_sm90 import sm90_supported
 from pagedmla.kernels.triton.paged_prefill_sm90 import paged_prefill_sm90
@@ -113,9 +114,7 @@ def _paged_prefill_kernel(
         flat = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         ok = flat < tl.cast(total_q, tl.int64) * num_heads
         o_rows = O + (flat // num_heads)[:, None] * stride_ot + (flat % num_heads)[:, None] * stride_oh
-        tl.store(o_rows + d1[None, :], tl.full([BLOCK_M, BLOCK_D1], float("nan"), O.dtype.element_ty),
-                 mask=ok[:, None] & (d1[None, :] < DV))
-        tl.store(LSE + flat, tl.full([BLOCK_M], float("nan"), tl.float32), mask=ok)
+        store_nan(o_rows + d1[None, :], LSE + flat, ok, d1 < DV)
         if pid == 0:
             report(err_ptr, QUERY_INDPTR)
         return

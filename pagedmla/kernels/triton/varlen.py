@@ -25,6 +25,7 @@ from pagedmla.kernels.triton.common import (
     finish_rows,
     indptr_is_partition,
     report,
+    store_nan,
 )
 from pagedmla.kernels.triton.launch import current_stream
 from pagedmla.kernels.triton.varlen_sm90 import (
@@ -152,9 +153,7 @@ def _varlen_fwd_kernel(
         # covering rows pid * BLOCK_M .. of head h.
         rows = pid.to(tl.int64) * BLOCK_M + local_m
         ok = rows < total_q
-        tl.store(O + rows[:, None] * stride_ot + h * stride_oh + dv[None, :],
-                 tl.full([BLOCK_M, BLOCK_DV], float("nan"), O.dtype.element_ty), mask=ok[:, None] & (dv[None, :] < DV))
-        tl.store(LSE + rows * num_heads + h, tl.full([BLOCK_M], float("nan"), tl.float32), mask=ok)
+        store_nan(O + rows[:, None] * stride_ot + h * stride_oh + dv[None, :], LSE + rows * num_heads + h, ok, dv < DV)
         if (pid == 0) & (h == 0):
             report(err_ptr, QUERY_INDPTR)
         return
