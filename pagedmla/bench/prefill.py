@@ -1,8 +1,9 @@
 """Prefill benchmarks: ragged MHA (192/128), paged absorbed prefill, merge_state, with baselines in one run.
 
-Ragged grid (ANCHORS): causal, q/k 192, v 128, bf16; pagedmla's default kernel choice (``triton``: the
-Hopper kernel on sm_90) and the portable Triton kernel (``triton_portable``; several tile variants with
---variants) against torch SDPA and, with --flashinfer, FlashInfer fa3 ragged prefill
+Ragged grid (ANCHORS, plus the short-prompt batches): causal, q/k 192, v 128, bf16; pagedmla's public call
+with its defaults, eager, as a user makes it (``triton``: checks, output allocation and the default kernel
+choice, the Hopper kernel on sm_90) and the portable Triton kernel (``triton_portable``; several tile
+variants with --variants) against torch SDPA and, with --flashinfer, FlashInfer fa3 ragged prefill
 (``BatchPrefillWithRaggedKVCacheWrapper(..., backend="fa3")``).
 SDPA gets the equal-length batch as [b, H, L, D] views of the same packed tensors (no copies), q/k 192 and
 v 128 as they are; the backend torch picks is printed. Causal FLOPs = 2·b·H·L(L+1)/2·(192+128).
@@ -10,7 +11,7 @@ Skewed ragged batches (one long prompt among many short ones, as chunked-prefill
 kernels and fa3 on packed sequences of unequal lengths; the reference is SDPA per sequence (not timed).
 Paged absorbed prefill: requests of n new tokens over p cached ones (page size 64, permuted pages),
 576/512, one KV head, against FlashInfer's ``BatchMLAPagedAttentionWrapper(backend="fa3")`` with
-qo_indptr; ``triton`` (default choice) and ``triton_portable`` as above.
+qo_indptr; ``triton`` (the public call with its defaults) and ``triton_portable`` as above.
 FLOPs = 2·H·Σ_rows(visible keys)·(576+512).
 merge_state: GB/s (bytes read + written) against a device-to-device copy measured in the same run.
 
@@ -39,9 +40,11 @@ from pagedmla.bench.options import prefill_arguments
 from pagedmla.kernels.triton import merge as tmerge
 from pagedmla.kernels.triton import paged_prefill as tpaged
 from pagedmla.kernels.triton import varlen as tvarlen
-from pagedmla.ops.attention import flash_mla_varlen_with_kvcache
+from pagedmla.ops.attention import flash_attn_varlen_func, flash_mla_varlen_with_kvcache
 
-RAGGED_GRID = [(1, 8192, 128), (4, 4096, 128), (16, 1024, 128), (8, 4096, 16), (1, 32768, 16)]
+# (prompts, length, heads); the short-prompt cells are the batches an engine's prefill steps send most often.
+RAGGED_GRID = [(1, 8192, 128), (4, 4096, 128), (16, 1024, 128), (8, 4096, 16), (1, 32768, 16),
+               (32, 2048, 128), (32, 2048, 16), (64, 512, 128), (64, 512, 16), (256, 128, 128), (256, 128, 16)]
 RAGGED_VARIANTS = {
     "m128n64w8s3": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
     "m128n64w8s4": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 4},
@@ -49,7 +52,9 @@ RAGGED_VARIANTS = {
 }
 # (long prompt, short prompts, their length, heads): causal, 192/128
 SKEWED_GRID = [(4096, 63, 64, 128), (16384, 127, 128, 16)]
-PAGED_GRID = [(8, 1024, 4096, 128), (8, 1024, 4096, 16)]  # (requests, new tokens, cached tokens, heads)
+# (requests, new tokens, cached tokens, heads)
+PAGED_GRID = [(8, 1024, 4096, 128), (8, 1024, 4096, 16), (64, 512, 1024, 128), (64, 512, 1024, 16),
+              (256, 128, 1024, 128), (256, 128, 1024, 16)]
 PAGED_VARIANTS = {
     "m64n64w8s2": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
     "m64n32w8s3": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3},
@@ -90,7 +95,7 @@ def default_variants() -> dict[str, dict | None]:
 
 def empty_cache() -> None:
     if device.type == "cuda":
-        empty_cache()
+        torch.cuda.empty_cache()
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -175,9 +180,12 @@ def time_ragged(section, cell, q, k, v, cu, max_len, flops, ref, variants, fi_wo
     scale = 192 ** -0.5
     out = torch.empty(t, h, 128, device=device, dtype=dtype)
     for name, cfg in variants.items():
-        try_variant(section, cell, name, functools.partial(
-            tvarlen.varlen_attention, q, k, v, cu, cu, max_len, max_len, scale, True, out, config=cfg),
-            flops, lambda o: rel(o[0], ref))
+        if cfg is None:  # the default choice: the public call as a user makes it (its checks, its allocation)
+            fn = functools.partial(flash_attn_varlen_func, q, k, v, cu, cu, max_len, max_len, scale, True)
+        else:
+            fn = functools.partial(tvarlen.varlen_attention, q, k, v, cu, cu, max_len, max_len, scale, True, out,
+                                   config=cfg)
+        try_variant(section, cell, name, fn, flops, lambda o, public=cfg is None: rel(o if public else o[0], ref))
     if fi_workspace is not None:
         import flashinfer
 
@@ -252,9 +260,13 @@ def paged_cell(b, new, cached, h, variants, fi_workspace):
             flash_mla_varlen_with_kvcache, q, cache, block_table, lens, qo, 512, softmax_scale=scale,
             causal=True, provider="torch"), flops, lambda o: rel(o[0], base))
     for name, cfg in variants.items():
-        try_variant("paged", cell, name, functools.partial(
-            tpaged.paged_varlen_attention, q, cache, block_table, lens, qo, 512, scale, True, new, config=cfg),
-            flops, lambda o: rel(o[0], base))
+        if cfg is None:  # the default choice: the public call as a user makes it
+            fn = functools.partial(flash_mla_varlen_with_kvcache, q, cache, block_table, lens, qo, 512,
+                                   softmax_scale=scale, causal=True, max_q_len=new)
+        else:
+            fn = functools.partial(tpaged.paged_varlen_attention, q, cache, block_table, lens, qo, 512, scale,
+                                   True, new, config=cfg)
+        try_variant("paged", cell, name, fn, flops, lambda o: rel(o[0], base))
 
 
 def bench_merge():
