@@ -44,12 +44,13 @@ def _unsupported(name: str, value, ok: bool) -> None:
         raise ValueError(f"{name}: {value!r} is not supported by pagedmla.flashinfer (pass the default)")
 
 
-def _host_int32(t: torch.Tensor, name: str, size: int | None = None) -> torch.Tensor:
+def _host_int32(t: torch.Tensor, name: str, size: int | None = None, at_least: bool = False) -> torch.Tensor:
+    """Host copy of an int32 1-D index tensor; ``size`` entries, or at least ``size`` with ``at_least``."""
     if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int32:
         raise ValueError(f"{name}: expected an int32 1-D tensor, got {getattr(t, 'dtype', type(t).__name__)} "
                          f"{tuple(getattr(t, 'shape', ()))}")
-    if size is not None and t.shape[0] != size:
-        raise ValueError(f"{name}: expected {size} entries, got {t.shape[0]}")
+    if size is not None and (t.shape[0] < size if at_least else t.shape[0] != size):
+        raise ValueError(f"{name}: expected {'at least ' if at_least else ''}{size} entries, got {t.shape[0]}")
     return t.to("cpu")
 
 
@@ -119,9 +120,10 @@ class BatchMLAPagedAttentionWrapper:
              kv_len_arr: torch.Tensor, num_heads: int, head_dim_ckv: int, head_dim_kpe: int, page_size: int,
              causal: bool, sm_scale: float, q_data_type: torch.dtype, kv_data_type: torch.dtype,
              use_profiler: bool = False) -> None:
-        """Plan one batch. qo_indptr / kv_indptr: int32 [b + 1] (queries, and pages in ``kv_indices``, of
-        each request); kv_indices: int32 page ids (request b's at kv_indptr[b]:kv_indptr[b+1]); kv_len_arr:
-        int32 [b] KV lengths. Host copies of the indptrs and lengths are read here (FlashInfer does the
+        """Plan one batch. qo_indptr: int32 [b + 1] (queries of each request); kv_indptr: int32 [>= b + 1]
+        (pages of each request in ``kv_indices``; as in FlashInfer only the first b + 1 entries are read);
+        kv_indices: int32 page ids (request b's at kv_indptr[b]:kv_indptr[b+1]); kv_len_arr: int32 [b] KV
+        lengths. Host copies of the indptrs and lengths are read here (FlashInfer does the
         same); nothing is read back in ``run``."""
         for name, dt in (("q_data_type", q_data_type), ("kv_data_type", kv_data_type)):
             if dt not in (torch.float16, torch.bfloat16, torch.float32):
@@ -137,7 +139,9 @@ class BatchMLAPagedAttentionWrapper:
         b = qo.shape[0] - 1
         if b < 0:
             raise ValueError("qo_indptr: expected batch + 1 >= 1 entries, got 0")
-        kv = _host_int32(kv_indptr, "kv_indptr", b + 1)
+        # FlashInfer reads the first b + 1 entries of kv_indptr (its own tests pass longer ones).
+        kv = _host_int32(kv_indptr, "kv_indptr", b + 1, at_least=True)[: b + 1]
+        kv_indptr = kv_indptr[: b + 1]
         lens = _host_int32(kv_len_arr, "kv_len_arr", b)
         if not isinstance(kv_indices, torch.Tensor) or kv_indices.dim() != 1 or kv_indices.dtype != torch.int32:
             raise ValueError("kv_indices: expected an int32 1-D tensor of page ids")

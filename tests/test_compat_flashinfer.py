@@ -55,6 +55,21 @@ def test_mla_wrapper_matches_the_oracle(q_lens, causal):
     assert torch.equal(sep, out)
 
 
+def test_mla_wrapper_reads_the_first_b_plus_1_kv_indptr_entries():
+    """FlashInfer reads kv_indptr[0 .. b] only (its own tests pass a longer array); a shorter one is refused."""
+    g = gen("fi_long_indptr")
+    q, buf, qo, kvp, kvi, kvl, _ = mla_case(g, [7, 0, 13], [2, 1, 3])
+    outs = []
+    for indptr in (kvp, torch.cat([kvp, torch.tensor([int(kvp[-1]) + 5, 10 ** 6], dtype=I32)])):
+        w = flashinfer.BatchMLAPagedAttentionWrapper(torch.empty(8, dtype=torch.int8))
+        w.plan(qo, indptr, kvi, kvl, 4, 512, 64, 4, True, 0.1, torch.float32, torch.float32)
+        outs.append(w.run(q[..., :512], q[..., 512:], buf[..., :512], buf[..., 512:], return_lse=True))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    w = flashinfer.BatchMLAPagedAttentionWrapper(torch.empty(8, dtype=torch.int8))
+    with pytest.raises(ValueError, match="kv_indptr: expected at least 4 entries, got 3"):
+        w.plan(qo, kvp[:3], kvi, kvl, 4, 512, 64, 4, True, 0.1, torch.float32, torch.float32)
+
+
 def test_views_of_one_buffer_are_not_copied():
     buf = torch.randn(3, 4, 576)
     joined = flashinfer._joined(buf[..., :512], buf[..., 512:], "ckv_cache", "kpe_cache")
