@@ -18,6 +18,10 @@ Attention forms (``attention_form`` after planning):
              (gathered latent rows decompressed by the model's ``kv_decompress``), merged by LSE.
   "absorbed" everything else: DECODE, TARGET_VERIFY, DRAFT_EXTEND, MIXED, and EXTEND with a prefix
              when the absorbed form is cheaper: q [T, H, 576] over the paged latent cache.
+
+Decode context parallelism (``MLAConfig.dcp_size`` > 1, ``dcp_group``): the cache holds this rank's
+interleaved tokens only and ``forward`` returns the attention over the whole context, so the model does
+not change (``pagedmla.context_parallel`` has the layout and what each form does there).
 """
 
 from __future__ import annotations
@@ -28,13 +32,16 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from pagedmla import errors
 from pagedmla.cache import MLAKVCache
 from pagedmla.config import MLAConfig
+from pagedmla.context_parallel import ContextParallel, DCPAttention
 from pagedmla.ops import checks, library
 from pagedmla.ops.providers import available_providers, resolve
 from pagedmla.ops.schedule import get_mla_metadata, num_sm_parts_for, schedule_into
+from pagedmla.parallel import Group
 
 
 class ForwardMode(enum.Enum):
@@ -84,6 +91,8 @@ class PrefixChunk:
     slots: torch.Tensor  # int64 [total] cache slots of the gathered rows, request-major
     cu_seqlens: torch.Tensor  # int32 [num_extends + 1] over the gathered rows
     max_len: int
+    # Decode context parallelism: ``slots`` are this rank's rows only; this indexes the group's gathered rows.
+    gather_index: torch.Tensor | None = None
 
 
 @dataclass
@@ -100,6 +109,7 @@ class ForwardMetadata:
     max_q_len: int = 0
     num_tokens: int = 0
     prefix_chunks: list[PrefixChunk] = field(default_factory=list)
+    dcp: DCPAttention | None = None  # decode context parallelism: the absorbed attention's per-row plan
 
 
 @dataclass
@@ -163,10 +173,13 @@ def _host_lens(values, name: str, count: int) -> list[int]:
 class MLABackend:
     """Attention backend for MLA models over a paged latent cache (see the module docstring).
 
-    provider: "torch", "triton", ... or None for the best available on ``device``.
+    provider: "torch", "triton", ... or None for the best available on ``device``. dcp_group: with
+    ``config.dcp_size`` > 1, the ``torch.distributed`` process group of the DCP ranks (None: the default
+    group), in which this process must be rank ``config.dcp_rank`` of ``config.dcp_size``.
     """
 
-    def __init__(self, config: MLAConfig, device: torch.device | str = "cpu", provider: str | None = None):
+    def __init__(self, config: MLAConfig, device: torch.device | str = "cpu", provider: str | None = None, *,
+                 dcp_group=None):
         if not isinstance(config, MLAConfig):
             raise TypeError(f"config: expected an MLAConfig, got {type(config).__name__}")
         self.config = config
@@ -185,10 +198,22 @@ class MLABackend:
         if self.provider != "torch" and config.kv_cache_dtype == torch.float32:
             raise ValueError(f"kv_cache_dtype: the {self.provider!r} provider runs bfloat16/float16 caches; "
                              "float32 caches need provider='torch'")
+        self._dcp = self._context_parallel(dcp_group) if config.dcp_size > 1 else None
         self.metadata: ForwardMetadata | None = None
         self._host_checks = False  # PAGEDMLA_VALIDATE=all, read at each planning
         self._graph: _GraphState | None = None
         self._num_extends_override: int | None = None
+
+    def _context_parallel(self, dcp_group) -> ContextParallel:
+        cfg = self.config
+        if not dist.is_initialized():
+            raise ValueError(f"dcp_group: dcp_size={cfg.dcp_size} needs torch.distributed initialised "
+                             "(init_process_group) and the DCP ranks' process group")
+        group = Group.of(dcp_group)
+        if (group.size, group.rank) != (cfg.dcp_size, cfg.dcp_rank):
+            raise ValueError(f"dcp_group: this process is rank {group.rank} of {group.size} in it, the config says "
+                             f"dcp_rank={cfg.dcp_rank} of dcp_size={cfg.dcp_size}")
+        return ContextParallel(cfg, group, self.device, self._decode_impl, self._merge_impl, _to_device)
 
     def _resolve_or_default(self, op: str, provider: str | None) -> Callable:
         if provider is not None and provider not in available_providers(op):
@@ -223,7 +248,7 @@ class MLABackend:
             # whose cost follows the table width (the reference pads every row to it). A device length
             # beyond them reads as beyond the table: that request's rows are NaN.
             self._check_capacity(seq_cpu, width)
-            width = max(1, -(-max(seq_cpu) // self.config.page_size))
+            width = max(1, -(-max(seq_cpu) // self.config.tokens_per_page))
         # The backend reads device values back only when asked to (PAGEDMLA_VALIDATE=all), on every device:
         # a step never synchronises otherwise, the kernels guard the values.
         self._host_checks = errors.validate_mode() == "all"
@@ -235,6 +260,12 @@ class MLABackend:
         select_requests(batch.block_table, batch.req_pool_indices, batch.seq_lens, block_table, seq_lens)
         if mode.is_decode_like():
             q_len = self._decode_q_len(mode)
+            if self._dcp is not None:
+                self.metadata = ForwardMetadata(mode=mode, bs=bs, form="absorbed", seq_lens=seq_lens,
+                                                block_table=block_table, q_len=q_len, num_tokens=bs * q_len,
+                                                max_q_len=q_len, dcp=self._dcp.plan_uniform(seq_lens, block_table,
+                                                                                            q_len))
+                return
             md, ns = get_mla_metadata(seq_lens, q_len * self.heads, 1)
             self.metadata = ForwardMetadata(mode=mode, bs=bs, form="absorbed", seq_lens=seq_lens,
                                             block_table=block_table, q_len=q_len, tile_scheduler_metadata=md,
@@ -251,6 +282,8 @@ class MLABackend:
             self._plan_varlen(meta, ext)
             if form == "chunked":
                 meta.prefix_chunks = self._plan_prefix_chunks(block_table, pre)
+            elif form == "absorbed":
+                self._plan_dcp_ragged(meta)
             self.metadata = meta
             return
         if mode == ForwardMode.MIXED:
@@ -270,7 +303,13 @@ class MLABackend:
             raise ValueError(f"forward_mode: unsupported mode {mode!r}")
         meta = ForwardMetadata(mode=mode, bs=bs, form="absorbed", seq_lens=seq_lens, block_table=block_table)
         self._plan_varlen(meta, ext)
+        self._plan_dcp_ragged(meta)
         self.metadata = meta
+
+    def _plan_dcp_ragged(self, meta: ForwardMetadata) -> None:
+        """Decode context parallelism: the per-row plan of an absorbed step with per-request query counts."""
+        if self._dcp is not None:
+            meta.dcp = self._dcp.plan_ragged(meta.seq_lens, meta.block_table, meta.qo_indptr, meta.num_tokens)
 
     def _decode_q_len(self, mode: ForwardMode) -> int:
         if mode == ForwardMode.TARGET_VERIFY:
@@ -306,16 +345,18 @@ class MLABackend:
                              f"got range {lo}..{hi}")
         lens = batch.seq_lens.to(torch.int64)
         lo, hi = (int(v) for v in torch.stack([lens.min(), lens.max()]).tolist())
-        if lo < 0 or hi > width * self.config.page_size:
-            raise ValueError(f"batch.seq_lens: lengths must lie in 0..{width * self.config.page_size} "
-                             f"({width} pages x {self.config.page_size}), got range {lo}..{hi}")
+        per_page = self.config.tokens_per_page
+        if lo < 0 or hi > width * per_page:
+            raise ValueError(f"batch.seq_lens: lengths must lie in 0..{width * per_page} "
+                             f"({width} pages x {per_page}), got range {lo}..{hi}")
 
     def _check_capacity(self, seq_cpu: list[int], max_pages: int) -> None:
-        capacity = max_pages * self.config.page_size
+        per_page = self.config.tokens_per_page
+        capacity = max_pages * per_page
         for i, s in enumerate(seq_cpu):
             if s > capacity:
                 raise ValueError(f"seq_lens_cpu: request {i} has {s} tokens, more than the block table's "
-                                 f"{max_pages} pages x {self.config.page_size} = {capacity}")
+                                 f"{max_pages} pages x {per_page} = {capacity}")
             if s > self.config.max_context_len:
                 raise ValueError(f"seq_lens_cpu: request {i} has {s} tokens > "
                                  f"max_context_len={self.config.max_context_len}")
@@ -361,6 +402,11 @@ class MLABackend:
             cu = [0]
             for length in lens:
                 cu.append(cu[-1] + length)
+            if self._dcp is not None:
+                slots, index = self._dcp.prefix_chunk(block_table, starts, lens)
+                chunks.append(PrefixChunk(slots=slots, cu_seqlens=_to_device(cu, torch.int32, self.device),
+                                          max_len=max(lens), gather_index=index))
+                continue
             # One host-to-device copy per loop: [cu (n + 1) | lens (n) | starts (n)].
             packed = _to_device(cu + lens + starts, torch.int64, self.device)
             cu_dev, lens_dev, starts_dev = packed[: n + 1], packed[n + 1: 2 * n + 1], packed[2 * n + 1:]
@@ -420,7 +466,8 @@ class MLABackend:
     def _check_pages(self, meta: ForwardMetadata, cache: MLAKVCache) -> None:
         """``PAGEDMLA_VALIDATE=all``: the step's page ids against this cache, read back."""
         if self._host_checks and errors.host_value_checks(self.device):  # never inside a graph capture
-            checks.paged_values(meta.block_table, meta.seq_lens, cache.num_pages, cache.page_size)
+            pages = meta.dcp if meta.dcp is not None else meta
+            checks.paged_values(pages.block_table, pages.seq_lens, cache.num_pages, cache.page_size)
 
     def forward(self, q, k, v, layer, out_cache_loc, cache: MLAKVCache, *, save_kv_cache: bool = True, **kwargs):
         """Route to forward_decode or forward_extend by the planned mode."""
@@ -454,6 +501,8 @@ class MLABackend:
         if save_kv_cache:
             self.save_kv(k, lid, out_cache_loc, cache)
         self._check_pages(meta, cache)
+        if meta.dcp is not None:
+            return self._dcp.attend(q, cache.paged_view(lid), meta.dcp)
         out, _ = self._decode_impl(q.view(bs, meta.q_len, self.heads, self.kv_dim), cache.paged_view(lid),
                                    meta.block_table, meta.seq_lens, self.v_dim, meta.tile_scheduler_metadata,
                                    meta.num_splits, self.scale, True)
@@ -485,6 +534,8 @@ class MLABackend:
             if save_kv_cache:
                 self.save_kv(k, lid, out_cache_loc, cache)
             self._check_pages(meta, cache)
+            if meta.dcp is not None:
+                return self._dcp.attend(q, cache.paged_view(lid), meta.dcp)
             out, _ = self._varlen_paged_impl(q, cache.paged_view(lid), meta.block_table, meta.seq_lens,
                                              meta.qo_indptr, self.v_dim, self.scale, True, meta.max_q_len)
             return out.reshape(meta.num_tokens, self.heads * self.v_dim)
@@ -505,6 +556,8 @@ class MLABackend:
             for chunk in meta.prefix_chunks:
                 # A bad page id gives a slot outside the cache: NaN rows, so the request's output is NaN.
                 rows = cache.gather(lid, chunk.slots, validate=False)
+                if chunk.gather_index is not None:
+                    rows = self._dcp.gather_rows(rows, chunk.gather_index)
                 kc, vc = kv_decompress(rows)
                 o2, l2 = self.forward_extend_chunked(q, kc, vc, self.scale, cum_seq_lens_q=meta.qo_indptr,
                                                      cum_seq_lens_kv=chunk.cu_seqlens, max_q_len=meta.max_q_len,
@@ -545,6 +598,8 @@ class MLABackend:
             tile_scheduler_metadata=torch.zeros(parts, 8, dtype=torch.int32, device=self.device),
             num_splits=torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device),
         )
+        if self._dcp is not None:
+            self._dcp.init_graph_state(max_bs * self.config.decode_q_len, pages)
 
     def _graph_state(self) -> _GraphState:
         if self._graph is None:
@@ -561,6 +616,10 @@ class MLABackend:
             raise ValueError(f"bs: expected 1..{g.max_bs} (the graph state's max_bs), got {bs}")
         q_len = self._decode_q_len(forward_mode)
         g.seq_lens[:bs].copy_(seq_lens[:bs])
+        if self._dcp is not None:
+            g.captured[(bs, forward_mode)] = 0
+            self.metadata = self._graph_dcp_metadata(g, bs, forward_mode, q_len)
+            return
         parts = num_sm_parts_for(self.device, q_len * self.heads, 1)
         md = g.tile_scheduler_metadata[:parts]
         schedule_into(g.seq_lens[:bs], md, g.num_splits[: bs + 1], q_len * self.heads, default_plan=True)
@@ -594,12 +653,21 @@ class MLABackend:
         g.block_table[raw:bs].zero_()
         g.seq_lens[raw:bs].fill_(self.get_cuda_graph_seq_len_fill_value())
         q_len = self._decode_q_len(forward_mode)
+        if self._dcp is not None:
+            self.metadata = self._graph_dcp_metadata(g, bs, forward_mode, q_len)
+            return
         schedule_into(g.seq_lens[:bs], g.tile_scheduler_metadata[: g.captured[key]], g.num_splits[: bs + 1],
                       q_len * self.heads, default_plan=True)
         self.metadata = ForwardMetadata(mode=forward_mode, bs=bs, form="absorbed", seq_lens=g.seq_lens[:bs],
                                         block_table=g.block_table[:bs], q_len=q_len,
                                         tile_scheduler_metadata=g.tile_scheduler_metadata[: g.captured[key]],
                                         num_splits=g.num_splits[: bs + 1], num_tokens=bs * q_len, max_q_len=q_len)
+
+    def _graph_dcp_metadata(self, g: _GraphState, bs: int, mode: ForwardMode, q_len: int) -> ForwardMetadata:
+        """Decode context parallelism: the graph step's per-row plan, written into the DCP graph buffers."""
+        return ForwardMetadata(mode=mode, bs=bs, form="absorbed", seq_lens=g.seq_lens[:bs],
+                               block_table=g.block_table[:bs], q_len=q_len, num_tokens=bs * q_len, max_q_len=q_len,
+                               dcp=self._dcp.plan_uniform_into_graph(g.seq_lens[:bs], g.block_table[:bs], q_len))
 
 
 _BACKENDS: dict[str, type[MLABackend]] = {"pagedmla": MLABackend}

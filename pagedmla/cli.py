@@ -119,6 +119,10 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--cuda-graph", choices=("auto", "on", "off"), default="auto",
                      help="CUDA graphs for decode / verify steps (auto: on for CUDA)")
     gen.add_argument("--profile-attention", action="store_true", help="count and time attention calls per step")
+    gen.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                     help="split the model over N processes, one per device (spawned, or torchrun's ranks)")
+    gen.add_argument("--decode-context-parallel-size", type=int, default=1, metavar="D",
+                     help="split the latent cache by token over D of those ranks (D divides N)")
     gen.set_defaults(run=generate)
 
     bench = sub.add_parser("bench", help="time pagedmla against the baselines installed here, with a PNG plot")
@@ -226,7 +230,16 @@ def generate(args: argparse.Namespace) -> int:
               max_num_batched_tokens=args.max_num_batched_tokens, mixed_batching=args.mixed_batching,
               enable_prefix_caching=args.enable_prefix_caching, num_speculative_tokens=args.num_speculative_tokens,
               enable_cuda_graph={"auto": None, "on": True, "off": False}[args.cuda_graph],
-              profile_attention=args.profile_attention, tokenizer=tokenizer)
+              profile_attention=args.profile_attention, tokenizer=tokenizer,
+              tensor_parallel_size=args.tensor_parallel_size,
+              decode_context_parallel_size=args.decode_context_parallel_size)
+    with llm:
+        return _generate(args, llm, prompts, params)
+
+
+def _generate(args: argparse.Namespace, llm: LLM, prompts: list[_Prompt], params: SamplingParams) -> int:
+    if not llm.is_driver:  # a torchrun rank other than 0: it ran rank 0's steps, which prints
+        return 0
     inputs = []
     for p in prompts:
         if p.ids is not None:
@@ -246,8 +259,11 @@ def generate(args: argparse.Namespace) -> int:
         if out.text is not None:
             print(f"[{i}] text: {out.text!r}")
     threads = f", {torch.get_num_threads()} CPU thread(s)" if llm.device.type == "cpu" else ""
+    mla = llm.runner.mla_config
+    parallel = f", tensor parallel {mla.attn_tp_size} (decode context parallel {mla.dcp_size})" \
+        if mla.attn_tp_size > 1 else ""
     print(f"device {llm.device}, dtype {str(llm.runner.dtype).replace('torch.', '')}, "
-          f"provider {llm.runner.backend.provider}, page size {llm.runner.mla_config.page_size}{threads}")
+          f"provider {llm.runner.backend.provider}, page size {mla.page_size}{threads}{parallel}")
     for line in _summary(llm.stats, llm.model.config.num_hidden_layers):
         print(line)
     return 0

@@ -54,7 +54,13 @@ class MLAConfig:
     """Attention geometry and serving limits of one MLA model on one tensor-parallel rank.
 
     ``num_heads`` is the global query-head count; ``num_local_heads`` (derived) is what one rank of
-    ``attn_tp_size`` holds and what every tensor the backend sees uses. ``softmax_scale`` defaults to
+    ``attn_tp_size`` holds and what every tensor the backend sees uses.
+
+    Decode context parallelism (``dcp_size`` > 1, this rank ``dcp_rank``): ``dcp_size`` consecutive ranks of
+    the tensor-parallel group (so ``dcp_size`` divides ``attn_tp_size``) share the latent cache by token
+    interleave: token t of a request lives on DCP rank ``t % dcp_size``, as that rank's local token
+    ``t // dcp_size``. A block-table page then holds ``tokens_per_page = page_size * dcp_size`` tokens of a
+    request: ``page_size`` local rows on each DCP rank, at the same page id. ``softmax_scale`` defaults to
     ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5 * mscale**2``, where ``mscale`` comes from the
     DeepSeek YaRN rope scaling when ``rope_scaling`` asks for it.
     """
@@ -66,6 +72,8 @@ class MLAConfig:
     v_head_dim: int = 128
     num_layers: int = 1
     attn_tp_size: int = 1
+    dcp_size: int = 1
+    dcp_rank: int = 0
     rope_scaling: Mapping[str, Any] | None = None
     softmax_scale: float | None = None
     dtype: Any = torch.bfloat16
@@ -84,13 +92,19 @@ class MLAConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
-                     "num_layers", "attn_tp_size", "page_size", "max_context_len", "max_batch_size",
+                     "num_layers", "attn_tp_size", "dcp_size", "page_size", "max_context_len", "max_batch_size",
                      "chunked_prefix_capacity", "chunked_prefix_min_extend"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         if self.num_heads % self.attn_tp_size:
             raise ValueError(f"num_heads: {self.num_heads} heads are not divisible by attn_tp_size={self.attn_tp_size}")
+        if self.attn_tp_size % self.dcp_size:
+            raise ValueError(f"dcp_size: {self.dcp_size} does not divide attn_tp_size={self.attn_tp_size} (decode "
+                             "context parallelism splits the cache over ranks of one tensor-parallel group)")
+        if isinstance(self.dcp_rank, bool) or not isinstance(self.dcp_rank, int) \
+                or not 0 <= self.dcp_rank < self.dcp_size:
+            raise ValueError(f"dcp_rank: expected an int in 0..{self.dcp_size - 1}, got {self.dcp_rank!r}")
         if self.page_size > 256 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size: expected a power of two between 1 and 256, got {self.page_size}")
         draft = self.num_draft_tokens
@@ -128,6 +142,16 @@ class MLAConfig:
         return self.num_heads // self.attn_tp_size
 
     @property
+    def num_dcp_heads(self) -> int:
+        """Heads one DCP rank attends with: the local heads of every rank of its DCP group."""
+        return self.num_local_heads * self.dcp_size
+
+    @property
+    def tokens_per_page(self) -> int:
+        """Tokens of a request one block-table page holds: ``page_size`` rows on each DCP rank."""
+        return self.page_size * self.dcp_size
+
+    @property
     def kv_dim(self) -> int:
         """Width of one latent cache row: kv_lora_rank + qk_rope_head_dim (576 for DeepSeek)."""
         return self.kv_lora_rank + self.qk_rope_head_dim
@@ -138,7 +162,7 @@ class MLAConfig:
 
     @property
     def max_pages_per_request(self) -> int:
-        return -(-self.max_context_len // self.page_size)
+        return -(-self.max_context_len // self.tokens_per_page)
 
     @property
     def decode_q_len(self) -> int:

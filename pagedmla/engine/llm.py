@@ -26,6 +26,7 @@ import dataclasses
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from tqdm.auto import tqdm
 
 from pagedmla.backend import ForwardMode
 from pagedmla.config import resolve_dtype
+from pagedmla.engine import distributed
 from pagedmla.engine.cuda_graph import GraphRunner
 from pagedmla.engine.drafter import NgramDrafter
 from pagedmla.engine.kv_pages import KVPages
@@ -47,9 +49,11 @@ from pagedmla.engine.scheduler import ScheduledBatch, Scheduler
 from pagedmla.engine.sequence import Sequence
 from pagedmla.engine.speculative import verify
 from pagedmla.engine.tokenizer import Detokenizer, find_stop, missing_tokenizer_hint, resolve_tokenizer
+from pagedmla.model.config import DeepseekConfig, tiny_config
 from pagedmla.model.deepseek import DeepseekForCausalLM
 from pagedmla.model.factory import TINY, load_model
 from pagedmla.model.memory import check_fits
+from pagedmla.parallel import SINGLE
 
 _DEVICE_TYPES = ("cpu", "cuda")
 
@@ -248,28 +252,55 @@ def _check_loaded_model(model: DeepseekForCausalLM, device: Any, dtype: Any, see
 
 
 def _page_bytes(model: DeepseekForCausalLM, page_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one cache page: ``page_size`` latent rows in every layer."""
+    """Bytes of one cache page on one rank: ``page_size`` latent rows in every layer."""
     cfg = model.config
     return page_size * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers * dtype.itemsize
 
 
 def _default_num_pages(model: DeepseekForCausalLM, page_size: int, dtype: torch.dtype, budget_bytes: int,
-                       max_batch_size: int, max_context_len: int) -> int:
-    enough = max_batch_size * (-(-max_context_len // page_size) + 1)
+                       max_batch_size: int, max_context_len: int, tokens_per_page: int) -> int:
+    """Pages of ``page_size`` rows per rank that ``budget_bytes`` holds, at most what ``max_batch_size``
+    requests of ``max_context_len`` tokens use (a page holds ``tokens_per_page`` tokens of a request:
+    more than its rows under decode context parallelism)."""
+    enough = max_batch_size * (-(-max_context_len // tokens_per_page) + 1)
     return max(2, min(budget_bytes // _page_bytes(model, page_size, dtype), enough) + 1)
 
 
 def _check_cache_fits(model: DeepseekForCausalLM, page_size: int, num_pages: int, max_batch_size: int,
-                      context: int, pages_field: str, context_field: str) -> None:
+                      context: int, pages_field: str, context_field: str, tokens_per_page: int) -> None:
     """ValueError naming the field at fault when the cache's pages (``pages_field``: num_pages or the
     cache_bytes that sized it) and its two int32 page tables (the request table's and the backend's, rows
     of ``context`` tokens: ``context_field``) would not fit in the device's available memory."""
     weight = model.model.embed_tokens.weight
     pages = num_pages * _page_bytes(model, page_size, weight.dtype)
-    tables = 2 * max_batch_size * -(-context // page_size) * 4
+    tables = 2 * max_batch_size * -(-context // tokens_per_page) * 4
     field, value = (pages_field, num_pages) if pages >= tables else (context_field, context)
     where = " (from the model's config.json; set max_context_len)" if field == "max_position_embeddings" else ""
     check_fits(pages + tables, field, value, weight.device, "the KV cache and its page tables", where)
+
+
+def _check_parallel_model(model: Any, device: Any, tensor_parallel_size: int) -> str:
+    """The device type of a tensor-parallel engine, after checking what can be checked before any rank
+    starts: a model each rank can load its slices of ('tiny' or a checkpoint directory) whose heads and
+    features ``tensor_parallel_size`` splits, and a device without an index (rank r uses cuda:r)."""
+    if isinstance(model, DeepseekForCausalLM):
+        raise ValueError("model: with tensor_parallel_size > 1 each rank loads its own slices of the model; pass "
+                         "'tiny' or a checkpoint directory, not a loaded model")
+    if isinstance(model, str) and model == TINY:
+        config = tiny_config()
+    elif isinstance(model, (str, os.PathLike)) and os.path.isdir(model):
+        config = DeepseekConfig.from_file(model)
+    else:
+        raise ValueError(f"model: {model!r} is neither 'tiny' nor a checkpoint directory")
+    config.check_tensor_parallel(tensor_parallel_size)
+    dev = parse_device(device)
+    if dev.index is not None:
+        raise ValueError(f"device: {dev} names one device, but a tensor-parallel engine puts rank r on cuda:r "
+                         "(its LOCAL_RANK); pass 'cuda' or leave device unset")
+    if dev.type == "cuda" and "WORLD_SIZE" not in os.environ and tensor_parallel_size > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size: {tensor_parallel_size} ranks need as many CUDA devices, this "
+                         f"machine has {torch.cuda.device_count()}")
+    return dev.type
 
 
 def _isolated(rows: list[int], run: Callable[[list[int]], list[Any]], what: str,
@@ -334,7 +365,10 @@ class LLM:
                  enable_prefix_caching: bool = False, num_speculative_tokens: int = 0, ngram_max_n: int = 4,
                  enable_cuda_graph: bool | None = None, cuda_graph_batch_sizes: list[int] | None = None,
                  profile_attention: bool = False, seed: int | None = None, tokenizer: Any = "auto",
-                 backend_options: dict | None = None):
+                 backend_options: dict | None = None, tensor_parallel_size: int = 1,
+                 decode_context_parallel_size: int = 1):
+        # The arguments as given: the other ranks of a tensor-parallel engine build theirs from them.
+        settings = {name: value for name, value in locals().items() if name != "self"}
         # Arguments are checked before any model is loaded or cache allocated.
         for name, value in (("enable_prefix_caching", enable_prefix_caching), ("mixed_batching", mixed_batching)):
             if not isinstance(value, bool):
@@ -354,37 +388,57 @@ class LLM:
         _check_positive_int("max_batch_size", max_batch_size)
         if num_pages is not None:
             _check_positive_int("num_pages", num_pages)
+        _check_positive_int("tensor_parallel_size", tensor_parallel_size)
+        _check_positive_int("decode_context_parallel_size", decode_context_parallel_size)
+        if tensor_parallel_size % decode_context_parallel_size:
+            raise ValueError(f"decode_context_parallel_size: {decode_context_parallel_size} does not divide "
+                             f"tensor_parallel_size={tensor_parallel_size} (the DCP ranks are ranks of the "
+                             "tensor-parallel group)")
         self.tokenizer = resolve_tokenizer(tokenizer, model)
         self._tokenizer_hint = missing_tokenizer_hint(model) if self.tokenizer is None else ""
-        if isinstance(model, DeepseekForCausalLM):
-            _check_loaded_model(model, device, dtype, seed)
-            self.model = model
-        else:
-            self.model = load_model(model, device=parse_device(device), dtype=dtype,
-                                    seed=0 if seed is None else seed)
-        cfg = self.model.config
-        weight = self.model.model.embed_tokens.weight
-        context = cfg.max_position_embeddings if max_context_len is None else max_context_len
-        pages_field = "num_pages" if num_pages is not None else "cache_bytes"
-        if num_pages is None:
-            num_pages = _default_num_pages(self.model, page_size, weight.dtype, cache_bytes, max_batch_size, context)
-        _check_cache_fits(self.model, page_size, num_pages, max_batch_size, context + num_speculative_tokens,
-                          pages_field, "max_context_len" if max_context_len is not None else "max_position_embeddings")
-        self.runner = ModelRunner(self.model, page_size=page_size, num_pages=num_pages, max_batch_size=max_batch_size,
-                                  max_context_len=context, provider=provider, extend_prefix_mode=extend_prefix_mode,
-                                  backend_options=backend_options, num_speculative_tokens=num_speculative_tokens)
-        table = self.runner.table
-        prefix_cache = PrefixCache(table.allocator, page_size) if enable_prefix_caching else None
-        self.pages = KVPages(table, prefix_cache)
-        self.scheduler = Scheduler(self.pages, max_batch_size=max_batch_size,
-                                   max_num_batched_tokens=max_num_batched_tokens, max_context_len=context,
-                                   eos_token_ids=cfg.eos_token_id, mixed=mixed_batching,
-                                   num_speculative_tokens=num_speculative_tokens)
-        self.drafter = NgramDrafter(num_speculative_tokens, max_n=ngram_max_n) if num_speculative_tokens else None
-        if enable_cuda_graph is None:
-            enable_cuda_graph = self.runner.device.type == "cuda"
-        if enable_cuda_graph:
-            self.runner.graphs = GraphRunner(self.runner, cuda_graph_batch_sizes)
+        self._parallel: distributed.Parallel | None = None
+        tp, dcp = SINGLE, SINGLE
+        if tensor_parallel_size > 1:
+            device_type = _check_parallel_model(model, device, tensor_parallel_size)
+            self._parallel = distributed.start(tensor_parallel_size, decode_context_parallel_size, device_type,
+                                               settings)
+            device, tp, dcp = self._parallel.device, self._parallel.tp, self._parallel.dcp
+        # Building is collective in a tensor-parallel engine: every rank fails if one does.
+        with distributed.building(self._parallel):
+            if isinstance(model, DeepseekForCausalLM):
+                _check_loaded_model(model, device, dtype, seed)
+                self.model = model
+            else:
+                self.model = load_model(model, device=parse_device(device), dtype=dtype,
+                                        seed=0 if seed is None else seed, tp=tp)
+            cfg = self.model.config
+            weight = self.model.model.embed_tokens.weight
+            context = cfg.max_position_embeddings if max_context_len is None else max_context_len
+            pages_field = "num_pages" if num_pages is not None else "cache_bytes"
+            per_page = page_size * dcp.size
+            if num_pages is None:
+                num_pages = _default_num_pages(self.model, page_size, weight.dtype, cache_bytes, max_batch_size,
+                                               context, per_page)
+            _check_cache_fits(self.model, page_size, num_pages, max_batch_size, context + num_speculative_tokens,
+                              pages_field, "max_context_len" if max_context_len is not None else
+                              "max_position_embeddings", per_page)
+            self.runner = ModelRunner(self.model, page_size=page_size, num_pages=num_pages,
+                                      max_batch_size=max_batch_size, max_context_len=context, provider=provider,
+                                      extend_prefix_mode=extend_prefix_mode, backend_options=backend_options,
+                                      num_speculative_tokens=num_speculative_tokens, dcp=dcp)
+            table = self.runner.table
+            prefix_cache = PrefixCache(table.allocator, table.page_size) if enable_prefix_caching else None
+            self.pages = KVPages(table, prefix_cache)
+            self.scheduler = Scheduler(self.pages, max_batch_size=max_batch_size,
+                                       max_num_batched_tokens=max_num_batched_tokens, max_context_len=context,
+                                       eos_token_ids=cfg.eos_token_id, mixed=mixed_batching,
+                                       num_speculative_tokens=num_speculative_tokens)
+            self.drafter = NgramDrafter(num_speculative_tokens, max_n=ngram_max_n) if num_speculative_tokens \
+                else None
+            if enable_cuda_graph is None:
+                enable_cuda_graph = self.runner.device.type == "cuda"
+            if enable_cuda_graph:
+                self.runner.graphs = GraphRunner(self.runner, cuda_graph_batch_sizes)
         self.profiler = AttentionProfiler(self.runner.backend) if profile_attention else None
         self.stats = EngineStats()
         # Unfinished requests by request id, and the engine's state of each of their samples by seq_id.
@@ -394,6 +448,35 @@ class LLM:
         self._finished: dict[int, RequestOutput] = {}
         # Held by every public method that reads or changes the requests (the module's thread contract).
         self._lock = threading.RLock()
+        if self._parallel is not None:
+            channel = distributed.StepChannel(self._parallel, self.runner.table)
+            self._parallel.channel = channel
+            if not self._parallel.is_driver:
+                distributed.serve(self.runner, channel)
+                self._parallel.close()
+                return
+            self.runner.step_hook = channel.send
+            # Rank 0's exit sends the other ranks home too.
+            weakref.finalize(self, self._parallel.shutdown)
+
+    @property
+    def is_driver(self) -> bool:
+        """False on ranks 1..N-1 of a tensor-parallel engine: they only ran rank 0's steps, and their
+        ``LLM(...)`` returned when rank 0 shut down."""
+        return self._parallel is None or self._parallel.is_driver
+
+    def shutdown(self) -> None:
+        """Send the other ranks of a tensor-parallel engine home and leave its process groups (also done
+        when this engine is collected or the interpreter exits); the engine cannot step afterwards. Nothing
+        to do for a single-process engine."""
+        if self._parallel is not None:
+            self._parallel.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     @property
     def device(self) -> torch.device:
@@ -494,6 +577,11 @@ class LLM:
             return self._step()
 
     def _step(self) -> list[RequestOutput]:
+        if not self.is_driver:
+            raise RuntimeError(f"LLM: rank {self._parallel.tp.rank} of a tensor-parallel engine only runs rank 0's "
+                               "steps; generate on rank 0 (guard the call with `if llm.is_driver`)")
+        if self._parallel is not None and self._parallel.closed:
+            raise RuntimeError("LLM: this tensor-parallel engine was shut down")
         before = self._page_counts()
         batch = self.scheduler.schedule()
         if batch is None:

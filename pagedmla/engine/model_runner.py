@@ -8,10 +8,19 @@ positions continue from the cached prefix, new latent rows go to the slots of th
 the host and reach the device in one copy. The backend is planned once per step, before the model's
 layers call it. Decode and verify steps of captured batch sizes
 replay CUDA graphs when a GraphRunner is attached (``graphs``).
+
+A step is first described on the host (``plan``: a ``StepPlan``), then run (``execute``). In a
+tensor-parallel engine rank 0 plans, ``step_hook`` hands the plan to the other ranks
+(``pagedmla.engine.distributed``), and every rank executes it. Under decode context parallelism
+(``dcp``) the request table's pages hold ``page_size * dcp.size`` tokens, position p lives on DCP rank
+``p % dcp.size`` at slot ``pages[p // (page_size * D)] * page_size + p % (page_size * D) // D`` of that
+rank's cache (D = dcp.size, ``pagedmla.context_parallel``), and the other ranks write that token's row to
+slot 0 (the reserved page).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,9 +31,24 @@ from pagedmla.cache import MLAKVCache, PageAllocator, RequestTable
 from pagedmla.engine.sequence import Sequence
 from pagedmla.model.context import StepContext
 from pagedmla.model.deepseek import DeepseekForCausalLM
+from pagedmla.parallel import SINGLE, Group
 
 if TYPE_CHECKING:
     from pagedmla.engine.cuda_graph import GraphRunner
+
+
+@dataclass
+class StepPlan:
+    """One step on the host, all a rank needs to run it: per request its table slot, its first new
+    position and the tokens it runs; ``all_logits``: logits of every token; ``eager``: no graph replay."""
+
+    mode: ForwardMode
+    num_extends: int
+    slots: list[int]
+    starts: list[int]
+    tokens: list[list[int]]
+    all_logits: bool = False
+    eager: bool = False
 
 
 @dataclass
@@ -43,12 +67,14 @@ class ModelRunner:
     the model's dtype; the RequestTable holds ``max_batch_size`` request slots. ``backend_options`` are
     further MLAConfig fields (chunked_prefix_capacity, chunked_prefix_min_extend, ...).
     ``num_speculative_tokens`` k > 0 sizes the backend for verify steps of k + 1 tokens per request (and
-    widens its context by k: a request at the context limit still verifies k draft slots)."""
+    widens its context by k: a request at the context limit still verifies k draft slots). A model built
+    for tensor parallelism sizes the backend for its heads; ``dcp`` is this rank's decode-context-parallel
+    group (of ranks of that tensor-parallel group)."""
 
     def __init__(self, model: DeepseekForCausalLM, *, page_size: int, num_pages: int, max_batch_size: int,
                  max_context_len: int, provider: str | None = None, extend_prefix_mode: str = "auto",
                  backend_name: str = "pagedmla", backend_options: dict | None = None,
-                 num_speculative_tokens: int = 0):
+                 num_speculative_tokens: int = 0, dcp: Group = SINGLE):
         cfg = model.config
         self.model = model
         self.dtype = model.model.embed_tokens.weight.dtype
@@ -56,59 +82,88 @@ class ModelRunner:
         options = dict(backend_options or {})
         if num_speculative_tokens:
             options["num_draft_tokens"] = num_speculative_tokens + 1
+        if dcp.size > 1:
+            options.update(dcp_size=dcp.size, dcp_rank=dcp.rank)
+        self.dcp = dcp
         self.mla_config = cfg.mla_config(page_size=page_size, dtype=self.dtype, max_batch_size=max_batch_size,
                                          max_context_len=max_context_len + num_speculative_tokens,
-                                         extend_prefix_mode=extend_prefix_mode, **options)
+                                         extend_prefix_mode=extend_prefix_mode, attn_tp_size=model.tp.size,
+                                         **options)
+        extra = {"dcp_group": dcp.group} if dcp.size > 1 else {}
         self.backend: MLABackend = create_backend(backend_name, self.mla_config, device=self.device,
-                                                  provider=provider)
+                                                  provider=provider, **extra)
         self.cache = MLAKVCache(cfg.num_hidden_layers, num_pages, page_size, self.mla_config.kv_dim,
                                 dtype=self.dtype, device=self.device)
-        self.table = RequestTable(PageAllocator(num_pages), page_size, max_batch_size,
+        self.table = RequestTable(PageAllocator(num_pages), self.mla_config.tokens_per_page, max_batch_size,
                                   self.mla_config.max_pages_per_request, device=self.device)
         self.graphs: GraphRunner | None = None
+        # Rank 0 of a tensor-parallel engine: hands each step's plan to the other ranks before running it.
+        self.step_hook: Callable[[StepPlan], None] | None = None
 
     def q_len(self, mode: ForwardMode) -> int:
         """Tokens per request of a decode-like step."""
         return self.mla_config.num_draft_tokens if mode == ForwardMode.TARGET_VERIFY else 1
 
-    def prepare(self, seqs: list[Sequence], mode: ForwardMode, num_extends: int,
-                tokens: list[list[int]] | None = None) -> StepInputs:
-        """Build the step's tensors; every request's pages must already cover its tokens.
+    def plan(self, seqs: list[Sequence], mode: ForwardMode, num_extends: int,
+             tokens: list[list[int]] | None = None, *, all_logits: bool = False, eager: bool = False) -> StepPlan:
+        """Describe the step; every request's pages must already cover its tokens.
 
         tokens: the ids each request runs from ``num_cached_tokens`` on (default: all uncached ones)."""
         if tokens is not None and len(tokens) != len(seqs):
             raise ValueError(f"tokens: expected one token list per request ({len(seqs)}), got {len(tokens)}")
         decode_len = self.q_len(mode)
-        ps = self.table.page_size
-        ids, positions, slots, lens, ext, pre, last = [], [], [], [], [], [], []
+        per_page = self.table.page_size
+        steps = []
         for i, seq in enumerate(seqs):
             step = seq.token_ids[seq.num_cached_tokens:] if tokens is None else list(tokens[i])
-            start = seq.num_cached_tokens
-            end = start + len(step)
+            end = seq.num_cached_tokens + len(step)
             if i >= num_extends and len(step) != decode_len:
                 raise ValueError(f"seqs: decode request {seq.seq_id} has {len(step)} new tokens, "
                                  f"expected {decode_len}")
             if not step:
                 raise ValueError(f"tokens: request {seq.seq_id} has nothing to run")
-            pages = self.table.pages[seq.slot]
-            if end > len(pages) * ps:
+            held = len(self.table.pages[seq.slot]) * per_page
+            if end > held:
                 raise ValueError(f"seqs: request {seq.seq_id} writes positions up to {end - 1} but its pages "
-                                 f"hold {len(pages) * ps} tokens")
+                                 f"hold {held} tokens")
+            steps.append(step)
+        return StepPlan(mode, num_extends, [s.slot for s in seqs], [s.num_cached_tokens for s in seqs], steps,
+                        all_logits, eager)
+
+    def prepare(self, seqs: list[Sequence], mode: ForwardMode, num_extends: int,
+                tokens: list[list[int]] | None = None) -> StepInputs:
+        """``inputs(plan(...))``: the step's tensors."""
+        return self.inputs(self.plan(seqs, mode, num_extends, tokens))
+
+    def inputs(self, plan: StepPlan) -> StepInputs:
+        """The step's device tensors, with this rank's cache slots (the module docstring's layout)."""
+        per_page = self.table.page_size
+        d, rank = self.dcp.size, self.dcp.rank
+        ps = per_page // d
+        ids, positions, slots, lens, ext, pre, last = [], [], [], [], [], [], []
+        for slot, start, step in zip(plan.slots, plan.starts, plan.tokens):
+            end = start + len(step)
+            pages = self.table.pages[slot]
             ids.extend(step)
             positions.extend(range(start, end))
-            slots.extend(pages[p // ps] * ps + p % ps for p in range(start, end))
+            if d == 1:
+                slots.extend(pages[p // ps] * ps + p % ps for p in range(start, end))
+            else:
+                slots.extend(pages[p // per_page] * ps + p % per_page // d if p % d == rank else 0
+                             for p in range(start, end))
             lens.append(end)
             ext.append(end - start)
             pre.append(start)
             last.append(len(ids) - 1)
         # One host-to-device copy for all the step's int64 indices (plus seq_lens, cast on the device),
         # instead of one per tensor and per request; the fields are views into it.
-        t, bs = len(ids), len(seqs)
-        host = torch.tensor(ids + positions + slots + [s.slot for s in seqs] + last + lens, dtype=torch.int64)
+        t, bs = len(ids), len(plan.slots)
+        num_extends = plan.num_extends
+        host = torch.tensor(ids + positions + slots + plan.slots + last + lens, dtype=torch.int64)
         packed = host.to(self.device)
         input_ids, pos, loc, req, last_index, seq_lens = packed.split([t, t, t, bs, bs, bs])
         batch = ForwardBatch(
-            forward_mode=mode,
+            forward_mode=plan.mode,
             req_pool_indices=req,
             seq_lens=seq_lens.to(torch.int32),
             block_table=self.table.block_table,
@@ -120,20 +175,30 @@ class ModelRunner:
         return StepInputs(input_ids=input_ids, positions=pos, out_cache_loc=loc, last_token_index=last_index,
                           batch=batch)
 
-    @torch.inference_mode()
     def run(self, seqs: list[Sequence], mode: ForwardMode, num_extends: int, *, tokens: list[list[int]] | None = None,
             all_logits: bool = False, backend: MLABackend | None = None) -> torch.Tensor:
         """One forward step. Returns float32 logits [bs, vocab] of each request's last new token, or of
         every new token ([T, vocab], request-major) with ``all_logits``. ``backend`` substitutes a
         wrapper of ``self.backend`` (such as the attention profiler; such steps run eagerly)."""
-        inputs = self.prepare(seqs, mode, num_extends, tokens)
-        if backend is None and self.graphs is not None and self.graphs.can_replay(mode, len(seqs)):
+        plan = self.plan(seqs, mode, num_extends, tokens, all_logits=all_logits, eager=backend is not None)
+        if self.step_hook is not None:
+            self.step_hook(plan)
+        return self.execute(plan, backend)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan, backend: MLABackend | None = None) -> torch.Tensor:
+        """Run a planned step (``run``'s result); ``backend`` as in ``run``."""
+        inputs = self.inputs(plan)
+        mode, bs = plan.mode, len(plan.slots)
+        if not plan.eager and self.graphs is not None and self.graphs.can_replay(mode, bs):
             logits = self.graphs.replay(inputs, mode)
             # Decode-like steps run the same number of tokens per request; with one, every row is a last row.
-            return logits if all_logits or self.q_len(mode) == 1 else logits.index_select(0, inputs.last_token_index)
+            if plan.all_logits or self.q_len(mode) == 1:
+                return logits
+            return logits.index_select(0, inputs.last_token_index)
         self.backend.init_forward_metadata(inputs.batch)
         ctx = StepContext(backend=backend or self.backend, cache=self.cache, out_cache_loc=inputs.out_cache_loc)
         hidden = self.model(inputs.input_ids, inputs.positions, ctx)
-        if not all_logits:
+        if not plan.all_logits:
             hidden = hidden.index_select(0, inputs.last_token_index)
         return self.model.compute_logits(hidden)

@@ -4,6 +4,11 @@ Per token the layer stores one latent row ``[kv_a_layernorm(c_kv) | rope(k_pe)]`
 qk_rope_head_dim wide). The backend decides the form of each step (``backend.attention_form``):
 "absorbed" folds ``W_UK`` into the query and ``W_UV`` into the output so attention runs over latent
 rows; "mha" / "chunked" decompress the latent with ``kv_b_proj`` into per-head keys and values.
+
+Under tensor parallelism each rank holds its slice of the heads (``q_proj`` / ``q_b_proj`` / ``kv_b_proj``
+column-parallel, ``o_proj`` row-parallel: one all-reduce per layer) and the whole latent path
+(``q_a_proj``, ``kv_a_proj_with_mqa`` and their norms), so every rank stores the same latent rows: MLA has
+one latent head, which is not split.
 """
 
 from __future__ import annotations
@@ -14,34 +19,39 @@ from torch import nn
 from pagedmla.model.config import DeepseekConfig
 from pagedmla.model.context import StepContext
 from pagedmla.model.norm import RMSNorm
+from pagedmla.model.parallel import ColumnParallelLinear, RowParallelLinear
 from pagedmla.model.rope import RotaryEmbedding
+from pagedmla.parallel import SINGLE, Group
 
 
 class MLAttention(nn.Module):
-    """One MLA layer; parameter names follow the Hugging Face checkpoints (``self_attn.*``)."""
+    """One MLA layer; parameter names follow the Hugging Face checkpoints (``self_attn.*``). ``num_heads``
+    is this rank's share of the heads."""
 
-    def __init__(self, cfg: DeepseekConfig, layer_id: int):
+    def __init__(self, cfg: DeepseekConfig, layer_id: int, tp: Group = SINGLE):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = cfg.num_attention_heads
+        self.num_heads = cfg.num_attention_heads // tp.size
         self.nope = cfg.qk_nope_head_dim
         self.rope_dim = cfg.qk_rope_head_dim
         self.v_dim = cfg.v_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
         hidden, heads = cfg.hidden_size, cfg.num_attention_heads
         if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, heads * cfg.qk_head_dim, bias=False)
+            self.q_proj = ColumnParallelLinear(hidden, heads * cfg.qk_head_dim, False, tp)
         else:
             self.q_a_proj = nn.Linear(hidden, cfg.q_lora_rank, bias=cfg.attention_bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, heads * cfg.qk_head_dim, bias=False)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, heads * cfg.qk_head_dim, False, tp)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=cfg.attention_bias)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
-        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(heads * cfg.v_head_dim, hidden, bias=cfg.attention_bias)
+        self.kv_b_proj = ColumnParallelLinear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), False,
+                                              tp)
+        self.o_proj = RowParallelLinear(heads * cfg.v_head_dim, hidden, cfg.attention_bias, tp)
         # Absorbed weights, derived from kv_b_proj by absorb_weights() after loading.
-        self.register_buffer("w_uk", torch.empty(heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank), persistent=False)
-        self.register_buffer("w_uv", torch.empty(heads, cfg.kv_lora_rank, cfg.v_head_dim), persistent=False)
+        local = self.num_heads
+        self.register_buffer("w_uk", torch.empty(local, cfg.qk_nope_head_dim, cfg.kv_lora_rank), persistent=False)
+        self.register_buffer("w_uv", torch.empty(local, cfg.kv_lora_rank, cfg.v_head_dim), persistent=False)
 
     @torch.no_grad()
     def absorb_weights(self) -> None:

@@ -172,11 +172,33 @@ class DeepseekConfig:
                          v_head_dim=self.v_head_dim, num_layers=self.num_hidden_layers,
                          rope_scaling=self.rope.as_hf_rope_scaling(), softmax_scale=self.softmax_scale, **serving)
 
-    def weight_bytes(self, itemsize: int) -> int:
+    def check_tensor_parallel(self, size: int) -> None:
+        """ValueError naming the field (and tensor_parallel_size) that ``size`` ranks cannot split evenly:
+        the attention heads, the dense layers' and the experts' intermediate features, the vocabulary.
+        (Every rank holds every routed expert, with its slice of their features, so ``n_routed_experts``
+        need not divide.)"""
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"tensor_parallel_size: expected a positive int, got {size!r}")
+        splits = [("num_attention_heads", "attention heads"), ("vocab_size", "the vocabulary")]
+        if self.num_moe_layers < self.num_hidden_layers:
+            splits.append(("intermediate_size", "the dense MLP's features"))
+        if self.is_moe_model:
+            splits.append(("moe_intermediate_size", "each expert's features"))
+        for name, what in splits:
+            if getattr(self, name) % size:
+                raise ValueError(f"tensor_parallel_size: {name}={getattr(self, name)} ({what}) does not split "
+                                 f"evenly over tensor_parallel_size={size} ranks")
+
+    def weight_bytes(self, itemsize: int, tensor_parallel_size: int = 1) -> int:
         """Bytes of the model's tensors with ``itemsize``-byte weights (routers are float32; the absorbed
-        attention copies included): a closed form, so that absurd sizes are counted without building
-        anything."""
-        return _weight_bytes({f: getattr(self, f) for f in _SIZE_FIELDS}, self, itemsize)
+        attention copies included), on one rank of ``tensor_parallel_size`` (its slices of the heads, the
+        intermediate features and the vocabulary): a closed form, so that absurd sizes are counted without
+        building anything."""
+        sizes = {f: getattr(self, f) for f in _SIZE_FIELDS}
+        for name in ("num_attention_heads", "intermediate_size", "moe_intermediate_size", "vocab_size"):
+            if sizes[name]:
+                sizes[name] //= tensor_parallel_size
+        return _weight_bytes(sizes, self, itemsize)
 
     def largest_size_field(self, itemsize: int) -> str:
         """The size field to blame when ``weight_bytes`` is too large: among the fields above DeepSeek-V3's

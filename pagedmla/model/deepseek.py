@@ -2,6 +2,11 @@
 
 The forward works on a flat token batch (all requests' new tokens concatenated) with explicit
 positions; the attention layers take everything about the paged cache from the StepContext.
+
+Tensor parallelism (``tp``, a ``pagedmla.parallel.Group``): every rank runs the whole model on the whole
+batch with its slices of the heads, the MLP and expert intermediate features and the vocabulary
+(``pagedmla.model.parallel``); one all-reduce ends each attention and MLP/MoE block and the embedding, and
+an all-gather puts the logits together, so every rank holds the same hidden states and logits.
 """
 
 from __future__ import annotations
@@ -15,16 +20,19 @@ from pagedmla.model.context import StepContext
 from pagedmla.model.mlp import MLP
 from pagedmla.model.moe import MoE
 from pagedmla.model.norm import RMSNorm
+from pagedmla.model.parallel import ParallelLMHead, VocabParallelEmbedding
 from pagedmla.model.rope import RotaryEmbedding
+from pagedmla.parallel import SINGLE, Group
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then h + mlp(norm(h))."""
 
-    def __init__(self, cfg: DeepseekConfig, layer_id: int):
+    def __init__(self, cfg: DeepseekConfig, layer_id: int, tp: Group = SINGLE):
         super().__init__()
-        self.self_attn = MLAttention(cfg, layer_id)
-        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_id) else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.self_attn = MLAttention(cfg, layer_id, tp)
+        self.mlp = MoE(cfg, tp) if cfg.is_moe_layer(layer_id) else \
+            MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -37,21 +45,24 @@ class DecoderLayer(nn.Module):
 class DeepseekBody(nn.Module):
     """Embeddings, layers and final norm (the checkpoints' ``model.*`` tensors)."""
 
-    def __init__(self, cfg: DeepseekConfig):
+    def __init__(self, cfg: DeepseekConfig, tp: Group = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DeepseekForCausalLM(nn.Module):
-    """The whole model; ``state_dict()`` names are the Hugging Face checkpoint names (routed experts stacked)."""
+    """The whole model (this rank's slices of it under ``tp``); ``state_dict()`` names are the Hugging Face
+    checkpoint names (routed experts stacked). ValueError naming the config field that ``tp`` cannot split."""
 
-    def __init__(self, cfg: DeepseekConfig):
+    def __init__(self, cfg: DeepseekConfig, tp: Group = SINGLE):
         super().__init__()
+        cfg.check_tensor_parallel(tp.size)
         self.config = cfg
-        self.model = DeepseekBody(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = tp
+        self.model = DeepseekBody(cfg, tp)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
 
     @property

@@ -12,6 +12,7 @@ from pagedmla.model.config import DeepseekConfig, tiny_config
 from pagedmla.model.deepseek import DeepseekForCausalLM
 from pagedmla.model.loader import load_checkpoint
 from pagedmla.model.random_weights import init_random_
+from pagedmla.parallel import SINGLE, Group
 
 TINY = "tiny"
 
@@ -24,14 +25,15 @@ def default_dtype(device: torch.device, checkpoint_dtype: str | None = None) -> 
 
 
 def load_model(model: str | os.PathLike = TINY, *, device: torch.device | str = "cpu",
-               dtype: torch.dtype | str | None = None, seed: int = 0) -> DeepseekForCausalLM:
-    """``"tiny"`` (random weights from ``seed``) or a Hugging Face checkpoint directory, on ``device``.
+               dtype: torch.dtype | str | None = None, seed: int = 0, tp: Group = SINGLE) -> DeepseekForCausalLM:
+    """``"tiny"`` (random weights from ``seed``) or a Hugging Face checkpoint directory, on ``device``; under
+    ``tp`` (a ``pagedmla.parallel.Group``) this rank's tensor-parallel slices of it.
 
     dtype: bfloat16 / float16 / float32 (or their names); None picks default_dtype()."""
     device = torch.device(device)
     if isinstance(model, str) and model == TINY:
         dt = resolve_dtype(dtype, "dtype") if dtype is not None else default_dtype(device)
-        return init_random_(build_empty(tiny_config(), device, dt), seed)
+        return init_random_(build_empty(tiny_config(), device, dt, tp), seed)
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model: expected 'tiny' or a checkpoint directory, got {type(model).__name__}")
     if not os.path.isdir(model):
@@ -40,4 +42,4 @@ def load_model(model: str | os.PathLike = TINY, *, device: torch.device | str = 
         dt = default_dtype(device, DeepseekConfig.from_file(model).dtype)
     else:
         dt = resolve_dtype(dtype, "dtype")
-    return load_checkpoint(model, device=device, dtype=dt)
+    return load_checkpoint(model, device=device, dtype=dt, tp=tp)

@@ -7,6 +7,9 @@ what transformers' ``save_pretrained`` writes) or stacked (``mlp.experts.gate_up
 to the model dtype (routers stay float32). Multi-token-prediction layers (indices >= num_hidden_layers)
 are skipped. A missing, mis-shaped, unexpected or non-float tensor raises ValueError naming it.
 
+A tensor-parallel rank (``tp``) reads only its slices of the sharded tensors (``Shard``: safetensors'
+``get_slice`` maps just those bytes), whole the tensors every rank holds.
+
 Hostile or broken directories fail in one line (CheckpointError, a ValueError) naming the file: every
 shard name in the index must be a relative path inside the checkpoint directory (no absolute names, no
 ``..`` components); the name is what is judged, so symlinked shards load wherever they point (the
@@ -31,6 +34,8 @@ from pagedmla.model.build import build_empty
 from pagedmla.model.config import CheckpointError, DeepseekConfig, one_line
 from pagedmla.model.deepseek import DeepseekForCausalLM
 from pagedmla.model.memory import check_fits
+from pagedmla.model.parallel import Shard, shard_specs
+from pagedmla.parallel import SINGLE, Group
 
 _INDEX = "model.safetensors.index.json"
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
@@ -87,18 +92,28 @@ class _Checkpoint:
     def __contains__(self, name: str) -> bool:
         return name in self.files
 
-    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """The tensor ``name`` after checking it exists, has ``shape`` and a float dtype."""
+    def get(self, name: str, shape: tuple[int, ...], shard: Shard | None = None) -> torch.Tensor:
+        """The tensor ``name`` after checking it exists, has ``shape`` and a float dtype; with ``shard``, only
+        that slice of it is read."""
         if name not in self.files:
             raise CheckpointError(f"checkpoint {self.path}: missing tensor {name!r} (expected shape {list(shape)})")
         file = self.files[name]
         handle = self._open(file)
         try:
-            actual = tuple(handle.get_slice(name).get_shape())
+            view = handle.get_slice(name)
+            actual = tuple(view.get_shape())
             if actual != tuple(shape):
                 raise CheckpointError(f"checkpoint {self.path}: tensor {name!r} has shape {list(actual)}, "
                                       f"the model expects {list(shape)}")
-            tensor = handle.get_tensor(name)
+            if shard is None:
+                tensor = handle.get_tensor(name)
+            else:
+                def read(start: int, end: int) -> torch.Tensor:
+                    index = [slice(None)] * len(shape)
+                    index[shard.dim] = slice(start, end)
+                    return view[tuple(index)]
+
+                tensor = shard.assemble(read)
         except (SafetensorError, OSError, RuntimeError) as exc:
             raise _unreadable(file, exc, name) from None
         if tensor.dtype not in _FLOAT:
@@ -131,12 +146,13 @@ def _unreadable(file: str, exc: BaseException, tensor: str | None = None) -> Che
 
 
 def load_checkpoint(path: str | os.PathLike, *, device: torch.device | str = "cpu",
-                    dtype: torch.dtype = torch.float32) -> DeepseekForCausalLM:
-    """Build the model described by ``path/config.json`` and fill it from the directory's safetensors.
+                    dtype: torch.dtype = torch.float32, tp: Group = SINGLE) -> DeepseekForCausalLM:
+    """Build the model described by ``path/config.json`` and fill it from the directory's safetensors;
+    under ``tp`` this rank's slices of it, read alone.
 
     CheckpointError (one line naming the field or file) for a broken or hostile directory, and for a model
     whose weights would not fit in the device's available memory (naming the field that makes them so
-    large)."""
+    large); ValueError naming the field ``tp`` cannot split."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"path: {path!r} is not a checkpoint directory")
@@ -144,9 +160,11 @@ def load_checkpoint(path: str | os.PathLike, *, device: torch.device | str = "cp
     device = torch.device(device)
     field = cfg.largest_size_field(dtype.itemsize)
     what = f"the model's weights in {str(dtype).replace('torch.', '')}"
-    check_fits(cfg.weight_bytes(dtype.itemsize), field, getattr(cfg, field), device, what,
+    cfg.check_tensor_parallel(tp.size)
+    check_fits(cfg.weight_bytes(dtype.itemsize, tp.size), field, getattr(cfg, field), device, what,
                f" (in {os.path.join(path, 'config.json')})", error=CheckpointError)
-    model = build_empty(cfg, device, dtype)
+    model = build_empty(cfg, device, dtype, tp)
+    slices = shard_specs(model) if tp.size > 1 else {}
     with ExitStack() as stack, torch.no_grad():
         ckpt = _Checkpoint(path, stack)
         shards = len(set(ckpt.files.values()))
@@ -158,25 +176,32 @@ def load_checkpoint(path: str | os.PathLike, *, device: torch.device | str = "cp
                 ckpt.used.add(name)
                 continue
             stacked = _STACKED.match(name)
+            shard = slices.get(name)
             if stacked and name not in ckpt:
-                _load_per_expert(ckpt, stacked.group(1), stacked.group(2), target)
+                _load_per_expert(ckpt, stacked.group(1), stacked.group(2), target, shard)
             else:
-                target.copy_(ckpt.get(name, tuple(target.shape)))
+                shape = tuple(target.shape) if shard is None else shard.full_shape(target.shape)
+                target.copy_(ckpt.get(name, shape, shard))
         _check_unexpected(ckpt, cfg)
     model.absorb_weights()
     return model
 
 
-def _load_per_expert(ckpt: _Checkpoint, prefix: str, kind: str, target: torch.Tensor) -> None:
-    """Fill a stacked expert tensor from ``prefix.N.{gate,up,down}_proj.weight``."""
+def _load_per_expert(ckpt: _Checkpoint, prefix: str, kind: str, target: torch.Tensor, shard: Shard | None) -> None:
+    """Fill a stacked expert tensor (this rank's slice of it under ``shard``) from
+    ``prefix.N.{gate,up,down}_proj.weight``."""
     num_experts, rows, cols = target.shape
     for e in range(num_experts):
         if kind == "down_proj":
-            target[e].copy_(ckpt.get(f"{prefix}.{e}.down_proj.weight", (rows, cols)))
+            piece = None if shard is None else Shard(1, shard.full, shard.rank, shard.size)
+            full = (rows, cols) if shard is None else (rows, shard.full)
+            target[e].copy_(ckpt.get(f"{prefix}.{e}.down_proj.weight", full, piece))
         else:
             inter = rows // 2
-            target[e, :inter].copy_(ckpt.get(f"{prefix}.{e}.gate_proj.weight", (inter, cols)))
-            target[e, inter:].copy_(ckpt.get(f"{prefix}.{e}.up_proj.weight", (inter, cols)))
+            piece = None if shard is None else Shard(0, shard.full, shard.rank, shard.size)
+            full = (inter, cols) if shard is None else (shard.full, cols)
+            target[e, :inter].copy_(ckpt.get(f"{prefix}.{e}.gate_proj.weight", full, piece))
+            target[e, inter:].copy_(ckpt.get(f"{prefix}.{e}.up_proj.weight", full, piece))
 
 
 def _check_unexpected(ckpt: _Checkpoint, cfg: DeepseekConfig) -> None:

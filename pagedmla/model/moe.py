@@ -16,6 +16,8 @@ from torch import nn
 
 from pagedmla.model.config import DeepseekConfig
 from pagedmla.model.mlp import MLP
+from pagedmla.model.parallel import Shard
+from pagedmla.parallel import SINGLE, Group
 
 
 class Router(nn.Module):
@@ -72,7 +74,8 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """Routed experts stored stacked: gate_up_proj [E, 2 * inter, hidden] (gate rows first) and
-    down_proj [E, hidden, inter].
+    down_proj [E, hidden, inter]. Under tensor parallelism every rank holds every expert with its slice
+    of the intermediate features (``inter / size``), so the output is a partial sum over the group.
 
     Three ways to run them, all computing the same function:
     - ``forward_sorted``: the (token, choice) pairs sorted by expert, one grouped GEMM per projection
@@ -84,10 +87,13 @@ class Experts(nn.Module):
       synchronisation, E/top_k times the FLOPs. The capture fallback where grouped GEMMs are unavailable.
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: Group = SINGLE):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        local = intermediate_size // tp.size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * local, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, local))
+        self.shards = {"gate_up_proj": Shard(1, intermediate_size, tp.rank, tp.size, parts=2),
+                       "down_proj": Shard(2, intermediate_size, tp.rank, tp.size)}
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], weights float32 [T, k], ids [T, k] -> sum_k weight * expert(x), [T, hidden] in x's dtype."""
@@ -209,18 +215,21 @@ def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class MoE(nn.Module):
-    """Routed experts plus (optionally) always-on shared experts; x [T, hidden] -> [T, hidden]."""
+    """Routed experts plus (optionally) always-on shared experts; x [T, hidden] -> [T, hidden]. Under tensor
+    parallelism the router runs whole on every rank, the experts on their slices, and the routed and shared
+    partial sums share one all-reduce."""
 
-    def __init__(self, cfg: DeepseekConfig):
+    def __init__(self, cfg: DeepseekConfig, tp: Group = SINGLE):
         super().__init__()
+        self.tp = tp
         self.gate = Router(cfg)
-        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
-        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, cfg.mlp_bias)
-                               if cfg.n_shared_experts else None)
+        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, tp)
+        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, cfg.mlp_bias,
+                                   tp, reduce=False) if cfg.n_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return self.tp.all_reduce_(out)

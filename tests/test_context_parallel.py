@@ -1,0 +1,208 @@
+"""Decode context parallelism in MLABackend: two gloo processes, each holding every other token of the cache
+and half the heads, return what one backend over the whole cache with all heads returns, in every forward
+mode and form, through the CUDA-graph planning path, and with a bad request (NaN rows, the others intact)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from ranks import run_ranks
+
+from pagedmla import MLAConfig, MLAKVCache, PageAllocator, RequestTable
+from pagedmla.backend import ForwardBatch, ForwardMode, MLABackend
+
+HEADS, PAGE, DCP = 4, 4, 2
+LORA, ROPE, NOPE, VDIM = 512, 64, 128, 128
+KV = LORA + ROPE
+TOL = 1e-5
+
+
+class Pair:
+    """A one-process backend over the whole cache (all heads) beside this rank's DCP backend (its heads, its
+    tokens), sharing one request table whose pages hold PAGE * DCP tokens."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.gen = torch.Generator().manual_seed(0)  # the same draws on both ranks
+        common = dict(num_heads=HEADS, dtype=torch.float32, max_context_len=256, max_batch_size=8)
+        self.configs = {}
+        for name, extra in (("auto", {}), ("absorbed", dict(extend_prefix_mode="absorbed")),
+                            ("chunked", dict(extend_prefix_mode="chunked", chunked_prefix_capacity=6)),
+                            ("verify", dict(num_draft_tokens=3)), ("draft", dict(num_draft_tokens=3, is_draft=True))):
+            ref = MLAConfig(page_size=PAGE * DCP, **common, **extra)
+            dcp = MLAConfig(page_size=PAGE, attn_tp_size=DCP, dcp_size=DCP, dcp_rank=rank, **common, **extra)
+            self.configs[name] = (MLABackend(ref, provider="torch"), MLABackend(dcp, provider="torch"))
+        self.heads = slice(rank * HEADS // DCP, (rank + 1) * HEADS // DCP)
+        alloc = PageAllocator(48)
+        random.Random(0).shuffle(alloc._free)
+        self.table = RequestTable(alloc, PAGE * DCP, 8, ref.max_pages_per_request)
+        self.ref_cache = MLAKVCache(1, 48, PAGE * DCP, KV, torch.float32)
+        self.dcp_cache = MLAKVCache(1, 48, PAGE, KV, torch.float32)
+        for cache in (self.ref_cache, self.dcp_cache):
+            cache.buffers[0].fill_(float("nan"))
+        self.lens: dict[int, int] = {}
+        self.w_kv = self.rand(LORA, HEADS, NOPE + VDIM) / LORA ** 0.5
+
+    def rand(self, *shape) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen)
+
+    def add(self, history: int) -> int:
+        """A request whose first ``history`` tokens are already cached."""
+        slot = self.table.add_request()
+        self.table.ensure_capacity(slot, history)
+        rows = self.rand(history, KV)
+        self.ref_cache.write(0, self.table.token_slots(slot, 0, history), rows)
+        self.dcp_cache.write(0, self.dcp_slots(slot, 0, history), rows)
+        self.lens[slot] = history
+        return slot
+
+    def dcp_slots(self, slot: int, start: int, end: int) -> torch.Tensor:
+        """This rank's cache slots of positions start..end-1 (slot 0, the reserved page, for the others')."""
+        pages = self.table.pages[slot]
+        per_page = PAGE * DCP
+        return torch.tensor([pages[p // per_page] * PAGE + p % per_page // DCP if p % DCP == self.rank else 0
+                             for p in range(start, end)], dtype=torch.int64)
+
+    def decompress(self, heads: slice):
+        def kv_decompress(rows):
+            kv = torch.einsum("nc,chd->nhd", rows[:, :LORA], self.w_kv[:, heads])
+            k = torch.cat([kv[..., :NOPE], rows[:, None, LORA:].expand(-1, kv.shape[1], -1)], -1)
+            return k, kv[..., NOPE:]
+        return kv_decompress
+
+    def step(self, config: str, mode: ForwardMode, reqs: list[tuple[int, int]], num_extends: int = 0,
+             corrupt: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run (slot, new tokens) requests through both backends; returns (one-process output of this rank's
+        heads, this rank's DCP output). ``corrupt``: that batch row's device length is made -1."""
+        ref_backend, dcp_backend = self.configs[config]
+        slots = [s for s, _ in reqs]
+        new = [n for _, n in reqs]
+        pre = [self.lens[s] for s in slots]
+        seq = [p + n for p, n in zip(pre, new)]
+        for s, length in zip(slots, seq):
+            self.table.ensure_capacity(s, length)
+        ref_loc = torch.cat([self.table.token_slots(s, p, q) for s, p, q in zip(slots, pre, seq)])
+        dcp_loc = torch.cat([self.dcp_slots(s, p, q) for s, p, q in zip(slots, pre, seq)])
+        t = sum(new)
+        latent = self.rand(t, KV)
+        lens = torch.tensor(seq, dtype=torch.int32)
+        if corrupt is not None:
+            lens[corrupt] = -1
+        extends = len(reqs) if mode in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND) else num_extends
+        batch = ForwardBatch(mode, torch.tensor(slots), lens, self.table.block_table, seq_lens_cpu=seq,
+                             extend_seq_lens_cpu=new[:extends], extend_prefix_lens_cpu=pre[:extends],
+                             num_extends=num_extends)
+        ref_backend.init_forward_metadata(batch)
+        dcp_backend.init_forward_metadata(batch)
+        assert ref_backend.attention_form == dcp_backend.attention_form
+        if ref_backend.attention_form == "absorbed":
+            q = self.rand(t, HEADS, KV)
+            ref = ref_backend.forward(q, latent[:, None], None, 0, ref_loc, self.ref_cache)
+            got = dcp_backend.forward(q[:, self.heads].contiguous(), latent[:, None], None, 0, dcp_loc, self.dcp_cache)
+            width = LORA
+        else:
+            q, k = self.rand(t, HEADS, NOPE + ROPE), self.rand(t, HEADS, NOPE + ROPE)
+            v = self.rand(t, HEADS, VDIM)
+            ref = ref_backend.forward(q, k, v, 0, ref_loc, self.ref_cache, latent=latent,
+                                      kv_decompress=self.decompress(slice(None)))
+            h = self.heads
+            got = dcp_backend.forward(q[:, h].contiguous(), k[:, h].contiguous(), v[:, h].contiguous(), 0, dcp_loc,
+                                      self.dcp_cache, latent=latent, kv_decompress=self.decompress(h))
+            width = VDIM
+        for s, length in zip(slots, seq):
+            self.lens[s] = length
+        return ref.view(t, HEADS, width)[:, self.heads].reshape(t, -1), got
+
+
+def _close(ref: torch.Tensor, got: torch.Tensor) -> float:
+    assert got.shape == ref.shape
+    assert torch.isfinite(ref).all() and torch.isfinite(got).all()
+    return (ref - got).abs().max().item()
+
+
+def _every_mode(rank: int, world: int) -> dict[str, float]:
+    """Max |DCP - one process| of each mode and form, with the forms the backends chose."""
+    pair = Pair(rank)
+    a, b, c = pair.add(0), pair.add(0), pair.add(0)
+    diffs = {}
+    diffs["extend mha"] = _close(*pair.step("auto", ForwardMode.EXTEND, [(a, 13), (b, 6), (c, 1)]))
+    for i in range(2):
+        diffs[f"decode {i}"] = _close(*pair.step("auto", ForwardMode.DECODE, [(a, 1), (b, 1), (c, 1)]))
+    d = pair.add(9)  # an odd history: rank 0 holds one token more than rank 1
+    diffs["extend absorbed"] = _close(*pair.step("absorbed", ForwardMode.EXTEND, [(a, 5), (b, 3), (d, 1)]))
+    diffs["extend chunked"] = _close(*pair.step("chunked", ForwardMode.EXTEND, [(a, 4), (c, 7), (d, 2)]))
+    assert len(pair.configs["chunked"][1].prefix_chunks) > 2  # several loops over the prefixes
+    diffs["mixed"] = _close(*pair.step("auto", ForwardMode.MIXED, [(d, 3), (a, 1), (b, 1), (c, 1)], num_extends=1))
+    diffs["verify"] = _close(*pair.step("verify", ForwardMode.TARGET_VERIFY, [(a, 3), (b, 3), (c, 3), (d, 3)]))
+    diffs["draft extend"] = _close(*pair.step("draft", ForwardMode.DRAFT_EXTEND, [(a, 2), (b, 1), (d, 3)]))
+    return diffs
+
+
+def _graph_and_bad_request(rank: int, world: int) -> dict[str, object]:
+    """The CUDA-graph planning path (capture at batch 4, replay 3 real rows) against the eager one-process
+    backend, and a request with a bad device length among good ones."""
+    pair = Pair(rank)
+    slots = [pair.add(n) for n in (17, 4, 30)]
+    ref_backend, dcp_backend = pair.configs["verify"]
+    dcp_backend.init_cuda_graph_state(4)
+    out = {}
+    for mode, q_len in ((ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, 3)):
+        fill = dcp_backend.get_cuda_graph_seq_len_fill_value()
+        dcp_backend.init_forward_metadata_capture_cuda_graph(4, torch.zeros(4, dtype=torch.int64),
+                                                             torch.full((4,), fill, dtype=torch.int32), mode)
+        pre = [pair.lens[s] for s in slots]
+        seq = [p + q_len for p in pre]
+        for s, n in zip(slots, seq):
+            pair.table.ensure_capacity(s, n)
+        dcp_backend.init_forward_metadata_replay_cuda_graph(
+            4, torch.tensor(slots), torch.tensor(seq, dtype=torch.int32), mode,
+            block_table=pair.table.block_table, raw_bs=3)
+        t = 3 * q_len
+        latent, q = pair.rand(t, KV), pair.rand(t, HEADS, KV)
+        ref_loc = torch.cat([pair.table.token_slots(s, p, n) for s, p, n in zip(slots, pre, seq)])
+        dcp_loc = torch.cat([pair.dcp_slots(s, p, n) for s, p, n in zip(slots, pre, seq)])
+        pad = torch.zeros(q_len, dtype=torch.int64)  # the padded row writes to the reserved page
+        got = dcp_backend.forward(torch.cat([q[:, pair.heads], q.new_zeros(q_len, HEADS // DCP, KV)]),
+                                  torch.cat([latent, latent.new_zeros(q_len, KV)])[:, None], None, 0,
+                                  torch.cat([dcp_loc, pad]), pair.dcp_cache)[:t]
+        ref_backend.init_forward_metadata(ForwardBatch(mode, torch.tensor(slots), torch.tensor(seq, dtype=torch.int32),
+                                                       pair.table.block_table, seq_lens_cpu=seq))
+        ref = ref_backend.forward(q, latent[:, None], None, 0, ref_loc, pair.ref_cache)
+        ref = ref.view(t, HEADS, LORA)[:, pair.heads].reshape(t, -1)
+        out[f"graph {mode.value}"] = _close(ref, got)
+        for s, n in zip(slots, seq):
+            pair.lens[s] = n
+    ref, got = pair.step("auto", ForwardMode.DECODE, [(s, 1) for s in slots], corrupt=1)
+    out["bad row nan"] = bool(torch.isnan(ref[1]).all() and torch.isnan(got[1]).all())
+    out["bad request others"] = max(_close(ref[i:i + 1], got[i:i + 1]) for i in (0, 2))
+    return out
+
+
+@pytest.fixture(scope="module")
+def modes():
+    return run_ranks(_every_mode)
+
+
+def test_dcp_matches_one_process_in_every_mode(modes):
+    for rank, diffs in enumerate(modes):
+        for name, diff in diffs.items():
+            assert diff <= TOL, f"rank {rank} {name}: max |DCP - one process| = {diff}"
+
+
+def test_dcp_graph_path_and_a_bad_request():
+    for rank, result in enumerate(run_ranks(_graph_and_bad_request)):
+        assert result["graph decode"] <= TOL and result["graph target_verify"] <= TOL, (rank, result)
+        assert result["bad row nan"], (rank, result)
+        assert result["bad request others"] <= TOL, (rank, result)
+
+
+def test_dcp_config_errors():
+    with pytest.raises(ValueError, match="dcp_size: 2 does not divide attn_tp_size=1"):
+        MLAConfig(dcp_size=2)
+    with pytest.raises(ValueError, match="dcp_rank"):
+        MLAConfig(attn_tp_size=2, dcp_size=2, dcp_rank=2)
+    assert MLAConfig(page_size=16, attn_tp_size=4, dcp_size=2).tokens_per_page == 32
+    with pytest.raises(ValueError, match="dcp_group: dcp_size=2 needs torch.distributed"):
+        MLABackend(MLAConfig(num_heads=4, attn_tp_size=2, dcp_size=2, dtype=torch.float32), provider="torch")
