@@ -19,11 +19,14 @@ from pagedmla.model.rope import RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then h + mlp(norm(h))."""
+    """Pre-norm residual block: x + attn(norm(x)), then h + mlp(norm(h)).
 
-    def __init__(self, cfg: DeepseekConfig, layer_id: int):
+    layer_id: the checkpoint's layer index (it decides dense MLP or MoE); cache_layer_id: the attention's
+    layer in the latent cache, ``layer_id`` unless the layer has a cache of its own (an MTP layer)."""
+
+    def __init__(self, cfg: DeepseekConfig, layer_id: int, cache_layer_id: int | None = None):
         super().__init__()
-        self.self_attn = MLAttention(cfg, layer_id)
+        self.self_attn = MLAttention(cfg, layer_id if cache_layer_id is None else cache_layer_id)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_id) else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
