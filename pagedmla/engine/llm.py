@@ -36,7 +36,6 @@ from tqdm.auto import tqdm
 
 from pagedmla.backend import ForwardMode
 from pagedmla.config import resolve_dtype
-from pagedmla.engine.cuda_graph import GraphRunner
 from pagedmla.engine.drafter import NgramDrafter
 from pagedmla.engine.kv_pages import KVPages
 from pagedmla.engine.model_runner import ModelRunner
@@ -384,7 +383,7 @@ class LLM:
         if enable_cuda_graph is None:
             enable_cuda_graph = self.runner.device.type == "cuda"
         if enable_cuda_graph:
-            self.runner.graphs = GraphRunner(self.runner, cuda_graph_batch_sizes)
+            self.runner.capture_cuda_graphs(cuda_graph_batch_sizes)
         self.profiler = AttentionProfiler(self.runner.backend) if profile_attention else None
         self.stats = EngineStats()
         # Unfinished requests by request id, and the engine's state of each of their samples by seq_id.
