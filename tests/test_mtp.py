@@ -11,7 +11,7 @@ import pytest
 import torch
 from graph_standin import ReRunGraph
 from safetensors.torch import load_file, save_file
-from trained_tiny import chain_prompt, hf_mtp_forward, successor_map, write_trained_mtp_checkpoint
+from trained_tiny import chain_prompt, hf_mtp_forward, hf_mtp_layer, successor_map, write_trained_mtp_checkpoint
 
 from pagedmla.backend import ForwardBatch, ForwardMode
 from pagedmla.engine import LLM, SamplingParams
@@ -154,9 +154,7 @@ def test_mtp_layer_loads_from_the_checkpoint_and_matches_transformers(checkpoint
     assert isinstance(mtp, DeepseekMTP) and len(mtp.layers) == 1
     assert mtp.layers[0].embed_tokens is target.model.embed_tokens
     assert mtp.layers[0].shared_head.head is target.lm_head
-    from trained_tiny import _hf_mtp_layer
-
-    layer, rotary, _ = _hf_mtp_layer(mtp)
+    layer, rotary, _ = hf_mtp_layer(mtp)
     gen = torch.Generator().manual_seed(7)
     length = 21
     hidden = torch.randn(1, length, target.config.hidden_size, generator=gen)
@@ -197,6 +195,19 @@ def test_mtp_checkpoint_errors(checkpoint, tmp_path):
     write(config, {**tensors, "model.layers.3.extra.weight": torch.zeros(2)})
     with pytest.raises(CheckpointError, match="model.layers.3.extra.weight"):
         load_mtp(target, str(tmp_path))
+
+
+def test_cache_bytes_cover_the_draft_cache():
+    """The draft's cache layer shares the pages: a cache_bytes budget holds fewer of them with MTP on."""
+    budget = 1 << 22
+    plain = LLM("tiny", dtype=torch.float32, tokenizer=None, cache_bytes=budget, max_batch_size=64)
+    mtp = LLM("tiny", dtype=torch.float32, tokenizer=None, cache_bytes=budget, max_batch_size=64, speculative="mtp",
+              num_speculative_tokens=1)
+    layers = plain.model.config.num_hidden_layers
+    page = plain.runner.table.page_size * plain.runner.mla_config.kv_dim * 4  # one layer's page, float32
+    assert plain.runner.cache.num_pages - 1 == budget // (page * layers)
+    assert mtp.runner.cache.num_pages - 1 == budget // (page * (layers + 1)) < budget // (page * layers)
+    assert mtp.drafter.backend.cache.num_pages == mtp.runner.cache.num_pages
 
 
 def test_speculative_arguments(checkpoint):

@@ -159,7 +159,7 @@ def _target_hidden(model, ids: torch.Tensor) -> torch.Tensor:
     return hidden.clone().view(b, length, -1)
 
 
-def _hf_mtp_layer(mtp):
+def hf_mtp_layer(mtp):
     """transformers' own MTP layer (``MtpLayer`` around its DeepSeek-V3 decoder block) holding the weights
     of pagedmla's layer 0 of ``mtp``, float32; and the map of its tensor names to the checkpoint's."""
     pytest.importorskip("transformers.modeling_layers", reason="needs transformers with MTP support")
@@ -239,7 +239,7 @@ def write_trained_mtp_checkpoint(directory, seed: int = MTP_SEED, batch: int = 8
         # The MTP's label at row i: the target's own greedy choice after token i + 1.
         wanted = (hidden @ head.t()).argmax(-1)
     mtp = load_mtp(target, "tiny", seed=seed)
-    layer, rotary, names = _hf_mtp_layer(mtp)
+    layer, rotary, names = hf_mtp_layer(mtp)
     layer.requires_grad_(True)
     embed = target.model.embed_tokens.weight.detach()
     frozen_head = head.detach()

@@ -40,7 +40,7 @@ from pagedmla.config import resolve_dtype
 from pagedmla.engine.drafter import NgramDrafter
 from pagedmla.engine.kv_pages import KVPages
 from pagedmla.engine.model_runner import ModelRunner
-from pagedmla.engine.mtp_drafter import DRAFT_GRAPH_MODES, MAX_DRAFT_TOKENS, MTPDrafter
+from pagedmla.engine.mtp_drafter import DRAFT_CACHE_LAYERS, DRAFT_GRAPH_MODES, MAX_DRAFT_TOKENS, MTPDrafter
 from pagedmla.engine.prefix_cache import PrefixCache
 from pagedmla.engine.profiler import AttentionProfiler
 from pagedmla.engine.sampling import NonFiniteLogitsError, SamplingParams, sample, token_logprobs
@@ -258,25 +258,28 @@ def _check_loaded_model(model: DeepseekForCausalLM, device: Any, dtype: Any, see
                          "already has its weights, leave seed unset")
 
 
-def _page_bytes(model: DeepseekForCausalLM, page_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one cache page: ``page_size`` latent rows in every layer."""
+def _page_bytes(model: DeepseekForCausalLM, page_size: int, dtype: torch.dtype, draft_layers: int = 0) -> int:
+    """Bytes of one cache page: ``page_size`` latent rows in every layer, and in the ``draft_layers`` of an
+    MTP draft model's cache (which uses the same page ids)."""
     cfg = model.config
-    return page_size * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers * dtype.itemsize
+    layers = cfg.num_hidden_layers + draft_layers
+    return page_size * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * layers * dtype.itemsize
 
 
 def _default_num_pages(model: DeepseekForCausalLM, page_size: int, dtype: torch.dtype, budget_bytes: int,
-                       max_batch_size: int, max_context_len: int) -> int:
+                       max_batch_size: int, max_context_len: int, draft_layers: int = 0) -> int:
     enough = max_batch_size * (-(-max_context_len // page_size) + 1)
-    return max(2, min(budget_bytes // _page_bytes(model, page_size, dtype), enough) + 1)
+    return max(2, min(budget_bytes // _page_bytes(model, page_size, dtype, draft_layers), enough) + 1)
 
 
 def _check_cache_fits(model: DeepseekForCausalLM, page_size: int, num_pages: int, max_batch_size: int,
-                      context: int, pages_field: str, context_field: str) -> None:
+                      context: int, pages_field: str, context_field: str, draft_layers: int = 0) -> None:
     """ValueError naming the field at fault when the cache's pages (``pages_field``: num_pages or the
-    cache_bytes that sized it) and its two int32 page tables (the request table's and the backend's, rows
-    of ``context`` tokens: ``context_field``) would not fit in the device's available memory."""
+    cache_bytes that sized it; with ``draft_layers`` of a draft cache) and its two int32 page tables (the
+    request table's and the backend's, rows of ``context`` tokens: ``context_field``) would not fit in the
+    device's available memory."""
     weight = model.model.embed_tokens.weight
-    pages = num_pages * _page_bytes(model, page_size, weight.dtype)
+    pages = num_pages * _page_bytes(model, page_size, weight.dtype, draft_layers)
     tables = 2 * max_batch_size * -(-context // page_size) * 4
     field, value = (pages_field, num_pages) if pages >= tables else (context_field, context)
     where = " (from the model's config.json; set max_context_len)" if field == "max_position_embeddings" else ""
@@ -406,11 +409,14 @@ class LLM:
         cfg = self.model.config
         weight = self.model.model.embed_tokens.weight
         context = cfg.max_position_embeddings if max_context_len is None else max_context_len
+        draft_layers = DRAFT_CACHE_LAYERS if method == "mtp" else 0
         pages_field = "num_pages" if num_pages is not None else "cache_bytes"
         if num_pages is None:
-            num_pages = _default_num_pages(self.model, page_size, weight.dtype, cache_bytes, max_batch_size, context)
+            num_pages = _default_num_pages(self.model, page_size, weight.dtype, cache_bytes, max_batch_size, context,
+                                           draft_layers)
         _check_cache_fits(self.model, page_size, num_pages, max_batch_size, context + num_speculative_tokens,
-                          pages_field, "max_context_len" if max_context_len is not None else "max_position_embeddings")
+                          pages_field, "max_context_len" if max_context_len is not None else "max_position_embeddings",
+                          draft_layers)
         self.runner = ModelRunner(self.model, page_size=page_size, num_pages=num_pages, max_batch_size=max_batch_size,
                                   max_context_len=context, provider=provider, extend_prefix_mode=extend_prefix_mode,
                                   backend_options=backend_options, num_speculative_tokens=num_speculative_tokens)

@@ -48,6 +48,8 @@ from pagedmla.model.mtp import DeepseekMTP
 # the steps (and these are the counts the tests cover).
 MAX_DRAFT_TOKENS = 4
 DRAFT_GRAPH_MODES = ("fused", "per_step")
+# The drafter runs the checkpoint's first MTP layer only (DeepSeek-V3 has one): one draft cache layer.
+DRAFT_CACHE_LAYERS = 1
 
 
 class MTPDrafter:
@@ -73,7 +75,8 @@ class MTPDrafter:
         self.runner = runner
         self.mtp = mtp
         self.k = k
-        config = dataclasses.replace(runner.mla_config, num_layers=1, is_draft=True, num_draft_tokens=k + 1)
+        config = dataclasses.replace(runner.mla_config, num_layers=DRAFT_CACHE_LAYERS, is_draft=True,
+                                     num_draft_tokens=k + 1)
         self.backend = MLADraftBackend(config, runner.cache.num_pages, num_steps=k - 1, device=runner.device,
                                        provider=runner.backend.provider)
         slots = runner.table.block_table.shape[0]
