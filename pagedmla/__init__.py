@@ -10,6 +10,7 @@ from pagedmla.backend import (
 )
 from pagedmla.cache import MLAKVCache, OutOfPagesError, PageAllocator, RequestTable
 from pagedmla.config import MLAConfig
+from pagedmla.draft_backend import MLADraftBackend
 from pagedmla.ops import (
     available_providers,
     flash_attn_varlen_func,
@@ -26,6 +27,7 @@ __all__ = [
     "ForwardMode",
     "MLABackend",
     "MLAConfig",
+    "MLADraftBackend",
     "MLAKVCache",
     "OutOfPagesError",
     "PageAllocator",

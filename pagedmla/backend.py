@@ -13,7 +13,8 @@ unaffected, and the device error word says what was wrong. ``PAGEDMLA_VALIDATE=a
 on the host instead, raising the ``ValueError`` that names them (a synchronisation per step and layer).
 
 Attention forms (``attention_form`` after planning):
-  "mha"      EXTEND without any cached prefix: ragged MHA over the new tokens (q/k 192, v 128).
+  "mha"      EXTEND without any cached prefix: ragged MHA over the new tokens (q/k 192, v 128); with
+             ``MLAConfig.disable_ragged`` these steps run "absorbed" too.
   "chunked"  EXTEND with a prefix, MHA form: causal over the new tokens, then each prefix chunk
              (gathered latent rows decompressed by the model's ``kv_decompress``), merged by LSE.
   "absorbed" everything else: DECODE, TARGET_VERIFY, DRAFT_EXTEND, MIXED, and EXTEND with a prefix
@@ -22,6 +23,17 @@ Attention forms (``attention_form`` after planning):
 Decode context parallelism (``MLAConfig.dcp_size`` > 1, ``dcp_group``): the cache holds this rank's
 interleaved tokens only and ``forward`` returns the attention over the whole context, so the model does
 not change (``pagedmla.context_parallel`` has the layout and what each form does there).
+
+Absorbed steps run one of two kernels. Uniform steps (``ForwardMetadata.uniform``: DECODE, a TARGET_VERIFY
+of ``num_draft_tokens`` per request, and every captured CUDA graph) run the split-KV decode kernel over
+q_len tokens per request, the last q_len positions of each request's KV (bottom-right causal). Ragged
+steps (DRAFT_EXTEND, MIXED, EXTEND, a TARGET_VERIFY given per-request token counts) run the varlen
+kernel over ``qo_indptr``. A graph of DRAFT_EXTEND runs ``num_draft_tokens`` rows per request with the
+real tokens last: the rows ahead of them are padding (their latent rows go to the reserved slot 0, their
+attention reads only earlier rows of the request, or none), so the real rows see exactly what the
+ragged step would. An IDLE graph runs ``bs`` padding rows (an engine with a fixed-shape step, such as a
+rank with no requests under data-parallel attention, still launches its kernels); eager IDLE steps run
+no tokens.
 """
 
 from __future__ import annotations
@@ -63,10 +75,13 @@ class ForwardBatch:
 
     req_pool_indices: int [bs] rows of ``block_table`` (request slots) on the device;
     seq_lens: int32 [bs] on the device, KV length of each request including this step's tokens;
-    seq_lens_cpu: the same on the host (required for EXTEND / MIXED / DRAFT_EXTEND planning);
+    seq_lens_cpu: the same on the host (required for EXTEND / MIXED / DRAFT_EXTEND and ragged
+    TARGET_VERIFY planning);
     extend_seq_lens_cpu / extend_prefix_lens_cpu: new and cached tokens of each extending request
     (EXTEND: all bs; MIXED: the first ``num_extends``, the others decode one token each;
-    DRAFT_EXTEND: new tokens of each request);
+    DRAFT_EXTEND: new tokens of each request; TARGET_VERIFY: tokens verified per request, 1 ..
+    num_draft_tokens: a ragged verify unless all are num_draft_tokens, the uniform verify that None or
+    empty also mean);
     block_table: int32 [max_requests, max_pages] (the engine's req_to_page).
     """
 
@@ -110,6 +125,11 @@ class ForwardMetadata:
     num_tokens: int = 0
     prefix_chunks: list[PrefixChunk] = field(default_factory=list)
     dcp: DCPAttention | None = None  # decode context parallelism: the absorbed attention's per-row plan
+
+    @property
+    def uniform(self) -> bool:
+        """Planned for the split-KV decode kernel: ``q_len`` tokens per request (see the module docstring)."""
+        return self.tile_scheduler_metadata is not None
 
 
 @dataclass
@@ -258,7 +278,13 @@ class MLABackend:
         block_table = torch.empty(bs, width, dtype=torch.int32, device=self.device)
         seq_lens = torch.empty(bs, dtype=torch.int32, device=self.device)
         select_requests(batch.block_table, batch.req_pool_indices, batch.seq_lens, block_table, seq_lens)
-        if mode.is_decode_like():
+        verify_lens = None
+        if mode == ForwardMode.TARGET_VERIFY and batch.extend_seq_lens_cpu is not None \
+                and len(batch.extend_seq_lens_cpu):
+            verify_lens = _host_lens(batch.extend_seq_lens_cpu, "extend_seq_lens_cpu", bs)
+        # Counts of num_draft_tokens each are the uniform verify: the decode kernel runs it.
+        ragged_verify = verify_lens is not None and any(e != self.config.num_draft_tokens for e in verify_lens)
+        if mode.is_decode_like() and not ragged_verify:
             q_len = self._decode_q_len(mode)
             if self._dcp is not None:
                 self.metadata = ForwardMetadata(mode=mode, bs=bs, form="absorbed", seq_lens=seq_lens,
@@ -294,6 +320,13 @@ class MLABackend:
             pre = _host_lens(batch.extend_prefix_lens_cpu, "extend_prefix_lens_cpu", n_ext) + \
                 [s - 1 for s in seq_cpu[n_ext:]]
             self._check_extend(seq_cpu, ext, pre)
+        elif ragged_verify:
+            limit = self._decode_q_len(mode)
+            ext = verify_lens
+            if not all(1 <= e <= limit for e in ext):
+                raise ValueError(f"extend_seq_lens_cpu: a ragged verify runs 1..{limit} tokens per request "
+                                 f"(num_draft_tokens), got {ext}")
+            self._check_extend(seq_cpu, ext, [s - e for s, e in zip(seq_cpu, ext)])
         elif mode == ForwardMode.DRAFT_EXTEND:
             if not self.config.is_draft:
                 raise ValueError("forward_mode: DRAFT_EXTEND needs a draft backend (MLAConfig.is_draft=True)")
@@ -372,7 +405,7 @@ class MLABackend:
 
     def _extend_form(self, ext: list[int], pre: list[int]) -> str:
         if not any(pre):
-            return "mha"
+            return "absorbed" if self.config.disable_ragged else "mha"
         mode = self.config.extend_prefix_mode
         if mode != "auto":
             return mode
@@ -472,14 +505,19 @@ class MLABackend:
     def forward(self, q, k, v, layer, out_cache_loc, cache: MLAKVCache, *, save_kv_cache: bool = True, **kwargs):
         """Route to forward_decode or forward_extend by the planned mode."""
         meta = self._meta()
-        if meta.mode.is_decode_like() or meta.mode == ForwardMode.DRAFT_EXTEND:
+        if self._decode_step(meta):
             return self.forward_decode(q, k, v, layer, out_cache_loc, cache, meta.bs, save_kv_cache=save_kv_cache)
         return self.forward_extend(q, k, v, layer, out_cache_loc, cache, save_kv_cache=save_kv_cache, **kwargs)
+
+    @staticmethod
+    def _decode_step(meta: ForwardMetadata) -> bool:
+        """Whether ``forward_decode`` runs the planned step: a uniform one, or a ragged verify / draft extend."""
+        return meta.uniform or meta.mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
 
     def forward_decode(self, q, k, v, layer, out_cache_loc, cache: MLAKVCache, bs: int, *,
                        save_kv_cache: bool = True):
         """Absorbed attention of a decode-like step: q_len tokens per request (1; the draft tokens when
-        verifying), or, on a draft backend, DRAFT_EXTEND's per-request token counts.
+        verifying; a captured graph's rows), or per-request token counts (a ragged verify, DRAFT_EXTEND).
 
         q: [T, H, 576]; k: the new latent rows [T, 1, 576] (or [T, 576]); v: unused (pass None: values
         are the latent rows' first 512 columns). Returns [T, H * 512].
@@ -490,11 +528,11 @@ class MLABackend:
         meta = self._meta()
         if meta.bs == 0:
             return q.new_empty(0, self.heads * self.v_dim)
-        if not (meta.mode.is_decode_like() or meta.mode == ForwardMode.DRAFT_EXTEND):
+        if not self._decode_step(meta):
             raise RuntimeError(f"forward_decode: the planned step is {meta.mode.value}, not a decode step")
         if bs != meta.bs:
             raise ValueError(f"bs: the planned batch has {meta.bs} requests, got {bs}")
-        if meta.mode == ForwardMode.DRAFT_EXTEND:
+        if not meta.uniform:
             return self.forward_extend(q, k, v, layer, out_cache_loc, cache, save_kv_cache=save_kv_cache)
         self._check_q(q, meta.num_tokens, self.kv_dim)
         lid = _layer_id(layer)
@@ -526,8 +564,9 @@ class MLABackend:
         if meta.bs == 0:
             # IDLE and empty batches are planned in the absorbed form: no tokens, no cache writes.
             return q.new_empty(0, self.heads * self.v_dim)
-        if meta.mode.is_decode_like():
-            raise RuntimeError(f"forward_extend: the planned step is {meta.mode.value}, not an extend step")
+        if meta.uniform:
+            raise RuntimeError(f"forward_extend: the planned step is a uniform {meta.mode.value} step, not an "
+                               "extend step")
         lid = _layer_id(layer)
         if meta.form == "absorbed":
             self._check_q(q, meta.num_tokens, self.kv_dim)
@@ -589,7 +628,7 @@ class MLABackend:
         if isinstance(max_bs, bool) or not isinstance(max_bs, int) or not 0 < max_bs <= self.config.max_batch_size:
             raise ValueError(f"max_bs: expected an int in 1..{self.config.max_batch_size}, got {max_bs!r}")
         pages = max_pages_per_request or self.config.max_pages_per_request
-        parts = max(num_sm_parts_for(self.device, q * self.heads, 1) for q in {1, self.config.decode_q_len})
+        parts = max(num_sm_parts_for(self.device, q * self.heads, 1) for q in self._graph_q_lens())
         errors.error_word(self.device)  # before any capture: created inside one, its zeroing would be captured
         self._graph = _GraphState(
             max_bs=max_bs,
@@ -599,7 +638,27 @@ class MLABackend:
             num_splits=torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device),
         )
         if self._dcp is not None:
-            self._dcp.init_graph_state(max_bs * self.config.decode_q_len, pages)
+            self._dcp.init_graph_state(max_bs * max(self._graph_q_lens()), pages)
+
+    def _graph_q_lens(self) -> set[int]:
+        """The rows per request of the graphs this backend can capture."""
+        lens = {1, self.config.decode_q_len}
+        if self.config.is_draft:
+            lens.add(self.config.num_draft_tokens)
+        return lens
+
+    def _graph_q_len(self, mode: ForwardMode) -> int:
+        """Rows per request of a captured ``mode`` step (ValueError for a mode graphs do not capture)."""
+        if mode in (ForwardMode.DECODE, ForwardMode.IDLE):
+            return 1
+        if mode == ForwardMode.TARGET_VERIFY:
+            return self._decode_q_len(mode)
+        if mode == ForwardMode.DRAFT_EXTEND:
+            if not self.config.is_draft:
+                raise ValueError("forward_mode: DRAFT_EXTEND needs a draft backend (MLAConfig.is_draft=True)")
+            return self.config.num_draft_tokens
+        raise ValueError(f"forward_mode: CUDA graphs capture DECODE, TARGET_VERIFY, DRAFT_EXTEND and IDLE steps, "
+                         f"got {mode}")
 
     def _graph_state(self) -> _GraphState:
         if self._graph is None:
@@ -608,13 +667,13 @@ class MLABackend:
 
     def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
                                                  seq_lens: torch.Tensor, forward_mode: ForwardMode) -> None:
-        """Plan a decode / verify step of ``bs`` rows over the graph buffers (called before capture)."""
+        """Plan a step of ``bs`` requests over the graph buffers (called before capture): DECODE, TARGET_VERIFY
+        (num_draft_tokens rows per request), DRAFT_EXTEND on a draft backend (num_draft_tokens rows per
+        request, the real tokens last) or IDLE (``bs`` padding rows); see the module docstring."""
         g = self._graph_state()
-        if not forward_mode.is_decode_like():
-            raise ValueError(f"forward_mode: CUDA graphs capture DECODE and TARGET_VERIFY steps, got {forward_mode}")
+        q_len = self._graph_q_len(forward_mode)
         if not 0 < bs <= g.max_bs:
             raise ValueError(f"bs: expected 1..{g.max_bs} (the graph state's max_bs), got {bs}")
-        q_len = self._decode_q_len(forward_mode)
         g.seq_lens[:bs].copy_(seq_lens[:bs])
         if self._dcp is not None:
             g.captured[(bs, forward_mode)] = 0
@@ -634,11 +693,16 @@ class MLABackend:
         """Refill the graph buffers for a replay of the ``bs``-row graph: no host synchronisation and no new
         buffers (on CUDA the schedule kernel writes straight into them).
         The first ``raw_bs`` rows are real (``seq_lens`` / ``req_pool_indices`` may
-        hold just those); the rest are padding (seq_len 1, block-table row of page 0)."""
+        hold just those); the rest are padding (seq_len 1, block-table row of page 0). An IDLE step has no
+        real rows (``raw_bs`` None or 0)."""
         g = self._graph_state()
         key = (bs, forward_mode)
         if key not in g.captured:
             raise ValueError(f"bs/forward_mode: no graph was captured for {key}")
+        if forward_mode == ForwardMode.IDLE:
+            if raw_bs not in (None, 0):
+                raise ValueError(f"raw_bs: an IDLE step has no real requests, got {raw_bs}")
+            raw_bs = 0
         raw = bs if raw_bs is None else raw_bs
         if not 0 <= raw <= bs:
             raise ValueError(f"raw_bs: expected 0..{bs}, got {raw_bs}")
@@ -647,12 +711,13 @@ class MLABackend:
             raise ValueError(f"block_table: {block_table.shape[1]} columns exceed the graph buffers' "
                              f"{g.block_table.shape[1]} (init_cuda_graph_state's max_pages_per_request)")
         width = block_table.shape[1]
-        select_requests(block_table, req_pool_indices[:raw], seq_lens[:raw], g.block_table[:raw, :width],
-                        g.seq_lens[:raw])
+        if raw:
+            select_requests(block_table, req_pool_indices[:raw], seq_lens[:raw], g.block_table[:raw, :width],
+                            g.seq_lens[:raw])
         g.block_table[:raw, width:].zero_()
         g.block_table[raw:bs].zero_()
         g.seq_lens[raw:bs].fill_(self.get_cuda_graph_seq_len_fill_value())
-        q_len = self._decode_q_len(forward_mode)
+        q_len = self._graph_q_len(forward_mode)
         if self._dcp is not None:
             self.metadata = self._graph_dcp_metadata(g, bs, forward_mode, q_len)
             return

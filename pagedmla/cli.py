@@ -20,7 +20,8 @@ import torch
 import pagedmla
 from pagedmla.bench import options
 from pagedmla.engine import LLM, EngineStats, SamplingParams
-from pagedmla.engine.llm import parse_device
+from pagedmla.engine.llm import SPECULATIVE_METHODS, parse_device
+from pagedmla.engine.mtp_drafter import DRAFT_GRAPH_MODES
 from pagedmla.engine.tokenizer import missing_tokenizer_hint, resolve_tokenizer
 from pagedmla.model import CheckpointError
 from pagedmla.model.config import DeepseekConfig, tiny_config
@@ -115,7 +116,12 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--mixed-batching", action="store_true", help="prefill chunks share steps with decodes")
     gen.add_argument("--enable-prefix-caching", action="store_true", help="share cached prompt-prefix pages")
     gen.add_argument("--num-speculative-tokens", type=int, default=0,
-                     help="n-gram speculative decoding with this many draft tokens (0 = off)")
+                     help="speculative decoding with this many draft tokens per step (0 = off; MTP: 1-4)")
+    gen.add_argument("--speculative", choices=SPECULATIVE_METHODS, default=None,
+                     help="drafter: ngram (prompt lookup, the default) or mtp (the model's multi-token-prediction "
+                          "layer: num_nextn_predict_layers in its config)")
+    gen.add_argument("--draft-graph", choices=DRAFT_GRAPH_MODES, default="fused",
+                     help="MTP with CUDA graphs: one graph for the draft decodes (fused) or one per step")
     gen.add_argument("--cuda-graph", choices=("auto", "on", "off"), default="auto",
                      help="CUDA graphs for decode / verify steps (auto: on for CUDA)")
     gen.add_argument("--profile-attention", action="store_true", help="count and time attention calls per step")
@@ -162,7 +168,8 @@ def _summary(stats: EngineStats, num_layers: int) -> list[str]:
                      f"({stats.mixed_steps} steps)")
     if stats.draft_tokens:
         lines.append(f"speculative: {stats.accepted_draft_tokens}/{stats.draft_tokens} draft tokens accepted "
-                     f"({stats.acceptance_rate:.0%}) in {stats.verify_steps} verify steps")
+                     f"({stats.acceptance_rate:.0%}) in {stats.verify_steps} verify steps, "
+                     f"{stats.tokens_per_verify:.2f} tokens per request and verify step")
     if stats.cached_prefix_tokens or stats.preemptions:
         lines.append(f"prefix cache: {stats.cached_prefix_tokens} prompt tokens reused "
                      f"({stats.prefix_cache_hits}/{stats.prefix_cache_queries} admissions hit, "
@@ -229,6 +236,7 @@ def generate(args: argparse.Namespace) -> int:
               max_batch_size=args.max_batch_size, max_context_len=args.max_context_len,
               max_num_batched_tokens=args.max_num_batched_tokens, mixed_batching=args.mixed_batching,
               enable_prefix_caching=args.enable_prefix_caching, num_speculative_tokens=args.num_speculative_tokens,
+              speculative=args.speculative, draft_graph=args.draft_graph,
               enable_cuda_graph={"auto": None, "on": True, "off": False}[args.cuda_graph],
               profile_attention=args.profile_attention, tokenizer=tokenizer,
               tensor_parallel_size=args.tensor_parallel_size,

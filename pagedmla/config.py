@@ -63,6 +63,11 @@ class MLAConfig:
     request: ``page_size`` local rows on each DCP rank, at the same page id. ``softmax_scale`` defaults to
     ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5 * mscale**2``, where ``mscale`` comes from the
     DeepSeek YaRN rope scaling when ``rope_scaling`` asks for it.
+
+    Speculative decoding: a target backend's ``num_draft_tokens`` is the tokens per request of a
+    TARGET_VERIFY step (the last token and its drafts); a draft backend's (``is_draft``) the most tokens
+    per request of a DRAFT_EXTEND step (the accepted drafts and the target's token), which its CUDA
+    graphs pad every request to.
     """
 
     num_heads: int = 16
@@ -89,6 +94,10 @@ class MLAConfig:
     # absorbed one: absorbed costs 1088 MACs per (query, key, head), MHA 320 plus a one-off 512x256
     # decompression per (key, head), so they cross near 131072 / 768 = 170 queries per request.
     chunked_prefix_min_extend: int = 170
+    # Prefill without a cached prefix in the absorbed form over the paged cache instead of ragged MHA over the
+    # new tokens (SGLang's ``mla_disable_ragged``): one attention form for every step, at the absorbed form's
+    # cost per query (1088 MACs per key and head against 320 + the decompression).
+    disable_ragged: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
@@ -112,6 +121,8 @@ class MLAConfig:
             raise ValueError(f"num_draft_tokens: expected an int >= 0, got {self.num_draft_tokens!r}")
         if self.is_draft and self.num_draft_tokens < 1:
             raise ValueError("is_draft: a draft backend needs num_draft_tokens >= 1")
+        if not isinstance(self.disable_ragged, bool):
+            raise ValueError(f"disable_ragged: expected a bool, got {self.disable_ragged!r}")
         if self.extend_prefix_mode not in EXTEND_PREFIX_MODES:
             raise ValueError(f"extend_prefix_mode: expected one of {EXTEND_PREFIX_MODES}, "
                              f"got {self.extend_prefix_mode!r}")

@@ -25,7 +25,7 @@ class Harness:
 
     def __init__(self, heads=4, page_size=16, num_pages=96, max_context=512, num_draft_tokens=0, is_draft=False,
                  extend_prefix_mode="auto", capacity=32768, seed=0, max_bs=16, device="cpu", dtype=torch.float32,
-                 provider="torch", tol=1e-5):
+                 provider="torch", tol=1e-5, disable_ragged=False):
         self.gen = torch.Generator().manual_seed(seed)
         self.rng = random.Random(seed)
         self.device = torch.device(device)
@@ -33,7 +33,8 @@ class Harness:
         self.tol = tol
         self.cfg = MLAConfig(num_heads=heads, page_size=page_size, dtype=dtype, max_context_len=max_context,
                              max_batch_size=max_bs, num_draft_tokens=num_draft_tokens, is_draft=is_draft,
-                             extend_prefix_mode=extend_prefix_mode, chunked_prefix_capacity=capacity)
+                             extend_prefix_mode=extend_prefix_mode, chunked_prefix_capacity=capacity,
+                             disable_ragged=disable_ragged)
         self.backend = MLABackend(self.cfg, device=device, provider=provider)
         self.cache = MLAKVCache(1, num_pages, page_size, LORA + ROPE, dtype, device)
         self.cache.buffers[0].fill_(float("nan"))
@@ -461,3 +462,111 @@ def test_argument_order_traps_are_type_errors():
                                                           ForwardMode.DECODE, h.table.block_table)
     with pytest.raises(TypeError):  # save_kv_cache is keyword-only: a sixth positional is SGLang's forward_batch
         h.backend.forward(torch.zeros(2, 4, 576), None, None, 0, torch.zeros(2, dtype=torch.int64), h.cache, True)
+
+
+def test_ragged_and_uniform_verify():
+    """TARGET_VERIFY with per-request token counts (1..num_draft_tokens: drafts cut short) runs the varlen
+    kernel over qo_indptr; counts of num_draft_tokens each (or none given) are the uniform verify."""
+    h = Harness(heads=8, num_draft_tokens=4, seed=37)
+    slots = [h.add() for _ in range(4)]
+    h.step(ForwardMode.EXTEND, slots, [5, 17, 33, 2])
+    h.step(ForwardMode.TARGET_VERIFY, slots, [1, 4, 2, 3])
+    meta = h.backend.metadata
+    assert not meta.uniform and meta.qo_indptr.tolist() == [0, 1, 5, 7, 10]
+    h.step(ForwardMode.TARGET_VERIFY, slots, [4] * 4)
+    assert h.backend.metadata.uniform and h.backend.metadata.q_len == 4
+    for bad in ([0, 4, 4, 4], [5, 4, 4, 4]):
+        seq = [h.hist[s].shape[0] + n for s, n in zip(slots, bad)]
+        batch = ForwardBatch(ForwardMode.TARGET_VERIFY, torch.tensor(slots), torch.tensor(seq, dtype=torch.int32),
+                             h.table.block_table, seq_lens_cpu=seq, extend_seq_lens_cpu=bad)
+        with pytest.raises(ValueError, match="extend_seq_lens_cpu"):
+            h.backend.init_forward_metadata(batch)
+
+
+def test_disable_ragged_runs_prefill_absorbed():
+    """``disable_ragged``: a prefill without a cached prefix in the absorbed form (against the dense oracle);
+    the default runs it as ragged MHA."""
+    h = Harness(heads=8, seed=41, disable_ragged=True)
+    slots = [h.add() for _ in range(3)]
+    assert h.step(ForwardMode.EXTEND, slots, [1, 16, 40]) == "absorbed"
+    assert h.step(ForwardMode.EXTEND, slots, [3, 2, 1]) == "absorbed"
+    ragged = Harness(heads=8, seed=41)
+    assert ragged.step(ForwardMode.EXTEND, [ragged.add()], [16]) == "mha"
+    with pytest.raises(ValueError, match="disable_ragged"):
+        MLAConfig(disable_ragged="yes")
+
+
+def _replay_against_eager(h, mode, bs, real, new, width):
+    """Capture-plan a ``mode`` graph of ``bs`` requests x ``width`` rows, replay-plan it for ``real`` (request
+    slots, ``new[i]`` real tokens each, placed last among its rows; the other rows are padding writing
+    slot 0), run it, and check the real rows against the eager step and the dense oracle, and that no live
+    row outside the step's slots changed."""
+    be = h.backend
+    fill = be.get_cuda_graph_seq_len_fill_value()
+    be.init_forward_metadata_capture_cuda_graph(bs, torch.zeros(bs, dtype=torch.int64),
+                                                torch.full((bs,), fill, dtype=torch.int32), mode)
+    pre = [h.hist[s].shape[0] for s in real]
+    seq = [p + n for p, n in zip(pre, new)]
+    for s, n in zip(real, seq):
+        h.table.ensure_capacity(s, n)
+    locs = [h.table.token_slots(s, p, n) for s, p, n in zip(real, pre, seq)]
+    loc = torch.cat(locs) if locs else torch.zeros(0, dtype=torch.int64)
+    rows = torch.tensor([b * width + width - n + j for b, n in enumerate(new) for j in range(n)], dtype=torch.int64)
+    padded_loc = torch.zeros(bs * width, dtype=torch.int64).index_copy_(0, rows, loc)
+    q = h.rand(bs * width, h.heads, 576).float()
+    lat = h.rand(bs * width, 576).float()
+    before = h.live_hashes(loc)
+    be.init_forward_metadata_replay_cuda_graph(bs, torch.tensor(real, dtype=torch.int64),
+                                               torch.tensor(seq, dtype=torch.int32), mode,
+                                               block_table=h.table.block_table, raw_bs=len(real))
+    graph_out = be.forward(q, lat[:, None], None, 0, padded_loc, h.cache)
+    assert graph_out.shape == (bs * width, h.heads * 512)
+    assert before == h.live_hashes(loc), "padding rows must not touch live requests' rows"
+    if not real:
+        return
+    if mode == ForwardMode.DRAFT_EXTEND:
+        eager = ForwardBatch(mode, torch.tensor(real), torch.tensor(seq, dtype=torch.int32), h.table.block_table,
+                             seq_lens_cpu=seq, extend_seq_lens_cpu=new)
+    else:
+        eager = ForwardBatch(mode, torch.tensor(real), torch.tensor(seq, dtype=torch.int32), h.table.block_table,
+                             seq_lens_cpu=seq)
+    be.init_forward_metadata(eager)
+    q_real, lat_real = q.index_select(0, rows), lat.index_select(0, rows)
+    eager_out = be.forward(q_real, lat_real[:, None], None, 0, loc, h.cache)
+    assert torch.allclose(graph_out.index_select(0, rows), eager_out, rtol=1e-6, atol=1e-6)
+    for s, r in zip(real, lat_real.double().split(new)):
+        h.hist[s] = torch.cat([h.hist[s], r])
+    ref = torch.cat([dense_absorbed(qr.double(), h.hist[s], h.cfg.softmax_scale, True, LORA)[0]
+                     for s, qr in zip(real, q_real.split(new))])
+    assert ((eager_out.view_as(ref).double() - ref).norm() / ref.norm()) < 1e-5
+
+
+def test_every_graph_mode_replays_equal_to_eager():
+    """DECODE and TARGET_VERIFY graphs on a target backend; DRAFT_EXTEND (num_draft_tokens rows per request,
+    the accepted tokens last), DECODE and IDLE graphs on a draft backend: replayed equal to the eager step
+    (and to the dense oracle), padded rows and requests confined to the reserved page."""
+    target = Harness(heads=8, page_size=16, num_pages=64, num_draft_tokens=3, seed=43, max_bs=8)
+    slots = [target.add() for _ in range(3)]
+    target.step(ForwardMode.EXTEND, slots, [3, 20, 33])
+    target.backend.init_cuda_graph_state(max_bs=4)
+    _replay_against_eager(target, ForwardMode.DECODE, 4, slots, [1, 1, 1], 1)
+    _replay_against_eager(target, ForwardMode.TARGET_VERIFY, 4, slots[:2], [3, 3], 3)
+    draft = Harness(heads=8, page_size=16, num_pages=64, num_draft_tokens=3, is_draft=True, seed=47, max_bs=8)
+    slots = [draft.add() for _ in range(3)]
+    draft.step(ForwardMode.EXTEND, slots, [2, 17, 30])
+    draft.backend.init_cuda_graph_state(max_bs=4)
+    _replay_against_eager(draft, ForwardMode.DRAFT_EXTEND, 4, slots, [1, 3, 2], 3)
+    _replay_against_eager(draft, ForwardMode.DRAFT_EXTEND, 2, slots[1:], [3, 1], 3)
+    _replay_against_eager(draft, ForwardMode.DECODE, 4, slots, [1, 1, 1], 1)
+    _replay_against_eager(draft, ForwardMode.IDLE, 4, [], [], 1)
+    with pytest.raises(ValueError, match="raw_bs"):
+        draft.backend.init_forward_metadata_replay_cuda_graph(4, torch.tensor(slots), torch.ones(3, dtype=torch.int32),
+                                                              ForwardMode.IDLE, block_table=draft.table.block_table,
+                                                              raw_bs=3)
+    with pytest.raises(ValueError, match="DRAFT_EXTEND"):
+        target.backend.init_forward_metadata_capture_cuda_graph(2, torch.zeros(2, dtype=torch.int64),
+                                                                torch.ones(2, dtype=torch.int32),
+                                                                ForwardMode.DRAFT_EXTEND)
+    with pytest.raises(ValueError, match="forward_mode"):
+        target.backend.init_forward_metadata_capture_cuda_graph(2, torch.zeros(2, dtype=torch.int64),
+                                                                torch.ones(2, dtype=torch.int32), ForwardMode.EXTEND)

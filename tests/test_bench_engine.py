@@ -54,3 +54,18 @@ def test_percentiles_and_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--preset", "tiny", "--device", "cpu", "--cuda-graph", "on"])
     assert "--cuda-graph" in capsys.readouterr().err
+
+
+def test_mtp_rows_beside_plain_decoding(capsys):
+    """``--speculative mtp``: every configuration also served with MTP drafts (same greedy tokens), its
+    acceptance rate and tokens per verify step in the table."""
+    bench = _bench()
+    assert bench.main(["--preset", "tiny", "--device", "cpu", "--num-requests", "3", "--prompt-len", "8:12",
+                       "--output-len", "3:5", "--batch-size", "4", "--page-size", "16", "--speculative", "mtp",
+                       "--num-speculative-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\| pagedmla torch \| [\d.]+ \|.*\| 3/3 \| - \| - \|", out), out
+    assert re.search(r"\| pagedmla torch \+mtp k=2 \| [\d.]+ \|.*\| 3/3 \| [\d.]+% \| [\d.]+ \|", out), out
+    with pytest.raises(SystemExit):
+        bench.main(["--preset", "tiny", "--device", "cpu", "--speculative", "mtp", "--num-speculative-tokens", "5"])
+    assert "--num-speculative-tokens" in capsys.readouterr().err

@@ -15,9 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from engine_driver import drive
+from graph_standin import ReRunGraph
 
 from pagedmla.backend import ForwardMode
-from pagedmla.engine import LLM, GraphRunner, SamplingParams
+from pagedmla.engine import LLM, SamplingParams
 from pagedmla.engine.cuda_graph import default_batch_sizes
 from pagedmla.model import load_model
 from pagedmla.model.moe import Experts, MoE, grouped_mm_supported
@@ -25,18 +26,6 @@ from pagedmla.model.moe import Experts, MoE, grouped_mm_supported
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 # Requests of different lengths, so that the running batch grows and shrinks through every size.
 STAGGERED = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (4, 30, 9, 14, 6, 22, 18)]
-
-
-class ReRunGraph:
-    """CPU stand-in for a CUDA graph: replay runs the captured function again into the same output."""
-
-    def capture(self, fn):
-        self.fn = fn
-        self.out = fn()
-        return self.out
-
-    def replay(self):
-        self.out.copy_(self.fn())
 
 
 @pytest.fixture(scope="module")
@@ -54,15 +43,15 @@ def _prompts(lengths, seed=0):
 
 
 def _with_graphs(llm, sizes):
-    llm.runner.graphs = GraphRunner(llm.runner, sizes, graph_factory=ReRunGraph)
+    graphs = llm.runner.capture_cuda_graphs(sizes, graph_factory=ReRunGraph)
     replays = []
-    replay = llm.runner.graphs.replay
+    replay = graphs.replay
 
-    def counting(inputs, mode):
-        replays.append((inputs.batch.batch_size, llm.runner.graphs.padded_batch_size(inputs.batch.batch_size), mode))
-        return replay(inputs, mode)
+    def counting(batch, *tensors):
+        replays.append((batch.batch_size, graphs.padded_batch_size(batch.batch_size), batch.forward_mode))
+        return replay(batch, *tensors)
 
-    llm.runner.graphs.replay = counting
+    graphs.replay = counting
     return replays
 
 
@@ -111,11 +100,11 @@ def test_default_batch_sizes_and_bad_arguments(tiny):
     with pytest.raises(ValueError, match="enable_cuda_graph"):
         _llm(tiny, enable_cuda_graph=True)
     with pytest.raises(ValueError, match="batch_sizes"):
-        GraphRunner(_llm(tiny).runner, [0, 4], graph_factory=ReRunGraph)
+        _llm(tiny).runner.capture_cuda_graphs([0, 4], graph_factory=ReRunGraph)
     with pytest.raises(ValueError, match="batch_sizes"):
-        GraphRunner(_llm(tiny).runner, [16], graph_factory=ReRunGraph)
+        _llm(tiny).runner.capture_cuda_graphs([16], graph_factory=ReRunGraph)
     with pytest.raises(ValueError, match="batch_sizes"):
-        GraphRunner(_llm(tiny).runner, [], graph_factory=ReRunGraph)
+        _llm(tiny).runner.capture_cuda_graphs([], graph_factory=ReRunGraph)
 
 
 def _naive_experts(experts, x, weights, ids):

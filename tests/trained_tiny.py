@@ -2,12 +2,16 @@
 needs attention: continue a sequence that repeats a random pattern of ``PERIOD`` tokens. The next token
 is the one ``PERIOD - 1`` positions back, so a model with wrong attention predicts wrong tokens, and the
 trained model predicts with the clear margins of a real checkpoint (random weights give near-ties that
-any bf16 rounding difference flips)."""
+any bf16 rounding difference flips).
+
+For MTP speculative decoding, ``write_trained_mtp_checkpoint`` makes (in seconds on a CPU) the tiny
+configuration with a trained MTP layer on a task it can predict: a successor chain (see there)."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -107,3 +111,157 @@ def _train_once(device, max_steps: int, batch: int, length: int, seed: int, targ
                 break
     model.eval()
     return model, accuracy
+
+
+# ---------------------------------------------------------------------------------------------- MTP
+# The MTP task: a fixed successor permutation of ids 2 .. 2 + MTP_VOCAB - 1. After a prompt the target's
+# greedy tokens follow the chain t -> SUCC[t], so the MTP layer can predict token i + 2 from token i + 1.
+MTP_VOCAB = 64
+MTP_SEED = 0
+
+
+def successor_map(seed: int = MTP_SEED) -> torch.Tensor:
+    """int64 [vocab]: SUCC[t] for the ids of the task, the identity elsewhere."""
+    succ = torch.arange(TINY_CONFIG["vocab_size"])
+    succ[2:2 + MTP_VOCAB] = torch.randperm(MTP_VOCAB, generator=torch.Generator().manual_seed(seed)) + 2
+    return succ
+
+
+def chain_prompt(length: int, generator: torch.Generator, succ: torch.Tensor, random_prefix: int = 1) -> list[int]:
+    """``random_prefix`` (>= 1) random task ids, then the chain from the last of them: ``length`` ids in all."""
+    ids = torch.randint(2, 2 + MTP_VOCAB, (random_prefix,), generator=generator).tolist()
+    while len(ids) < length:
+        ids.append(int(succ[ids[-1]]))
+    return ids[:length]
+
+
+def _target_hidden(model, ids: torch.Tensor) -> torch.Tensor:
+    """pagedmla's final hidden states [b, l, hidden] of the sequences ``ids`` [b, l] (one prefill)."""
+    from pagedmla.backend import ForwardMode
+    from pagedmla.engine import ModelRunner, SamplingParams, Sequence
+    from pagedmla.model.context import StepContext
+
+    b, length = ids.shape
+    page = 16
+    runner = ModelRunner(model, page_size=page, num_pages=b * -(-length // page) + 1, max_batch_size=b,
+                         max_context_len=length, provider="torch")
+    seqs = []
+    for row in ids.tolist():
+        seq = Sequence(row, SamplingParams(), model.lm_head.weight.device)
+        seq.slot = runner.table.add_request()
+        runner.table.ensure_capacity(seq.slot, length)
+        seqs.append(seq)
+    with torch.inference_mode():
+        inputs = runner.prepare(seqs, ForwardMode.EXTEND, b)
+        runner.backend.init_forward_metadata(inputs.batch)
+        hidden = model(inputs.input_ids, inputs.positions, StepContext(runner.backend, runner.cache,
+                                                                        inputs.out_cache_loc))
+    return hidden.clone().view(b, length, -1)
+
+
+def hf_mtp_layer(mtp):
+    """transformers' own MTP layer (``MtpLayer`` around its DeepSeek-V3 decoder block) holding the weights
+    of pagedmla's layer 0 of ``mtp``, float32; and the map of its tensor names to the checkpoint's."""
+    pytest.importorskip("transformers.modeling_layers", reason="needs transformers with MTP support")
+    from transformers import AutoConfig
+    from transformers.modeling_layers import MtpLayer
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+
+    fields = {k: v for k, v in TINY_CONFIG.items() if k != "model_type"}
+    config = AutoConfig.for_model(TINY_CONFIG["model_type"], **fields, num_key_value_heads=TINY_CONFIG[
+        "num_attention_heads"])
+    config._attn_implementation = "eager"
+    index = TINY_CONFIG["num_hidden_layers"]
+    layer = MtpLayer(config, hf.DeepseekV3DecoderLayer, hf.DeepseekV3RMSNorm, index, True)
+    names = {}
+    for name in layer.state_dict():
+        tail = name.removeprefix("mtp_block.")
+        names[name] = f"model.layers.{index}.{'shared_head.norm.weight' if name == 'post_norm.weight' else tail}"
+    ours = {mtp.checkpoint_name(k): v for k, v in mtp.state_dict().items()}
+    layer.load_state_dict({name: ours[names[name]].float() for name in layer.state_dict()})
+    return layer, hf.DeepseekV3RotaryEmbedding(config), names
+
+
+def hf_mtp_forward(layer, rotary, embeddings: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """transformers' MTP layer over [b, l] rows: embeddings [b, l, h] of tokens i + 1, hidden [b, l, h] of
+    the target at i (positions 0 .. l - 1, causal) -> [b, l, h] after its post norm (``shared_head.norm``)."""
+    length = embeddings.shape[1]
+    positions = torch.arange(length)[None]
+    mask = torch.full((length, length), float("-inf")).triu(1)[None, None]
+    return layer(embeddings, hidden, rotary(embeddings, positions), mask, positions, None)
+
+
+def write_trained_mtp_checkpoint(directory, seed: int = MTP_SEED, batch: int = 8, length: int = 128,
+                                 head_steps: int = 120, mtp_steps: int = 60) -> dict:
+    """The ``tiny`` configuration with its MTP layer trained for the successor task, as a checkpoint
+    directory (config.json + model.safetensors, float32) that ``LLM(dir, speculative="mtp")`` loads.
+
+    The target is the tiny model's random weights (seed 0) with its LM head fitted (a linear probe, AdamW
+    on the cached final hidden states: a full model takes minutes to train on a CPU) to SUCC of each token,
+    over prompts of 1 .. 24 random task ids followed by their chain; its greedy tokens then follow the chain
+    (98-99% of positions on held-out sequences; the rest depend on the context). The MTP layer, in
+    transformers' implementation (``MtpLayer``), learns the target's own argmax at position i + 1 from the
+    target's hidden state at i and token i + 1, twice per step: on the target's hidden states, and again
+    on its own outputs shifted by one position (the chained draft steps feed it those). Returns the
+    training figures: probe and MTP accuracies, seconds."""
+    import json
+    import time
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from pagedmla.model import load_model, load_mtp
+
+    start = time.perf_counter()
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    succ = successor_map(seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    target = load_model("tiny", dtype=torch.float32)
+
+    def sequences(n):
+        return torch.tensor([chain_prompt(length, gen, succ, int(torch.randint(1, 25, (1,), generator=gen)))
+                             for _ in range(n)])
+
+    ids = sequences(batch)
+    hidden = _target_hidden(target, ids)
+    head = torch.nn.Parameter(target.lm_head.weight.detach().clone())
+    opt = torch.optim.Adam([head], lr=1e-2)
+    features, labels = hidden.reshape(-1, hidden.shape[-1]), succ[ids].reshape(-1)
+    for _ in range(head_steps):
+        loss = F.cross_entropy(features @ head.t(), labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        target.lm_head.weight.copy_(head)
+        probe_accuracy = ((features @ head.t()).argmax(-1) == labels).float().mean().item()
+        # The MTP's label at row i: the target's own greedy choice after token i + 1.
+        wanted = (hidden @ head.t()).argmax(-1)
+    mtp = load_mtp(target, "tiny", seed=seed)
+    layer, rotary, names = hf_mtp_layer(mtp)
+    layer.requires_grad_(True)
+    embed = target.model.embed_tokens.weight.detach()
+    frozen_head = head.detach()
+    opt = torch.optim.Adam(layer.parameters(), lr=3e-3)
+    mtp_accuracy = 0.0
+    for step in range(mtp_steps):
+        rows = slice(step * 4 % batch, step * 4 % batch + 4)
+        e = F.embedding(ids[rows, 1:], embed)
+        out = hf_mtp_forward(layer, rotary, e, hidden[rows, :-1])
+        # Row i predicts the target's choice at position i + 1 (wanted[:, i + 1]); the last has no label.
+        logits = out[:, :-1] @ frozen_head.t()
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), wanted[rows, 1:-1].reshape(-1))
+        chained = hf_mtp_forward(layer, rotary, e[:, 1:], out[:, :-1])
+        chained_logits = chained[:, :-1] @ frozen_head.t()
+        loss = loss + F.cross_entropy(chained_logits.reshape(-1, logits.shape[-1]), wanted[rows, 2:-1].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        mtp_accuracy = (logits.argmax(-1) == wanted[rows, 1:-1]).float().mean().item()
+    tensors = {k: v.contiguous() for k, v in target.state_dict().items()}
+    tensors.update({names[k]: v.detach().contiguous() for k, v in layer.state_dict().items()})
+    save_file(tensors, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(TINY_CONFIG))
+    return {"probe_accuracy": probe_accuracy, "mtp_accuracy": mtp_accuracy,
+            "seconds": time.perf_counter() - start}

@@ -4,9 +4,14 @@ N requests arrive together (an offline burst) with prompt / output lengths drawn
 ranges. For each attention provider (torch / triton / flashmla where available) and CUDA-graph setting,
 the engine serves them and the run reports output tokens/s, time to first token (TTFT) and inter-token
 latency (ITL) percentiles (p50 / p90 / p99), and the mean decode step time (the CUDA-graph on/off
-comparison). transformers then generates the same prompts greedily in left-padded batches of
-``--batch-size`` (its tokens/s counts the requested output tokens only, although it runs every row of a
-batch to the longest output). ``match`` counts requests whose greedy tokens equal transformers'
+comparison). ``--speculative mtp`` serves each configuration a second time with MTP speculative decoding
+(``--num-speculative-tokens`` drafts per step from one MTP layer with random weights, sharing the
+target's embedding and head) and reports its acceptance rate and tokens per request and verify step
+beside plain decoding; random weights draft poorly, so this measures the cost of the draft and verify
+path rather than a speed-up (the trained test model's figures come from ``make test-gpu``).
+transformers then generates the same prompts greedily in left-padded batches of ``--batch-size`` (its
+tokens/s counts the requested output tokens only, although it runs every row of a batch to the longest
+output). ``match`` counts requests whose greedy tokens equal transformers'
 (float32 should match everywhere; bf16 may part at near-ties).
 
     python benchmarks/bench_engine.py --preset v2-lite                     # GPU: bf16, batch 64
@@ -38,8 +43,10 @@ from pagedmla.bench.common import bar_plot, check_plotting
 from pagedmla.bench.options import PRESETS, engine_arguments
 from pagedmla.config import resolve_dtype
 from pagedmla.engine import LLM, SamplingParams
+from pagedmla.engine.mtp_drafter import MAX_DRAFT_TOKENS
 from pagedmla.model.build import build_empty
 from pagedmla.model.config import DeepseekConfig
+from pagedmla.model.mtp import DeepseekMTP, build_empty_mtp
 from pagedmla.model.random_weights import init_random_
 from pagedmla.ops.providers import available_providers
 
@@ -97,16 +104,27 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_engine(model, prompts, out_lens, args, provider: str, graphs: bool, profile: bool = False) -> dict:
+def random_mtp(model, seed: int) -> DeepseekMTP:
+    """One MTP layer with random weights for ``model`` (sharing its embedding and head)."""
+    weight = model.model.embed_tokens.weight
+    mtp = build_empty_mtp(model.config, weight.device, weight.dtype, num_layers=1)
+    mtp.share_with(model)
+    return init_random_(mtp, seed)
+
+
+def run_engine(model, prompts, out_lens, args, provider: str, graphs: bool, profile: bool = False,
+               mtp: DeepseekMTP | None = None) -> dict:
     """Serve the burst once (after a warm-up); returns the row of the results table. ``profile``
-    times every attention call with a device synchronisation on both sides (eager only)."""
+    times every attention call with a device synchronisation on both sides (eager only); ``mtp`` drafts
+    ``args.num_speculative_tokens`` tokens per step with that draft model."""
     device = model.model.embed_tokens.weight.device
     context = max(map(len, prompts)) + max(out_lens) + 1
     pages_per_request = -(-context // args.page_size) + 1
     llm = LLM(model, page_size=args.page_size, num_pages=args.batch_size * pages_per_request + 1, provider=provider,
               max_batch_size=args.batch_size, max_context_len=context, enable_cuda_graph=graphs,
               max_num_batched_tokens=args.max_num_batched_tokens, mixed_batching=args.mixed,
-              profile_attention=profile)
+              profile_attention=profile, **(dict(speculative="mtp", num_speculative_tokens=args.num_speculative_tokens,
+                                                 draft_model=mtp, draft_graph=args.draft_graph) if mtp else {}))
     # Warm-up on other tokens of the same lengths (no prefix-cache hits later), so every kernel
     # specialisation the burst needs is compiled before the clock starts.
     rng = random.Random(-1)
@@ -121,7 +139,9 @@ def run_engine(model, prompts, out_lens, args, provider: str, graphs: bool, prof
     ttft = [o.token_times[0] - o.arrival_time for o in outs]
     itl = [b - a for o in outs for a, b in zip(o.token_times, o.token_times[1:])]
     s = llm.stats
-    row = {"name": f"pagedmla {provider}" + (" +graphs" if graphs else ""), "tokens": [o.token_ids for o in outs],
+    name = f"pagedmla {provider}" + (" +graphs" if graphs else "") + \
+        (f" +mtp k={args.num_speculative_tokens}" if mtp else "")
+    row = {"name": name, "tokens": [o.token_ids for o in outs],
            "tok_s": sum(out_lens) / wall, "wall": wall, "ttft": percentiles(ttft), "itl": percentiles(itl),
            "step_ms": 1e3 * s.decode_seconds / max(1, s.decode_steps), "stats": s}
     del llm
@@ -211,22 +231,31 @@ def run(args: argparse.Namespace) -> int:
     if graph_mode != "off" and device.type != "cuda":
         raise ValueError("--cuda-graph: CUDA graphs need --device cuda")
     graph_settings = {"on": [True], "off": [False], "both": [False, True]}[graph_mode]
+    if args.speculative and not 1 <= args.num_speculative_tokens <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"--num-speculative-tokens: MTP drafts 1..{MAX_DRAFT_TOKENS} tokens, "
+                         f"got {args.num_speculative_tokens}")
     ours, hf = build_models(args.preset, device, dtype, args.seed, not args.no_hf)
     print(f"preset {args.preset}, {device}, {str(dtype).replace('torch.', '')}: {args.num_requests} requests, "
           f"prompts {args.prompt_len}, outputs {args.output_len} tokens ({sum(out_lens)} in all), "
           f"batch {args.batch_size}, page {args.page_size}")
-    rows = [run_engine(ours, prompts, out_lens, args, p, g) for p in providers for g in graph_settings]
+    mtp = random_mtp(ours, args.seed) if args.speculative == "mtp" else None
+    drafts = [None, mtp] if mtp is not None else [None]
+    rows = [run_engine(ours, prompts, out_lens, args, p, g, mtp=m) for p in providers for g in graph_settings
+            for m in drafts]
     if hf is not None:
         rows.append(run_hf(hf, prompts, out_lens, args, device))
     reference = rows[-1]["tokens"] if hf is not None else None
-    print("| run | output tok/s | wall s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | decode step ms | match |")
-    print("|---|---|---|---|---|---|---|")
+    print("| run | output tok/s | wall s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | decode step ms | match | "
+          "drafts accepted | tokens / verify step |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         match = "-" if reference is None or r is rows[-1] else \
             f"{sum(a == b for a, b in zip(r['tokens'], reference))}/{len(reference)}"
         step = f"{r['step_ms']:.2f}" if r["step_ms"] is not None else "-"
+        s = r.get("stats")
+        spec = f"{s.acceptance_rate:.1%} | {s.tokens_per_verify:.2f}" if s is not None and s.draft_tokens else "- | -"
         print(f"| {r['name']} | {r['tok_s']:.1f} | {r['wall']:.2f} | {_fmt(r['ttft'])} | {_fmt(r['itl'])} | "
-              f"{step} | {match} |")
+              f"{step} | {match} | {spec} |")
     if args.profile_attention:
         profiled = [run_engine(ours, prompts, out_lens, args, p, False, profile=True) for p in providers]
         print_attention_profile(profiled, PRESETS[args.preset]["num_hidden_layers"])
@@ -234,7 +263,8 @@ def run(args: argparse.Namespace) -> int:
         best = max(r["tok_s"] for r in rows[:-1])
         print(f"best engine throughput / transformers: {best / rows[-1]['tok_s']:.1f}x")
     for p in providers:
-        steps = {r["name"]: r["step_ms"] for r in rows if r["name"].startswith(f"pagedmla {p}")}
+        steps = {r["name"]: r["step_ms"] for r in rows
+                 if r["name"].startswith(f"pagedmla {p}") and "+mtp" not in r["name"]}
         if len(steps) == 2:
             eager, graphed = steps[f"pagedmla {p}"], steps[f"pagedmla {p} +graphs"]
             print(f"{p}: decode step {eager:.2f} ms eager, {graphed:.2f} ms with CUDA graphs "

@@ -73,6 +73,11 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cuda-graph", choices=("on", "off", "both"), default=None,
                         help="default: both on CUDA, off on CPU")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
+    parser.add_argument("--speculative", choices=("mtp",), default=None,
+                        help="also serve with MTP speculative decoding (a random-weight MTP layer: low acceptance)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=2, help="MTP draft tokens per step (1-4)")
+    parser.add_argument("--draft-graph", choices=("fused", "per_step"), default="fused",
+                        help="with CUDA graphs: one graph for the MTP draft decodes, or one per step")
     parser.add_argument("--profile-attention", action="store_true",
                         help="one more eager run per provider timing every attention call (after warm-up)")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of the throughputs to PATH")

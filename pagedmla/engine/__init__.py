@@ -5,6 +5,7 @@ from pagedmla.engine.drafter import NgramDrafter
 from pagedmla.engine.kv_pages import KVPages, PageBookError
 from pagedmla.engine.llm import LLM, CompletionOutput, EngineStats, RequestOutput, StreamDelta
 from pagedmla.engine.model_runner import ModelRunner
+from pagedmla.engine.mtp_drafter import MTPDrafter
 from pagedmla.engine.prefix_cache import PrefixCache
 from pagedmla.engine.sampling import SamplingParams, sample
 from pagedmla.engine.scheduler import ScheduledBatch, Scheduler
@@ -16,6 +17,7 @@ __all__ = [
     "EngineStats",
     "GraphRunner",
     "KVPages",
+    "MTPDrafter",
     "ModelRunner",
     "NgramDrafter",
     "PageBookError",

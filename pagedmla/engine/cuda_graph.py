@@ -6,34 +6,36 @@ run token 0 at position 0, write their latent row to slot 0 (the reserved page 0
 backend's fill seq_len over block-table rows of page 0, so they touch no live data. Larger batches run
 eagerly. A replay reads nothing back from the device and reuses its static buffers: the inputs are
 copied into them, the backend refills its own graph buffers (``init_forward_metadata_replay_cuda_graph``),
-and the logits are read from the graph's static output. Building the inputs (``ModelRunner.prepare``)
-allocates small temporaries, which the caching allocator serves without new device allocations once the
-sizes have been seen; on CUDA the backend's schedule for the replay is written straight into its buffers.
+and the logits (and the final hidden states, which an MTP draft model reads) are read from the graph's
+static outputs. Building the inputs (``ModelRunner.prepare``) allocates small temporaries, which the
+caching allocator serves without new device allocations once the sizes have been seen; on CUDA the
+backend's schedule for the replay is written straight into its buffers.
 
-Graph objects come from a factory (``CudaGraph`` on the GPU); tests substitute one that re-runs the
-captured function, so the padding and buffer logic runs on the CPU too.
+The model runner owns its GraphRunner (``ModelRunner.capture_cuda_graphs``); a GraphRunner knows only the
+model, its cache and its backend, so this module does not import the runner. Graph objects come from a
+factory (``CudaGraph`` on the GPU); tests substitute one that re-runs the captured function, so the
+padding and buffer logic runs on the CPU too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 import torch
 
-from pagedmla.backend import ForwardMode
+from pagedmla.backend import ForwardBatch, ForwardMode, MLABackend
+from pagedmla.cache import MLAKVCache
 from pagedmla.model.context import StepContext
-
-if TYPE_CHECKING:
-    from pagedmla.engine.model_runner import ModelRunner, StepInputs
+from pagedmla.model.deepseek import DeepseekForCausalLM
 
 
 class Graph(Protocol):
-    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Record ``fn`` and return its (static) output tensor."""
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        """Record ``fn`` and return its (static) output: a tensor or a tuple of tensors."""
 
     def replay(self) -> None:
-        """Run the recorded work again, refreshing the output tensor in place."""
+        """Run the recorded work again, refreshing the output tensors in place."""
 
 
 class CudaGraph:
@@ -47,7 +49,7 @@ class CudaGraph:
         self.warmup = warmup
         self.graph = torch.cuda.CUDAGraph()
 
-    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def capture(self, fn: Callable[[], Any]) -> Any:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -60,6 +62,14 @@ class CudaGraph:
 
     def replay(self) -> None:
         self.graph.replay()
+
+
+def cuda_graph_factory(device: torch.device) -> Callable[[], Graph]:
+    """Makes CudaGraphs that share one memory pool (ValueError naming ``enable_cuda_graph`` off CUDA)."""
+    if device.type != "cuda":
+        raise ValueError(f"enable_cuda_graph: CUDA graphs need a CUDA device, the model is on {device}")
+    pool = torch.cuda.graph_pool_handle()
+    return lambda: CudaGraph(pool)
 
 
 def default_batch_sizes(max_batch_size: int) -> list[int]:
@@ -76,52 +86,54 @@ def default_batch_sizes(max_batch_size: int) -> list[int]:
 class GraphRunner:
     """Captures decode steps (and verify steps when the backend has draft tokens) of ``batch_sizes``.
 
-    runner: the ModelRunner whose model, cache and backend the graphs use; batch_sizes: a non-empty list
-    (None: ``default_batch_sizes``); graph_factory: makes one Graph per captured (batch size, mode)."""
+    model, cache, backend: what the graphs run (a ModelRunner's); batch_sizes: a non-empty list (None:
+    ``default_batch_sizes`` of the backend's max_batch_size); graph_factory: makes one Graph per captured
+    (batch size, mode) (None: ``CudaGraph``, which needs the cache on a CUDA device)."""
 
-    def __init__(self, runner: ModelRunner, batch_sizes: list[int] | None = None,
-                 graph_factory: Callable[[], Graph] | None = None):
-        max_bs = runner.mla_config.max_batch_size
+    def __init__(self, model: DeepseekForCausalLM, cache: MLAKVCache, backend: MLABackend,
+                 batch_sizes: list[int] | None = None, graph_factory: Callable[[], Graph] | None = None):
+        max_bs = backend.config.max_batch_size
         if batch_sizes is not None and not batch_sizes:
             raise ValueError("batch_sizes: expected at least one batch size to capture (None: the defaults)")
         sizes = sorted(set(default_batch_sizes(max_bs) if batch_sizes is None else batch_sizes))
         if any(isinstance(b, bool) or not isinstance(b, int) or not 0 < b <= max_bs for b in sizes):
             raise ValueError(f"batch_sizes: expected batch sizes in 1..{max_bs} (max_batch_size), got {batch_sizes!r}")
-        if graph_factory is None:
-            if runner.device.type != "cuda":
-                raise ValueError(f"enable_cuda_graph: CUDA graphs need a CUDA device, the model is on {runner.device}")
-            pool = torch.cuda.graph_pool_handle()
-            graph_factory = lambda: CudaGraph(pool)  # noqa: E731
-        self.runner = runner
+        dev = cache.device
+        graph_factory = graph_factory or cuda_graph_factory(dev)
+        self.model, self.cache, self.backend = model, cache, backend
         self.batch_sizes = sizes
         self.modes = [ForwardMode.DECODE]
-        if runner.mla_config.decode_q_len > 1:
+        if backend.config.decode_q_len > 1:
             self.modes.append(ForwardMode.TARGET_VERIFY)
-        dev = runner.device
-        tokens = sizes[-1] * max(runner.q_len(m) for m in self.modes)
+        tokens = sizes[-1] * max(self.q_len(m) for m in self.modes)
         self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(tokens, dtype=torch.int64, device=dev)
         self.out_cache_loc = torch.zeros(tokens, dtype=torch.int64, device=dev)
         self.graphs: dict[tuple[int, ForwardMode], Graph] = {}
-        self.outputs: dict[tuple[int, ForwardMode], torch.Tensor] = {}
-        runner.backend.init_cuda_graph_state(sizes[-1])
+        self.outputs: dict[tuple[int, ForwardMode], tuple[torch.Tensor, torch.Tensor]] = {}
+        backend.init_cuda_graph_state(sizes[-1])
         with torch.inference_mode():
             for mode in self.modes:
                 for bs in reversed(sizes):
                     self._capture(bs, mode, graph_factory())
 
-    def _capture(self, bs: int, mode: ForwardMode, graph: Graph) -> None:
-        runner = self.runner
-        n = bs * runner.q_len(mode)
-        fill = runner.backend.get_cuda_graph_seq_len_fill_value()
-        seq_lens = torch.full((bs,), fill, dtype=torch.int32, device=runner.device)
-        slots = torch.zeros(bs, dtype=torch.int64, device=runner.device)
-        runner.backend.init_forward_metadata_capture_cuda_graph(bs, slots, seq_lens, mode)
-        ctx = StepContext(backend=runner.backend, cache=runner.cache, out_cache_loc=self.out_cache_loc[:n])
-        model = runner.model
+    def q_len(self, mode: ForwardMode) -> int:
+        """Tokens per request of a captured ``mode`` step."""
+        return self.backend.config.decode_q_len if mode == ForwardMode.TARGET_VERIFY else 1
 
-        def step() -> torch.Tensor:
-            return model.compute_logits(model(self.input_ids[:n], self.positions[:n], ctx))
+    def _capture(self, bs: int, mode: ForwardMode, graph: Graph) -> None:
+        n = bs * self.q_len(mode)
+        dev = self.cache.device
+        fill = self.backend.get_cuda_graph_seq_len_fill_value()
+        seq_lens = torch.full((bs,), fill, dtype=torch.int32, device=dev)
+        slots = torch.zeros(bs, dtype=torch.int64, device=dev)
+        self.backend.init_forward_metadata_capture_cuda_graph(bs, slots, seq_lens, mode)
+        ctx = StepContext(backend=self.backend, cache=self.cache, out_cache_loc=self.out_cache_loc[:n])
+        model = self.model
+
+        def step() -> tuple[torch.Tensor, torch.Tensor]:
+            hidden = model(self.input_ids[:n], self.positions[:n], ctx)
+            return model.compute_logits(hidden), hidden
 
         self.outputs[(bs, mode)] = graph.capture(step)
         self.graphs[(bs, mode)] = graph
@@ -133,19 +145,22 @@ class GraphRunner:
     def can_replay(self, mode: ForwardMode, bs: int) -> bool:
         return mode in self.modes and self.padded_batch_size(bs) is not None
 
-    def replay(self, inputs: StepInputs, mode: ForwardMode) -> torch.Tensor:
-        """Logits [raw * q_len, vocab] of a decode / verify step of ``raw`` requests, from the graph of the
-        next captured batch size. The returned tensor is the graph's output: valid until the next replay."""
-        raw = inputs.batch.batch_size
+    def replay(self, batch: ForwardBatch, input_ids: torch.Tensor, positions: torch.Tensor,
+               out_cache_loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits float32 [raw * q_len, vocab] and final hidden states [raw * q_len, hidden] of the decode /
+        verify step ``batch`` of ``raw`` requests (its int64 [raw * q_len] token ids, positions and cache
+        slots), from the graph of the next captured batch size. They are the graph's outputs: valid until
+        the next replay."""
+        mode = batch.forward_mode
+        raw = batch.batch_size
         bs = self.padded_batch_size(raw)
-        q = self.runner.q_len(mode)
+        q = self.q_len(mode)
         n_raw, n = raw * q, bs * q
-        for buf, src in ((self.input_ids, inputs.input_ids), (self.positions, inputs.positions),
-                         (self.out_cache_loc, inputs.out_cache_loc)):
+        for buf, src in ((self.input_ids, input_ids), (self.positions, positions), (self.out_cache_loc, out_cache_loc)):
             buf[:n_raw].copy_(src)
             buf[n_raw:n].zero_()
-        batch = inputs.batch
-        self.runner.backend.init_forward_metadata_replay_cuda_graph(bs, batch.req_pool_indices, batch.seq_lens, mode,
-                                                                    block_table=batch.block_table, raw_bs=raw)
+        self.backend.init_forward_metadata_replay_cuda_graph(bs, batch.req_pool_indices, batch.seq_lens, mode,
+                                                             block_table=batch.block_table, raw_bs=raw)
         self.graphs[(bs, mode)].replay()
-        return self.outputs[(bs, mode)][:n_raw]
+        logits, hidden = self.outputs[(bs, mode)]
+        return logits[:n_raw], hidden[:n_raw]

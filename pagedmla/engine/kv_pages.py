@@ -21,10 +21,18 @@ class PageBookError(AssertionError):
 
 
 class KVPages:
-    """table: the RequestTable the model runner reads; prefix_cache: None disables prefix caching."""
+    """table: the RequestTable the model runner reads; prefix_cache: None disables prefix caching.
 
-    def __init__(self, table: RequestTable, prefix_cache: PrefixCache | None = None):
+    recompute_last_cached_page: a request that finds a cached prefix of n pages reuses n - 1 and recomputes
+    the last. An MTP draft model needs that: the draft's row at a position pairs the target's hidden state
+    there with the next token, so the last row of the last shared page belongs to the token after it,
+    which the request that wrote the page may not share; the target's hidden states of the recomputed page
+    let the draft write those rows for this request's own tokens."""
+
+    def __init__(self, table: RequestTable, prefix_cache: PrefixCache | None = None, *,
+                 recompute_last_cached_page: bool = False):
         self.table = table
+        self.recompute_last_cached_page = recompute_last_cached_page
         self.allocator = table.allocator
         self.page_size = table.page_size
         self.prefix_cache = prefix_cache
@@ -54,6 +62,8 @@ class KVPages:
         shared = []
         if self.prefix_cache is not None:
             shared = self.prefix_cache.match(seq.token_ids, self._hashes(seq))
+            if self.recompute_last_cached_page:
+                shared = shared[:-1]
         seq.slot = self.table.add_request(shared)
         seq.num_cached_tokens = len(shared) * self.page_size
         seq.num_committed_pages = len(shared)

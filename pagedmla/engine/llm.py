@@ -4,7 +4,8 @@ Requests can also be driven step by step (``add_request`` / ``step`` / ``abort``
 join a running batch: anything added between steps is admitted by the scheduler at the next step.
 Features (each leaves greedy output unchanged): chunked prefill under a per-step token budget, MIXED
 prefill + decode steps, prefix caching, preemption with recomputation when pages run out, CUDA graphs
-for decode / verify steps, and n-gram speculative decoding verified in one target step.
+for decode / verify steps, and speculative decoding verified in one target step, drafted by n-gram lookup
+or by the model's own MTP layer (``pagedmla.engine.mtp_drafter``).
 
 A step never fails for one request: a sample (one of a request's ``n``) whose logits hold inf/NaN, or
 whose sampling, log-probabilities, post-processing or detokenisation raises, finishes with finish_reason
@@ -38,10 +39,10 @@ from tqdm.auto import tqdm
 from pagedmla.backend import ForwardMode
 from pagedmla.config import resolve_dtype
 from pagedmla.engine import distributed
-from pagedmla.engine.cuda_graph import GraphRunner
 from pagedmla.engine.drafter import NgramDrafter
 from pagedmla.engine.kv_pages import KVPages
 from pagedmla.engine.model_runner import ModelRunner
+from pagedmla.engine.mtp_drafter import DRAFT_CACHE_LAYERS, DRAFT_GRAPH_MODES, MAX_DRAFT_TOKENS, MTPDrafter
 from pagedmla.engine.prefix_cache import PrefixCache
 from pagedmla.engine.profiler import AttentionProfiler
 from pagedmla.engine.sampling import NonFiniteLogitsError, SamplingParams, sample, token_logprobs
@@ -51,11 +52,13 @@ from pagedmla.engine.speculative import verify
 from pagedmla.engine.tokenizer import Detokenizer, find_stop, missing_tokenizer_hint, resolve_tokenizer
 from pagedmla.model.config import DeepseekConfig, tiny_config
 from pagedmla.model.deepseek import DeepseekForCausalLM
-from pagedmla.model.factory import TINY, load_model
+from pagedmla.model.factory import TINY, load_model, load_mtp
 from pagedmla.model.memory import check_fits
+from pagedmla.model.mtp import DeepseekMTP
 from pagedmla.parallel import SINGLE
 
 _DEVICE_TYPES = ("cpu", "cuda")
+SPECULATIVE_METHODS = ("ngram", "mtp")
 
 
 @dataclass
@@ -160,7 +163,8 @@ class EngineStats:
     ``verify_steps`` of them verify steps; MIXED steps are counted apart). Prefill and mixed tokens are
     the tokens run; decode tokens are those the requests kept (up to a stop token or max_tokens).
     Attention calls/seconds fill in when profiling. Speculative decoding: draft tokens proposed, and
-    accepted into the output (``acceptance_rate``). Prefix caching: tokens whose prefill a cached prefix
+    accepted into the output (``acceptance_rate``), over ``verified_requests`` request-steps of verify
+    (``tokens_per_verify``: what a request gains from one). Prefix caching: tokens whose prefill a cached prefix
     saved, and admissions that looked up the cache / found a prefix there (``prefix_cache_hit_rate``).
     Preemptions: requests sent back to wait.
 
@@ -177,6 +181,7 @@ class EngineStats:
     mixed_seconds: float = 0.0
     mixed_steps: int = 0
     verify_steps: int = 0
+    verified_requests: int = 0
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
     cached_prefix_tokens: int = 0
@@ -190,6 +195,12 @@ class EngineStats:
     def acceptance_rate(self) -> float:
         """Accepted / proposed draft tokens (0 before any was proposed)."""
         return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_verify(self) -> float:
+        """Tokens a request gained per verify step: its accepted drafts plus the target's own token (0 before
+        any verify step)."""
+        return 1.0 + self.accepted_draft_tokens / self.verified_requests if self.verified_requests else 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -251,28 +262,33 @@ def _check_loaded_model(model: DeepseekForCausalLM, device: Any, dtype: Any, see
                          "already has its weights, leave seed unset")
 
 
-def _page_bytes(model: DeepseekForCausalLM, page_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one cache page on one rank: ``page_size`` latent rows in every layer."""
+def _page_bytes(model: DeepseekForCausalLM, page_size: int, dtype: torch.dtype, draft_layers: int = 0) -> int:
+    """Bytes of one cache page on one rank: ``page_size`` latent rows in every layer, and in the
+    ``draft_layers`` of an MTP draft model's cache (which uses the same page ids)."""
     cfg = model.config
-    return page_size * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers * dtype.itemsize
+    layers = cfg.num_hidden_layers + draft_layers
+    return page_size * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * layers * dtype.itemsize
 
 
 def _default_num_pages(model: DeepseekForCausalLM, page_size: int, dtype: torch.dtype, budget_bytes: int,
-                       max_batch_size: int, max_context_len: int, tokens_per_page: int) -> int:
+                       max_batch_size: int, max_context_len: int, tokens_per_page: int,
+                       draft_layers: int = 0) -> int:
     """Pages of ``page_size`` rows per rank that ``budget_bytes`` holds, at most what ``max_batch_size``
     requests of ``max_context_len`` tokens use (a page holds ``tokens_per_page`` tokens of a request:
     more than its rows under decode context parallelism)."""
     enough = max_batch_size * (-(-max_context_len // tokens_per_page) + 1)
-    return max(2, min(budget_bytes // _page_bytes(model, page_size, dtype), enough) + 1)
+    return max(2, min(budget_bytes // _page_bytes(model, page_size, dtype, draft_layers), enough) + 1)
 
 
 def _check_cache_fits(model: DeepseekForCausalLM, page_size: int, num_pages: int, max_batch_size: int,
-                      context: int, pages_field: str, context_field: str, tokens_per_page: int) -> None:
+                      context: int, pages_field: str, context_field: str, tokens_per_page: int,
+                      draft_layers: int = 0) -> None:
     """ValueError naming the field at fault when the cache's pages (``pages_field``: num_pages or the
-    cache_bytes that sized it) and its two int32 page tables (the request table's and the backend's, rows
-    of ``context`` tokens: ``context_field``) would not fit in the device's available memory."""
+    cache_bytes that sized it; with ``draft_layers`` of a draft cache) and its two int32 page tables (the
+    request table's and the backend's, rows of ``context`` tokens: ``context_field``) would not fit in the
+    device's available memory."""
     weight = model.model.embed_tokens.weight
-    pages = num_pages * _page_bytes(model, page_size, weight.dtype)
+    pages = num_pages * _page_bytes(model, page_size, weight.dtype, draft_layers)
     tables = 2 * max_batch_size * -(-context // tokens_per_page) * 4
     field, value = (pages_field, num_pages) if pages >= tables else (context_field, context)
     where = " (from the model's config.json; set max_context_len)" if field == "max_position_embeddings" else ""
@@ -322,6 +338,26 @@ def _isolated(rows: list[int], run: Callable[[list[int]], list[Any]], what: str,
     return out
 
 
+def _speculative_method(speculative: Any, k: Any, draft_model: Any, draft_graph: Any) -> str | None:
+    """The drafter of ``LLM(speculative=..., num_speculative_tokens=k)`` ("ngram", "mtp" or None for none),
+    its arguments checked (ValueError / TypeError naming the argument)."""
+    if speculative is not None and speculative not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative: expected one of {SPECULATIVE_METHODS} or None, got {speculative!r}")
+    if speculative is not None and not k:
+        raise ValueError(f"num_speculative_tokens: speculative={speculative!r} needs draft tokens (k >= 1)")
+    method = (speculative or "ngram") if k else None
+    if method == "mtp" and not 1 <= k <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"num_speculative_tokens: MTP drafts 1..{MAX_DRAFT_TOKENS} tokens, got {k}")
+    if draft_model is not None:
+        if method != "mtp":
+            raise ValueError("draft_model: an MTP draft model needs speculative='mtp'")
+        if not isinstance(draft_model, DeepseekMTP):
+            raise TypeError(f"draft_model: expected a DeepseekMTP, got {type(draft_model).__name__}")
+    if draft_graph not in DRAFT_GRAPH_MODES:
+        raise ValueError(f"draft_graph: expected one of {DRAFT_GRAPH_MODES}, got {draft_graph!r}")
+    return method
+
+
 def _decode_error(exc: Exception) -> str:
     """The error of a sample whose tokenizer could not decode its tokens."""
     return f"tokenizer: decoding the output raised {type(exc).__name__}: {exc}"
@@ -339,8 +375,11 @@ class LLM:
     prompts are prefilled in chunks over several steps). extend_prefix_mode: the backend's form for
     prefills over a cached prefix. mixed_batching: run prefill chunks together with running decodes in
     MIXED steps. enable_prefix_caching: share the full pages of common prompt prefixes between requests.
-    num_speculative_tokens: k > 0 drafts up to k tokens per request by prompt lookup (n-gram matches of
-    up to ``ngram_max_n`` tokens) and verifies them in one step. enable_cuda_graph: replay CUDA graphs
+    num_speculative_tokens: k > 0 drafts up to k tokens per request and verifies them in one step, drafted
+    as ``speculative`` says: "ngram" (the default) by prompt lookup (n-gram matches of up to
+    ``ngram_max_n`` tokens), "mtp" (k 1..4) by the model's multi-token-prediction layer, ``draft_model``
+    (None: loaded with the model; "tiny" has random MTP weights from ``seed``), whose draft decodes replay
+    one CUDA graph (``draft_graph`` "fused") or one per step ("per_step"). enable_cuda_graph: replay CUDA graphs
     for decode / verify steps (None: on for CUDA devices) of ``cuda_graph_batch_sizes`` (default 1, 2,
     4, 8, 16, ... up to max_batch_size). profile_attention: count and time the model's attention calls
     (adds device synchronisation; such steps run eagerly). seed: the random weights of ``tiny`` (default
@@ -363,6 +402,7 @@ class LLM:
                  max_batch_size: int = 32, max_num_batched_tokens: int = 8192, max_context_len: int | None = None,
                  extend_prefix_mode: str = "auto", mixed_batching: bool = False, cache_bytes: int = 1 << 28,
                  enable_prefix_caching: bool = False, num_speculative_tokens: int = 0, ngram_max_n: int = 4,
+                 speculative: str | None = None, draft_model: DeepseekMTP | None = None, draft_graph: str = "fused",
                  enable_cuda_graph: bool | None = None, cuda_graph_batch_sizes: list[int] | None = None,
                  profile_attention: bool = False, seed: int | None = None, tokenizer: Any = "auto",
                  backend_options: dict | None = None, tensor_parallel_size: int = 1,
@@ -384,6 +424,7 @@ class LLM:
             _check_positive_int("max_context_len", max_context_len)
         _check_positive_int("cache_bytes", cache_bytes)
         _check_positive_int("ngram_max_n", ngram_max_n)
+        method = _speculative_method(speculative, num_speculative_tokens, draft_model, draft_graph)
         _check_positive_int("page_size", page_size)  # the default num_pages divides by it
         _check_positive_int("max_batch_size", max_batch_size)
         if num_pages is not None:
@@ -399,6 +440,9 @@ class LLM:
         self._parallel: distributed.Parallel | None = None
         tp, dcp = SINGLE, SINGLE
         if tensor_parallel_size > 1:
+            if method == "mtp":
+                raise ValueError("speculative: 'mtp' runs on one device; it is not available with "
+                                 f"tensor_parallel_size={tensor_parallel_size} yet")
             device_type = _check_parallel_model(model, device, tensor_parallel_size)
             self._parallel = distributed.start(tensor_parallel_size, decode_context_parallel_size, device_type,
                                                settings)
@@ -411,34 +455,45 @@ class LLM:
             else:
                 self.model = load_model(model, device=parse_device(device), dtype=dtype,
                                         seed=0 if seed is None else seed, tp=tp)
+            if method == "mtp" and draft_model is None:
+                if isinstance(model, DeepseekForCausalLM):
+                    raise ValueError("draft_model: speculative='mtp' with a loaded model needs its MTP layers; "
+                                     "pass draft_model=pagedmla.model.load_mtp(model, PATH)")
+                draft_model = load_mtp(self.model, model, seed=0 if seed is None else seed)
             cfg = self.model.config
             weight = self.model.model.embed_tokens.weight
             context = cfg.max_position_embeddings if max_context_len is None else max_context_len
+            draft_layers = DRAFT_CACHE_LAYERS if method == "mtp" else 0
             pages_field = "num_pages" if num_pages is not None else "cache_bytes"
             per_page = page_size * dcp.size
             if num_pages is None:
                 num_pages = _default_num_pages(self.model, page_size, weight.dtype, cache_bytes, max_batch_size,
-                                               context, per_page)
+                                               context, per_page, draft_layers)
             _check_cache_fits(self.model, page_size, num_pages, max_batch_size, context + num_speculative_tokens,
                               pages_field, "max_context_len" if max_context_len is not None else
-                              "max_position_embeddings", per_page)
+                              "max_position_embeddings", per_page, draft_layers)
             self.runner = ModelRunner(self.model, page_size=page_size, num_pages=num_pages,
                                       max_batch_size=max_batch_size, max_context_len=context, provider=provider,
                                       extend_prefix_mode=extend_prefix_mode, backend_options=backend_options,
                                       num_speculative_tokens=num_speculative_tokens, dcp=dcp)
             table = self.runner.table
             prefix_cache = PrefixCache(table.allocator, table.page_size) if enable_prefix_caching else None
-            self.pages = KVPages(table, prefix_cache)
+            self.pages = KVPages(table, prefix_cache, recompute_last_cached_page=method == "mtp")
             self.scheduler = Scheduler(self.pages, max_batch_size=max_batch_size,
                                        max_num_batched_tokens=max_num_batched_tokens, max_context_len=context,
                                        eos_token_ids=cfg.eos_token_id, mixed=mixed_batching,
                                        num_speculative_tokens=num_speculative_tokens)
-            self.drafter = NgramDrafter(num_speculative_tokens, max_n=ngram_max_n) if num_speculative_tokens \
-                else None
+            self.drafter: NgramDrafter | MTPDrafter | None = None
+            if method == "ngram":
+                self.drafter = NgramDrafter(num_speculative_tokens, max_n=ngram_max_n)
+            elif method == "mtp":
+                self.drafter = MTPDrafter(self.runner, draft_model, num_speculative_tokens)
             if enable_cuda_graph is None:
                 enable_cuda_graph = self.runner.device.type == "cuda"
             if enable_cuda_graph:
-                self.runner.graphs = GraphRunner(self.runner, cuda_graph_batch_sizes)
+                graphs = self.runner.capture_cuda_graphs(cuda_graph_batch_sizes)
+                if isinstance(self.drafter, MTPDrafter):
+                    self.drafter.capture_graphs(graphs.batch_sizes, mode=draft_graph)
         self.profiler = AttentionProfiler(self.runner.backend) if profile_attention else None
         self.stats = EngineStats()
         # Unfinished requests by request id, and the engine's state of each of their samples by seq_id.
@@ -590,8 +645,15 @@ class LLM:
             return []
         calls, secs = (self.profiler.calls, self.profiler.seconds) if self.profiler else (0, 0.0)
         start = time.perf_counter()
-        mode, tokens, drafts, proposed = batch.mode, None, None, []
-        if batch.speculative:
+        mode, tokens, drafts, proposed, on_device = batch.mode, None, None, [], None
+        mtp = isinstance(self.drafter, MTPDrafter)
+        if batch.speculative and mtp:
+            # The drafts stay on the device: they take their places in the verify step's tokens there.
+            drafts = on_device = self.drafter.propose(batch.seqs)
+            proposed = [self.drafter.k] * len(batch.seqs)
+            mode = ForwardMode.TARGET_VERIFY
+            tokens = [[seq.token_ids[-1]] + [0] * self.drafter.k for seq in batch.seqs]
+        elif batch.speculative:
             drafts, proposed = self._draft(batch)
             if drafts is not None:
                 mode = ForwardMode.TARGET_VERIFY
@@ -600,8 +662,14 @@ class LLM:
             tokens = [seq.token_ids[seq.num_cached_tokens: seq.num_cached_tokens + n]
                       for seq, n in zip(batch.seqs, batch.num_tokens)]
         logits = self.runner.run(batch.seqs, mode, batch.num_extends, tokens=tokens, all_logits=drafts is not None,
-                                 backend=self.profiler)
+                                 backend=self.profiler, draft_tokens=on_device, return_hidden=mtp)
+        if mtp:
+            logits, hidden = logits
         new_tokens, errors = self._sample(batch, logits, drafts)
+        if mtp:
+            # Before postprocess: a finishing request's pages still hold its rows, and the step's full pages
+            # are committed to the prefix cache only once the draft's rows in them are its accepted tokens'.
+            self.drafter.after_step(batch, mode, hidden, new_tokens)
         logprobs = self._logprobs(batch, logits, new_tokens, drafts is not None, errors)
         now = time.perf_counter()  # the tokens were read back, so the device is done
         if self.profiler:
@@ -684,7 +752,7 @@ class LLM:
             return
 
     def _sample(self, batch: ScheduledBatch, logits: torch.Tensor,
-                drafts: list[list[int]] | None) -> tuple[list[list[int]], dict[int, str]]:
+                drafts: list[list[int]] | torch.Tensor | None) -> tuple[list[list[int]], dict[int, str]]:
         """Each request's new tokens this step (none for a prompt chunk that is not its last), and a
         message for each batch row that could not be sampled (its tokens are then []).
 
@@ -696,9 +764,11 @@ class LLM:
             width = logits.shape[0] // len(seqs)
 
             def draw(idx: list[int]) -> list[list[int] | None]:
-                part = logits if len(idx) == len(seqs) else logits[idx[0] * width:(idx[0] + 1) * width]
+                # All rows, or one (``_isolated``); drafts are host lists or a device tensor.
+                whole = len(idx) == len(seqs)
+                part = logits if whole else logits[idx[0] * width:(idx[0] + 1) * width]
                 try:
-                    return verify(part, [drafts[i] for i in idx], [seqs[i].params for i in idx],
+                    return verify(part, drafts if whole else drafts[idx[0]:idx[0] + 1], [seqs[i].params for i in idx],
                                   [seqs[i].generator for i in idx])
                 except NonFiniteLogitsError as exc:
                     return exc.tokens
@@ -764,6 +834,7 @@ class LLM:
             s.decode_steps += 1
             if mode == ForwardMode.TARGET_VERIFY:
                 s.verify_steps += 1
+                s.verified_requests += len(batch.seqs)
                 for n, produced, appended in zip(proposed, new_tokens, kept):
                     # Real proposals only: tokens padding a short draft do not count as drafted. Accepted
                     # drafts are the produced tokens before the target's own (the last), as far as the

@@ -6,8 +6,8 @@ positions continue from the cached prefix, new latent rows go to the slots of th
 (position p: ``pages[p // page_size] * page_size + p % page_size``, as ``RequestTable.token_slots``), and
 ``seq_lens`` count every token of the request including this step's. The step's index tensors are built on
 the host and reach the device in one copy. The backend is planned once per step, before the model's
-layers call it. Decode and verify steps of captured batch sizes
-replay CUDA graphs when a GraphRunner is attached (``graphs``).
+layers call it. Decode and verify steps of captured batch sizes replay the CUDA graphs of the runner's
+own GraphRunner once ``capture_cuda_graphs`` has made it (``graphs``).
 
 A step is first described on the host (``plan``: a ``StepPlan``), then run (``execute``). In a
 tensor-parallel engine rank 0 plans, ``step_hook`` hands the plan to the other ranks
@@ -22,19 +22,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from pagedmla.backend import ForwardBatch, ForwardMode, MLABackend, create_backend
 from pagedmla.cache import MLAKVCache, PageAllocator, RequestTable
+from pagedmla.engine.cuda_graph import Graph, GraphRunner
 from pagedmla.engine.sequence import Sequence
 from pagedmla.model.context import StepContext
 from pagedmla.model.deepseek import DeepseekForCausalLM
 from pagedmla.parallel import SINGLE, Group
-
-if TYPE_CHECKING:
-    from pagedmla.engine.cuda_graph import GraphRunner
 
 
 @dataclass
@@ -96,9 +93,22 @@ class ModelRunner:
                                 dtype=self.dtype, device=self.device)
         self.table = RequestTable(PageAllocator(num_pages), self.mla_config.tokens_per_page, max_batch_size,
                                   self.mla_config.max_pages_per_request, device=self.device)
-        self.graphs: GraphRunner | None = None
+        self._graphs: GraphRunner | None = None
         # Rank 0 of a tensor-parallel engine: hands each step's plan to the other ranks before running it.
         self.step_hook: Callable[[StepPlan], None] | None = None
+
+    @property
+    def graphs(self) -> GraphRunner | None:
+        """The runner's CUDA graphs (None until ``capture_cuda_graphs``)."""
+        return self._graphs
+
+    def capture_cuda_graphs(self, batch_sizes: list[int] | None = None,
+                            graph_factory: Callable[[], Graph] | None = None) -> GraphRunner:
+        """Capture the decode (and verify) steps of ``batch_sizes`` (None: ``default_batch_sizes``) as graphs
+        from ``graph_factory`` (None: CUDA graphs; a CPU stand-in in tests); later steps of those batch sizes
+        replay them. Returns the GraphRunner (``graphs``)."""
+        self._graphs = GraphRunner(self.model, self.cache, self.backend, batch_sizes, graph_factory)
+        return self._graphs
 
     def q_len(self, mode: ForwardMode) -> int:
         """Tokens per request of a decode-like step."""
@@ -176,29 +186,47 @@ class ModelRunner:
                           batch=batch)
 
     def run(self, seqs: list[Sequence], mode: ForwardMode, num_extends: int, *, tokens: list[list[int]] | None = None,
-            all_logits: bool = False, backend: MLABackend | None = None) -> torch.Tensor:
+            all_logits: bool = False, backend: MLABackend | None = None, draft_tokens: torch.Tensor | None = None,
+            return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """One forward step. Returns float32 logits [bs, vocab] of each request's last new token, or of
         every new token ([T, vocab], request-major) with ``all_logits``. ``backend`` substitutes a
-        wrapper of ``self.backend`` (such as the attention profiler; such steps run eagerly)."""
+        wrapper of ``self.backend`` (such as the attention profiler; such steps run eagerly).
+        ``draft_tokens``: int64 [bs, k] on the device, the drafts of a verify step, which take the places
+        after each request's first token in ``tokens`` (a draft model's tokens need not come to the host;
+        so they cannot be handed to other ranks: a draft model runs on a single-rank engine).
+        ``return_hidden``: also return the final hidden states of every new token [T, hidden] (after the
+        last norm; what an MTP draft model reads)."""
         plan = self.plan(seqs, mode, num_extends, tokens, all_logits=all_logits, eager=backend is not None)
         if self.step_hook is not None:
+            if draft_tokens is not None:
+                raise ValueError("draft_tokens: device-side drafts cannot be handed to the other tensor-parallel "
+                                 "ranks (speculative decoding with a draft model runs on one rank)")
             self.step_hook(plan)
-        return self.execute(plan, backend)
+        return self.execute(plan, backend, draft_tokens=draft_tokens, return_hidden=return_hidden)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, backend: MLABackend | None = None) -> torch.Tensor:
-        """Run a planned step (``run``'s result); ``backend`` as in ``run``."""
+    def execute(self, plan: StepPlan, backend: MLABackend | None = None, *, draft_tokens: torch.Tensor | None = None,
+                return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Run a planned step (``run``'s result); ``backend``, ``draft_tokens`` and ``return_hidden`` as in
+        ``run``."""
         inputs = self.inputs(plan)
         mode, bs = plan.mode, len(plan.slots)
-        if not plan.eager and self.graphs is not None and self.graphs.can_replay(mode, bs):
-            logits = self.graphs.replay(inputs, mode)
+        if draft_tokens is not None:
+            k = self.q_len(mode) - 1
+            if mode != ForwardMode.TARGET_VERIFY or tuple(draft_tokens.shape) != (bs, k):
+                raise ValueError(f"draft_tokens: expected int64 [{bs}, {k}] drafts of a verify step, got "
+                                 f"{tuple(draft_tokens.shape)} for a {mode.value} step")
+            inputs.input_ids.view(bs, k + 1)[:, 1:] = draft_tokens
+        if not plan.eager and self._graphs is not None and self._graphs.can_replay(mode, bs):
+            logits, hidden = self._graphs.replay(inputs.batch, inputs.input_ids, inputs.positions,
+                                                 inputs.out_cache_loc)
             # Decode-like steps run the same number of tokens per request; with one, every row is a last row.
-            if plan.all_logits or self.q_len(mode) == 1:
-                return logits
-            return logits.index_select(0, inputs.last_token_index)
+            if not (plan.all_logits or self.q_len(mode) == 1):
+                logits = logits.index_select(0, inputs.last_token_index)
+            return (logits, hidden) if return_hidden else logits
         self.backend.init_forward_metadata(inputs.batch)
         ctx = StepContext(backend=backend or self.backend, cache=self.cache, out_cache_loc=inputs.out_cache_loc)
         hidden = self.model(inputs.input_ids, inputs.positions, ctx)
-        if not plan.all_logits:
-            hidden = hidden.index_select(0, inputs.last_token_index)
-        return self.model.compute_logits(hidden)
+        last = hidden if plan.all_logits else hidden.index_select(0, inputs.last_token_index)
+        logits = self.model.compute_logits(last)
+        return (logits, hidden) if return_hidden else logits

@@ -66,28 +66,37 @@ def _normalised(rows: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
-def verify(logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingParams],
+def verify(logits: torch.Tensor, drafts: list[list[int]] | torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> list[list[int]]:
-    """logits [bs * (k + 1), vocab] of a verify step (request-major), drafts [bs][k] -> per request the
-    tokens to append. NonFiniteLogitsError when a request's rows hold an inf or NaN (its ``tokens``
-    carry the other requests' results)."""
+    """logits [bs * (k + 1), vocab] of a verify step (request-major), drafts [bs][k] (host lists, or an
+    int64 tensor [bs, k] on the logits' device: a draft model's tokens, read back together with the
+    target's) -> per request the tokens to append. NonFiniteLogitsError when a request's rows hold an inf
+    or NaN (its ``tokens`` carry the other requests' results)."""
     bs = len(drafts)
     if not bs or logits.shape[0] % bs or len(params) != bs or len(generators) != bs:
         raise ValueError(f"logits/drafts/params/generators: expected bs * (k + 1) logits rows and one draft, "
                          f"params and generator per request, got {logits.shape[0]} rows, {bs} drafts, "
                          f"{len(params)} params, {len(generators)} generators")
     rows = logits.view(bs, logits.shape[0] // bs, -1)
+    on_device = isinstance(drafts, torch.Tensor)
     for i, draft in enumerate(drafts):
         if len(draft) != rows.shape[1] - 1:
             raise ValueError(f"drafts: request {i} has {len(draft)} draft tokens, "
                              f"the step verified {rows.shape[1] - 1}")
-    # One readback of every row's argmax (for the greedy requests) and of whether each request's rows are
-    # finite: a request with an inf or NaN logit is reported (NonFiniteLogitsError) and never sampled.
+    # One readback of every row's argmax (for the greedy requests), of whether each request's rows are
+    # finite (a request with an inf or NaN logit is reported, NonFiniteLogitsError, and never sampled), and
+    # of the drafts made on the device.
     finite = torch.isfinite(rows).flatten(1).all(dim=-1)
-    read = torch.cat([rows.argmax(dim=-1), finite.view(bs, 1).to(torch.int64)], dim=1).tolist()
+    parts = [rows.argmax(dim=-1), finite.view(bs, 1).to(torch.int64)]
+    if on_device:
+        parts.append(drafts.to(torch.int64))
+    read = torch.cat(parts, dim=1).tolist()
+    k = rows.shape[1] - 1
+    if on_device:
+        drafts = [row[k + 2:] for row in read]
     out: list[list[int] | None] = []
     for i, draft in enumerate(drafts):
-        *targets, ok = read[i]
+        *targets, ok = read[i][: k + 2]
         if not ok:
             out.append(None)
         elif params[i].greedy:

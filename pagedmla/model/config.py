@@ -75,7 +75,9 @@ class DeepseekConfig:
     """Architecture of one DeepSeek-V2/V3 checkpoint (the fields of its ``config.json`` the model uses).
 
     ``n_routed_experts`` None (or 0) makes every layer dense; otherwise layer ``i`` is MoE when
-    ``i >= first_k_dense_replace and i % moe_layer_freq == 0``.
+    ``i >= first_k_dense_replace and i % moe_layer_freq == 0``. ``num_nextn_predict_layers``: the
+    multi-token-prediction (MTP) layers the checkpoint holds after its last decoder layer (indices
+    ``num_hidden_layers ..``), the draft model of ``pagedmla.model.mtp``.
     """
 
     model_type: str = "deepseek_v3"
@@ -111,6 +113,7 @@ class DeepseekConfig:
     eos_token_id: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     dtype: str | None = None
+    num_nextn_predict_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -122,6 +125,9 @@ class DeepseekConfig:
             _positive(name, getattr(self, name))
         if self.q_lora_rank is not None:
             _positive("q_lora_rank", self.q_lora_rank)
+        n = self.num_nextn_predict_layers
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"num_nextn_predict_layers: expected an int >= 0, got {n!r}")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim: must be even for rotary embedding, got {self.qk_rope_head_dim}")
         if self.hidden_act != "silu":
@@ -276,6 +282,7 @@ class DeepseekConfig:
             eos_token_id=_token_ids(raw, "eos_token_id"),
             bos_token_id=_int(raw, "bos_token_id", None, minimum=0),
             dtype=dtype,
+            num_nextn_predict_layers=_int(raw, "num_nextn_predict_layers", 0, minimum=0),
         )
 
     @classmethod
@@ -464,11 +471,12 @@ TINY_CONFIG: dict[str, Any] = {
                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 256,
                         "beta_fast": 32, "beta_slow": 1},
     "eos_token_id": None,
+    "num_nextn_predict_layers": 1,
 }
 
 
 def tiny_config() -> DeepseekConfig:
     """The built-in ``tiny`` model: DeepSeek-V3 layout with the real MLA dims (512/64/128/128), 3 layers
     (one dense, two MoE with 8 routed experts in 4 groups and a shared expert), YaRN rope (x4 over 256
-    positions: 1024 context), vocab 512."""
+    positions: 1024 context), vocab 512, and one MTP layer (MoE, as DeepSeek-V3's)."""
     return DeepseekConfig.from_dict(TINY_CONFIG)

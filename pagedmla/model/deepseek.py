@@ -26,11 +26,15 @@ from pagedmla.parallel import SINGLE, Group
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then h + mlp(norm(h))."""
+    """Pre-norm residual block: x + attn(norm(x)), then h + mlp(norm(h)).
 
-    def __init__(self, cfg: DeepseekConfig, layer_id: int, tp: Group = SINGLE):
+    layer_id: the checkpoint's layer index (it decides dense MLP or MoE); tp: the tensor-parallel group its
+    heads and MLP are split over; cache_layer_id: the attention's layer in the latent cache, ``layer_id``
+    unless the layer has a cache of its own (an MTP layer)."""
+
+    def __init__(self, cfg: DeepseekConfig, layer_id: int, tp: Group = SINGLE, cache_layer_id: int | None = None):
         super().__init__()
-        self.self_attn = MLAttention(cfg, layer_id, tp)
+        self.self_attn = MLAttention(cfg, layer_id if cache_layer_id is None else cache_layer_id, tp)
         self.mlp = MoE(cfg, tp) if cfg.is_moe_layer(layer_id) else \
             MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

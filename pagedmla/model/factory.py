@@ -10,7 +10,8 @@ from pagedmla.config import resolve_dtype
 from pagedmla.model.build import build_empty
 from pagedmla.model.config import DeepseekConfig, tiny_config
 from pagedmla.model.deepseek import DeepseekForCausalLM
-from pagedmla.model.loader import load_checkpoint
+from pagedmla.model.loader import load_checkpoint, load_mtp_checkpoint
+from pagedmla.model.mtp import DeepseekMTP, build_empty_mtp
 from pagedmla.model.random_weights import init_random_
 from pagedmla.parallel import SINGLE, Group
 
@@ -43,3 +44,19 @@ def load_model(model: str | os.PathLike = TINY, *, device: torch.device | str = 
     else:
         dt = resolve_dtype(dtype, "dtype")
     return load_checkpoint(model, device=device, dtype=dt, tp=tp)
+
+
+def load_mtp(target: DeepseekForCausalLM, model: str | os.PathLike = TINY, *, seed: int = 0) -> DeepseekMTP:
+    """The MTP layers (the draft model of MTP speculative decoding) of ``model``, the "tiny" model (random
+    weights from ``seed``) or the checkpoint directory that ``target`` was loaded from, on the target's
+    device in its dtype, sharing its embedding and LM head (CheckpointError when the checkpoint has none)."""
+    if not isinstance(target, DeepseekForCausalLM):
+        raise TypeError(f"target: expected a DeepseekForCausalLM, got {type(target).__name__}")
+    weight = target.model.embed_tokens.weight
+    if isinstance(model, str) and model == TINY:
+        mtp = build_empty_mtp(target.config, weight.device, weight.dtype)
+        mtp.share_with(target)
+        return init_random_(mtp, seed)
+    if not isinstance(model, (str, os.PathLike)) or not os.path.isdir(model):
+        raise ValueError(f"model: {model!r} is neither 'tiny' nor a checkpoint directory")
+    return load_mtp_checkpoint(model, target, device=weight.device, dtype=weight.dtype)

@@ -5,7 +5,8 @@ routed experts either per expert (``mlp.experts.N.{gate,up,down}_proj.weight``, 
 what transformers' ``save_pretrained`` writes) or stacked (``mlp.experts.gate_up_proj`` [E, 2I, H],
 ``mlp.experts.down_proj`` [E, H, I], transformers' in-memory layout). Tensors in bf16/fp16/fp32 are cast
 to the model dtype (routers stay float32). Multi-token-prediction layers (indices >= num_hidden_layers)
-are skipped. A missing, mis-shaped, unexpected or non-float tensor raises ValueError naming it.
+are skipped by ``load_checkpoint`` and loaded by ``load_mtp_checkpoint``. A missing, mis-shaped,
+unexpected or non-float tensor raises ValueError naming it.
 
 A tensor-parallel rank (``tp``) reads only its slices of the sharded tensors (``Shard``: safetensors'
 ``get_slice`` maps just those bytes), whole the tensors every rank holds.
@@ -28,12 +29,14 @@ from contextlib import ExitStack
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 from tqdm.auto import tqdm
 
 from pagedmla.model.build import build_empty
 from pagedmla.model.config import CheckpointError, DeepseekConfig, one_line
 from pagedmla.model.deepseek import DeepseekForCausalLM
 from pagedmla.model.memory import check_fits
+from pagedmla.model.mtp import SHARED_TENSORS, DeepseekMTP, build_empty_mtp, mtp_weight_bytes
 from pagedmla.model.parallel import Shard, shard_specs
 from pagedmla.parallel import SINGLE, Group
 
@@ -175,16 +178,77 @@ def load_checkpoint(path: str | os.PathLike, *, device: torch.device | str = "cp
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 ckpt.used.add(name)
                 continue
-            stacked = _STACKED.match(name)
-            shard = slices.get(name)
-            if stacked and name not in ckpt:
-                _load_per_expert(ckpt, stacked.group(1), stacked.group(2), target, shard)
-            else:
-                shape = tuple(target.shape) if shard is None else shard.full_shape(target.shape)
-                target.copy_(ckpt.get(name, shape, shard))
+            _fill(ckpt, name, target, slices.get(name))
         _check_unexpected(ckpt, cfg)
     model.absorb_weights()
     return model
+
+
+def _fill(ckpt: _Checkpoint, name: str, target: torch.Tensor, shard: Shard | None = None) -> None:
+    """Copy the checkpoint's tensor ``name`` (this rank's slice of it under ``shard``) into ``target``
+    (stacked experts from per-expert tensors when the checkpoint has those)."""
+    stacked = _STACKED.match(name)
+    if stacked and name not in ckpt:
+        _load_per_expert(ckpt, stacked.group(1), stacked.group(2), target, shard)
+    else:
+        shape = tuple(target.shape) if shard is None else shard.full_shape(target.shape)
+        target.copy_(ckpt.get(name, shape, shard))
+
+
+def load_mtp_checkpoint(path: str | os.PathLike, target: DeepseekForCausalLM, *, device: torch.device | str = "cpu",
+                        dtype: torch.dtype = torch.float32) -> DeepseekMTP:
+    """The MTP layers of the checkpoint at ``path`` (``num_nextn_predict_layers`` in its config.json), for
+    ``target``, the model ``load_checkpoint`` loaded from it. Embedding and head are the target's where the
+    checkpoint has none for a layer or has equal ones (DeepSeek-V3 stores copies), the checkpoint's own
+    otherwise. CheckpointError naming the field or tensor for a config without MTP layers, a missing,
+    mis-shaped or unexpected tensor of those layers, or layers too large for the device."""
+    path = os.fspath(path)
+    cfg = DeepseekConfig.from_file(path)
+    if cfg.num_nextn_predict_layers < 1:
+        raise CheckpointError(f"num_nextn_predict_layers: {os.path.join(path, 'config.json')} declares no MTP "
+                              "layers, so this checkpoint has no draft model for speculative decoding")
+    device = torch.device(device)
+    check_fits(mtp_weight_bytes(cfg, dtype.itemsize), "num_nextn_predict_layers", cfg.num_nextn_predict_layers,
+               device, f"the MTP layers' weights in {str(dtype).replace('torch.', '')}",
+               f" (in {os.path.join(path, 'config.json')})", error=CheckpointError)
+    mtp = build_empty_mtp(cfg, device, dtype)
+    with ExitStack() as stack, torch.no_grad():
+        ckpt = _Checkpoint(path, stack)
+        for name, tensor in mtp.state_dict().items():
+            if not name.endswith(SHARED_TENSORS):
+                _fill(ckpt, mtp.checkpoint_name(name), tensor)
+        for i, layer in enumerate(mtp.layers):
+            own_embedding = _own_copy(ckpt, mtp.checkpoint_name(f"layers.{i}.{SHARED_TENSORS[0]}"),
+                                      target.model.embed_tokens.weight)
+            own_head = _own_copy(ckpt, mtp.checkpoint_name(f"layers.{i}.{SHARED_TENSORS[1]}"), target.lm_head.weight)
+            # The checkpoint's own tensors become the layer's weights as they are (no second copy).
+            layer.embed_tokens = target.model.embed_tokens if own_embedding is None else \
+                nn.Embedding.from_pretrained(own_embedding)
+            layer.shared_head.head = target.lm_head if own_head is None else _linear(own_head)
+        prefixes = tuple(f"model.layers.{cfg.num_hidden_layers + i}." for i in range(len(mtp.layers)))
+        extra = sorted(n for n in ckpt.files if n.startswith(prefixes) and n not in ckpt.used
+                       and not n.endswith("rotary_emb.inv_freq"))
+        if extra:
+            raise CheckpointError(f"checkpoint {ckpt.path}: unexpected tensor(s) {', '.join(map(repr, extra[:5]))} "
+                                  "in the MTP layers")
+    mtp.absorb_weights()
+    return mtp
+
+
+def _linear(weight: torch.Tensor) -> nn.Linear:
+    """A bias-free linear layer whose weight is ``weight`` [out, in] (not copied)."""
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    return layer
+
+
+def _own_copy(ckpt: _Checkpoint, name: str, shared: torch.Tensor) -> torch.Tensor | None:
+    """The checkpoint's tensor ``name`` where it has one that differs from the target's ``shared`` tensor;
+    None where the target's serves (absent, or equal after the cast to the model's dtype)."""
+    if name not in ckpt:
+        return None
+    own = ckpt.get(name, tuple(shared.shape)).to(shared.device, shared.dtype)
+    return None if torch.equal(own, shared) else own
 
 
 def _load_per_expert(ckpt: _Checkpoint, prefix: str, kind: str, target: torch.Tensor, shard: Shard | None) -> None:
