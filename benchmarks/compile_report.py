@@ -37,8 +37,8 @@ from triton.backends.nvidia.compiler import CUDABackend
 
 from pagedmla.kernels.triton.common import LOG2E
 from pagedmla.kernels.triton.decode import DecodeConfig, _decode_split_kernel, default_config
-from pagedmla.ops.schedule import BLOCK_N as SCHED_N
-from pagedmla.ops.schedule import METADATA_WIDTH
+from pagedmla.split_plan import BLOCK_N as SCHED_N
+from pagedmla.split_plan import METADATA_WIDTH
 
 D, DV, PAGE = 576, 512, 64
 

@@ -17,12 +17,12 @@ import torch
 
 from pagedmla.kernels.triton.decode import DecodeConfig, few_requests_block_r, launch_combine, paged_decode_triton
 from pagedmla.kernels.triton.decode_sm90 import sm90_supported
-from pagedmla.kernels.triton.schedule import schedule_into as schedule_kernel_into
+from pagedmla.kernels.triton.metadata import schedule_into as schedule_kernel_into
 from pagedmla.ops import flash_mla_with_kvcache, get_mla_metadata
 from pagedmla.ops import schedule as ops_schedule
-from pagedmla.ops.schedule import BLOCK_N as SCHED_N
-from pagedmla.ops.schedule import PIECE_COST_RATIO, min_part_units, overhead_blocks
 from pagedmla.reference import paged_mla_attention
+from pagedmla.split_plan import BLOCK_N as SCHED_N
+from pagedmla.split_plan import PIECE_COST_RATIO, min_part_units, overhead_blocks, plan_into
 
 # fp16 elementwise bounds: P is rounded to fp16 before P @ V and the output to fp16 (2**-11 relative each);
 # the largest error seen on the CPU cases was 3e-4 at |out| ~ 1.
@@ -209,7 +209,7 @@ def test_schedule_kernel_equals_tensor_ops(seed, device):
         for parts, rows, default_plan in itertools.product(part_counts, (16, 128), (False, True)):
             want_md = torch.empty(parts, 8, dtype=torch.int32)
             want_ns = torch.empty(b + 1, dtype=torch.int32)
-            ops_schedule._fill(lens.cpu(), want_md, want_ns, overhead_blocks(rows), default_plan)  # tensor ops
+            plan_into(lens.cpu(), want_md, want_ns, overhead_blocks(rows), default_plan)  # tensor ops
             md = torch.full((parts, 8), -7, dtype=torch.int32, device=device)
             ns = torch.full((b + 1,), -7, dtype=torch.int32, device=device)
             schedule_kernel_into(lens, md, ns, overhead_blocks(rows), default_plan)

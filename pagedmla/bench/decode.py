@@ -39,7 +39,8 @@ from pagedmla.bench.options import decode_arguments
 from pagedmla.kernels.triton.decode import DecodeConfig, default_config, paged_decode_triton, select_config
 from pagedmla.kernels.triton.decode_sm90 import sm90_supported
 from pagedmla.ops.attention import flash_mla_with_kvcache
-from pagedmla.ops.schedule import get_mla_metadata, tile_plan
+from pagedmla.ops.schedule import get_mla_metadata
+from pagedmla.split_plan import tile_plan
 
 D, DV, PAGE = 576, 512, 64
 HEADER = ["b", "q_len", "heads", "mean_seq", "config", "pagedmla_us", "TFLOPs", "GBps", "flashmla_us",

@@ -3,7 +3,7 @@
 Work layout. The query rows of one request are its (token, head) pairs packed token-major
 (row = t * H + h) into BLOCK_M-row tiles: a TP-sharded 16-head decode is one 16-row tile, 128 heads are
 two 64-row tiles. The grid is (M tiles, SM parts); part p walks the (request, KV block) range that
-``get_mla_metadata`` gave it (pagedmla/ops/schedule.py documents the metadata) and, for each request in
+``get_mla_metadata`` gave it (pagedmla/split_plan.py documents the metadata) and, for each request in
 it, streams the KV blocks once: each [BLOCK_N, 576] tile is the key (all 576 columns) and the value
 (its first 512) of the same load. A request covered by one part is normalised and written straight to
 ``out`` / ``lse``; a request cut across parts writes one fp32 partial (normalised output + log2 LSE) per
@@ -18,7 +18,7 @@ included) and masked scores become -inf before the exponential, so no such value
 Guards (``pagedmla.errors``). Metadata rows are clamped to the batch, lengths to the block-table row, page
 ids to page 0 and piece indices to the partials buffer, so no value sends a load or store outside the
 tensors; a request with a bad length or page gets NaN rows. Part 0 also checks the metadata's fingerprint
-(``ops.schedule.fingerprint``: metadata and num_splits made for these lengths) and leaves its verdict at
+(``split_plan.fingerprint``: metadata and num_splits made for these lengths) and leaves its verdict at
 the end of the partials buffer; without it the combine kernel poisons every request, since a schedule
 made for other lengths may skip or repeat any request's keys.
 
@@ -37,7 +37,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from pagedmla import errors
+from pagedmla import checks, errors
+from pagedmla.device import sm_count
 from pagedmla.kernels.triton.common import (
     _LN2,
     BLOCK_TABLE,
@@ -48,13 +49,11 @@ from pagedmla.kernels.triton.common import (
     finish_rows,
     report,
 )
-from pagedmla.kernels.triton.decode_sm90 import sm90_main_args, sm90_supported, sm_count, tma_rows
+from pagedmla.kernels.triton.decode_sm90 import sm90_main_args, sm90_supported, tma_rows
 from pagedmla.kernels.triton.launch import CachedKernel, current_stream
-from pagedmla.kernels.triton.schedule import part_bounds, request_span, schedule_matches
-from pagedmla.ops import checks
-from pagedmla.ops.providers import register_impl
-from pagedmla.ops.schedule import BLOCK_N as SCHED_BLOCK_N
-from pagedmla.ops.schedule import HOPPER_MIN_ROWS, METADATA_WIDTH, tile_plan
+from pagedmla.kernels.triton.metadata import part_bounds, request_span, schedule_matches
+from pagedmla.split_plan import BLOCK_N as SCHED_BLOCK_N
+from pagedmla.split_plan import HOPPER_MIN_ROWS, METADATA_WIDTH, tile_plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -675,11 +674,3 @@ def select_config(q: torch.Tensor, k_cache: torch.Tensor, head_dim_v: int,
                          f"of >= 16 columns; got {config}")
     return config
 
-
-def _paged_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                  softmax_scale, causal):
-    return paged_decode_triton(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                               num_splits, softmax_scale, causal)
-
-
-register_impl("paged_decode", "triton", _paged_decode)

@@ -26,11 +26,12 @@ import functools
 
 import torch
 
+from pagedmla.device import hopper_available
 from pagedmla.kernels.triton.common import BLOCK_TABLE, LN2, LOG2E, SCHEDULE, checked_page, finish_rows, report
 from pagedmla.kernels.triton.launch import CachedKernel
-from pagedmla.kernels.triton.schedule import part_bounds, request_span, schedule_matches
-from pagedmla.ops.schedule import BLOCK_N as SCHED_BLOCK_N
-from pagedmla.ops.schedule import METADATA_WIDTH
+from pagedmla.kernels.triton.metadata import part_bounds, request_span, schedule_matches
+from pagedmla.split_plan import BLOCK_N as SCHED_BLOCK_N
+from pagedmla.split_plan import METADATA_WIDTH
 
 try:
     from triton.experimental import gluon
@@ -63,23 +64,6 @@ if HAVE_GLUON:  # the same values as compile-time constants for the kernels
                                                        instr_shape=[16, BLOCK_N, 16]))
     _O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 256, 16]))
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def hopper_available(device: torch.device) -> bool:
-    """Whether ``device`` runs the Gluon sm_90 kernels: a CUDA device of capability 9.0 and Triton's Gluon."""
-    if not HAVE_GLUON or device.type != "cuda":
-        return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)
-
-
-@functools.cache
-def sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 # The persistent kernels' tile counters and tile ids are int32, and the programs' last claims run past the

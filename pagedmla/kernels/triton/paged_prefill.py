@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedmla import errors
+from pagedmla import checks, errors
+from pagedmla.device import triton_interpreting
 from pagedmla.kernels.triton.common import (
     _LN2,
     BLOCK_TABLE,
@@ -34,8 +35,6 @@ from pagedmla.kernels.triton.common import (
 from pagedmla.kernels.triton.decode_sm90 import sm90_supported
 from pagedmla.kernels.triton.paged_prefill_sm90 import paged_prefill_sm90
 from pagedmla.kernels.triton.varlen import check_dtype, last_dim_contiguous, split_head_dim
-from pagedmla.ops import checks
-from pagedmla.ops.providers import register_impl, triton_interpreting
 
 
 @triton.jit
@@ -270,5 +269,3 @@ def paged_varlen_attention(
     )
     return out, lse
 
-
-register_impl("paged_varlen", "triton", paged_varlen_attention)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from pagedmla import errors
+from pagedmla.device import sm_count
 from pagedmla.kernels.triton.common import (
     _LN2,
     BLOCK_TABLE,
@@ -41,7 +42,6 @@ from pagedmla.kernels.triton.decode_sm90 import (
     MAX_TILES,
     descriptor,
     sm90_supported,
-    sm_count,
     tma_rows,
 )
 from pagedmla.kernels.triton.launch import CachedKernel

@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedmla import errors
+from pagedmla import checks, errors
+from pagedmla.device import triton_interpreting
 from pagedmla.kernels.triton.common import (
     _LN2,
     KEY_INDPTR,
@@ -35,8 +36,6 @@ from pagedmla.kernels.triton.varlen_sm90 import (
     varlen_sm90_plan,
     varlen_sm90_supported,
 )
-from pagedmla.ops import checks
-from pagedmla.ops.providers import register_impl, triton_interpreting
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -382,5 +381,3 @@ def varlen_attention(
     )
     return out, lse
 
-
-register_impl("varlen", "triton", varlen_attention)

@@ -39,6 +39,7 @@ import functools
 import torch
 
 from pagedmla import errors
+from pagedmla.device import hopper_available, sm_count
 from pagedmla.kernels.triton.common import (
     _LN2,
     KEY_INDPTR,
@@ -54,8 +55,6 @@ from pagedmla.kernels.triton.decode_sm90 import (
     MAX_TILES,
     _gl_dtype,
     descriptor,
-    hopper_available,
-    sm_count,
     tma_rows,
 )
 
