@@ -56,10 +56,10 @@ def _gluon_descs() -> dict[str, str]:
 
 
 def compile_sm90_prefill(arch: int = 90):
-    """The Hopper Gluon paged-prefill kernel (``paged_prefill_sm90.py``) for bf16, page 64, causal."""
+    """The Hopper Gluon paged-prefill kernel (``sm90/paged_prefill.py``) for bf16, page 64, causal."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from pagedmla.kernels.triton.paged_prefill_sm90 import _paged_prefill_sm90_kernel
+    from pagedmla.kernels.triton.sm90.paged_prefill import _paged_prefill_sm90_kernel
 
     signature = _gluon_descs()
     signature.update({name: "*i32" for name in ("bt_ptr", "seqlens_ptr", "qo_ptr")})
@@ -72,12 +72,12 @@ def compile_sm90_prefill(arch: int = 90):
 
 
 def compile_varlen_sm90(arch: int = 90, dk: int = 192, dv: int = 128, per_seq: bool = False):
-    """The Hopper Gluon ragged-attention kernel (``varlen_sm90.py``) for bf16, causal, with the padded or
+    """The Hopper Gluon ragged-attention kernel (``sm90/varlen.py``) for bf16, causal, with the padded or
     (``per_seq``) the per-sequence tile numbering."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from pagedmla.kernels.triton.varlen_sm90 import BLOCK_N, _varlen_sm90_kernel
+    from pagedmla.kernels.triton.sm90.varlen import BLOCK_N, _varlen_sm90_kernel
 
     def desc(rows: int, width: int) -> str:
         layout = gl.NVMMASharedLayout.get_default_for([rows, width], gl.bfloat16)
@@ -100,7 +100,7 @@ def compile_sm90(arch: int = 90):
     """The Hopper Gluon main kernel compiled for bf16, page 64, causal."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from pagedmla.kernels.triton.decode_sm90 import _decode_sm90_kernel
+    from pagedmla.kernels.triton.sm90.decode import _decode_sm90_kernel
 
     signature = _gluon_descs()
     signature.update({name: "*i32" for name in ("bt_ptr", "seqlens_ptr", "meta_ptr", "splits_ptr")})

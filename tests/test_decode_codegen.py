@@ -42,7 +42,7 @@ def test_carried_page_ids_double_buffer_the_small_tiles():
 
 
 def test_hopper_kernel_structure():
-    """The Gluon kernel's plan (decode_sm90.py): S computed once (36 m64n64k16 MMAs per tile), P V split in
+    """The Gluon kernel's plan (sm90/decode.py): S computed once (36 m64n64k16 MMAs per tile), P V split in
     two warpgroups (4 m64n256k16 each), a two-stage KV ring loaded by TMA, register budgets set per
     partition, nothing spilled, within the 227 KB of shared memory one CTA may use."""
     pytest.importorskip("triton.experimental.gluon")

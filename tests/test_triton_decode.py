@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from pagedmla.kernels.triton.decode import DecodeConfig, few_requests_block_r, launch_combine, paged_decode_triton
-from pagedmla.kernels.triton.decode_sm90 import sm90_supported
 from pagedmla.kernels.triton.metadata import schedule_into as schedule_kernel_into
+from pagedmla.kernels.triton.sm90.mla import sm90_supported
 from pagedmla.ops import flash_mla_with_kvcache, get_mla_metadata
 from pagedmla.ops import schedule as ops_schedule
 from pagedmla.reference import paged_mla_attention
@@ -412,25 +412,25 @@ def test_gpu_cuda_graph_replay(heads, q_len):
 def test_hopper_descriptors_and_row_alignment():
     """The Hopper launchers build TMA descriptors without the dataclass's per-call checks: the object must
     equal ``from_tensor``'s, and ``tma_rows`` must hand them an aligned row-major tensor."""
-    from pagedmla.kernels.triton import decode_sm90
+    from pagedmla.kernels.triton.sm90 import pipeline
 
-    if not decode_sm90.HAVE_GLUON:
+    if not pipeline.HAVE_GLUON:
         pytest.skip("needs Triton's Gluon")
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     x = torch.randn(130, 576).to(torch.bfloat16)
-    layout = decode_sm90._tile_layout(512, torch.bfloat16)
-    fast, ref = decode_sm90.descriptor(x, [64, 512], layout), TensorDescriptor.from_tensor(x, [64, 512], layout)
+    layout = pipeline.shared_layout(64, 512, torch.bfloat16)
+    fast, ref = pipeline.descriptor(x, [64, 512], layout), TensorDescriptor.from_tensor(x, [64, 512], layout)
     for field in ("shape", "strides", "block_shape", "layout", "padding"):
         assert getattr(fast, field) == getattr(ref, field), field
     assert fast.base is ref.base
-    assert decode_sm90.tma_rows(x) is x
+    assert pipeline.tma_rows(x) is x
     misaligned = torch.randn(131 * 576 + 1).to(torch.bfloat16)[1:].view(131, 576)
     assert misaligned.data_ptr() % 16
-    fixed = decode_sm90.tma_rows(misaligned)
+    fixed = pipeline.tma_rows(misaligned)
     assert fixed.data_ptr() % 16 == 0 and fixed.stride() == (576, 1) and torch.equal(fixed, misaligned)
     strided = torch.randn(4, 130, 576).to(torch.bfloat16)[:, 0]
-    assert decode_sm90.tma_rows(strided).stride() == (576, 1)
+    assert pipeline.tma_rows(strided).stride() == (576, 1)
 
 
 @pytest.mark.parametrize("block_r", [1, 2, 4, 16, 32])

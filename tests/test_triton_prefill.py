@@ -16,9 +16,9 @@ from pagedmla import errors, reference
 from pagedmla.kernels.triton import merge as tmerge
 from pagedmla.kernels.triton import paged_prefill as tpaged
 from pagedmla.kernels.triton import varlen as tvarlen
-from pagedmla.kernels.triton.decode_sm90 import sm90_supported
-from pagedmla.kernels.triton.paged_prefill_sm90 import paged_prefill_sm90
-from pagedmla.kernels.triton.varlen_sm90 import varlen_sm90_plan, varlen_sm90_supported
+from pagedmla.kernels.triton.sm90.mla import sm90_supported
+from pagedmla.kernels.triton.sm90.paged_prefill import paged_prefill_sm90
+from pagedmla.kernels.triton.sm90.varlen import varlen_sm90_plan, varlen_sm90_supported
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

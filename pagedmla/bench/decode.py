@@ -37,7 +37,7 @@ import triton
 from pagedmla.bench.common import CPU_TIMER, CUDA_TIMER, bar_plot, check_plotting, wall_clock_us
 from pagedmla.bench.options import decode_arguments
 from pagedmla.kernels.triton.decode import DecodeConfig, default_config, paged_decode_triton, select_config
-from pagedmla.kernels.triton.decode_sm90 import sm90_supported
+from pagedmla.kernels.triton.sm90.mla import sm90_supported
 from pagedmla.ops.attention import flash_mla_with_kvcache
 from pagedmla.ops.schedule import get_mla_metadata
 from pagedmla.split_plan import tile_plan

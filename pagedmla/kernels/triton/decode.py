@@ -49,9 +49,11 @@ from pagedmla.kernels.triton.common import (
     finish_rows,
     report,
 )
-from pagedmla.kernels.triton.decode_sm90 import sm90_main_args, sm90_supported, tma_rows
 from pagedmla.kernels.triton.launch import CachedKernel, current_stream
 from pagedmla.kernels.triton.metadata import part_bounds, request_span, schedule_matches
+from pagedmla.kernels.triton.sm90.decode import sm90_main_args
+from pagedmla.kernels.triton.sm90.mla import sm90_supported
+from pagedmla.kernels.triton.sm90.pipeline import tma_rows
 from pagedmla.split_plan import BLOCK_N as SCHED_BLOCK_N
 from pagedmla.split_plan import HOPPER_MIN_ROWS, METADATA_WIDTH, tile_plan
 
@@ -69,7 +71,7 @@ class DecodeConfig:
     on a load of its own step. Compiled for sm_90a with 3 stages, this turns the small tiles' single KV
     buffer with ``cp.async.wait_group 0`` into two buffers with the next tile in flight (benchmarks/NOTES.md
     v5); on the H200 it made 16-row tiles 6-13% and 32-row tiles 14-16% faster;
-    use_sm90: run the Hopper Gluon main kernel (``decode_sm90.py``: 64-row tiles, warp-specialised, wgmma)
+    use_sm90: run the Hopper Gluon main kernel (``sm90/decode.py``: 64-row tiles, warp-specialised, wgmma)
     instead; the other fields do not apply to it. Without a config, requests of more than 16 query rows
     use it wherever ``sm90_supported`` holds.
     """
@@ -590,7 +592,7 @@ def paged_decode_triton(
     other lengths makes every row NaN. ``out`` / ``lse`` (contiguous, those shapes and dtypes) receive the
     results when given, e.g. a CUDA graph's static buffers; ``config`` overrides the tile shape (benchmarks
     sweep it). On sm_90 GPUs, bf16/fp16 with pages a multiple of 64, requests of more than 16 query rows run
-    the Hopper main kernel (``decode_sm90.py``). No host synchronisation: capturable in a CUDA graph.
+    the Hopper main kernel (``sm90/decode.py``). No host synchronisation: capturable in a CUDA graph.
     """
     key = (q.shape, q.stride(), q.dtype, q.get_device(), k_cache.shape, k_cache.stride(), k_cache.dtype,
            block_table.shape, block_table.stride(), cache_seqlens.is_contiguous(), tile_scheduler_metadata.shape,

@@ -32,8 +32,8 @@ from pagedmla.kernels.triton.common import (
     report,
     store_nan,
 )
-from pagedmla.kernels.triton.decode_sm90 import sm90_supported
-from pagedmla.kernels.triton.paged_prefill_sm90 import paged_prefill_sm90
+from pagedmla.kernels.triton.sm90.mla import sm90_supported
+from pagedmla.kernels.triton.sm90.paged_prefill import paged_prefill_sm90
 from pagedmla.kernels.triton.varlen import check_dtype, last_dim_contiguous, split_head_dim
 
 
@@ -209,7 +209,7 @@ def paged_varlen_attention(
     including the new tokens; qo_indptr: int32 [b + 1]; head_dim_v: the value width, the first columns of
     each latent row (512; at most the power-of-two part of D). causal: bottom-right per token. max_q_len is not
     needed: the grid is sized from T, so nothing is read back from the device. ``config`` overrides the
-    tile shape (benchmarks). Without ``config`` an sm_90 GPU runs the Hopper kernel (``paged_prefill_sm90.py``)
+    tile shape (benchmarks). Without ``config`` an sm_90 GPU runs the Hopper kernel (``sm90/paged_prefill.py``)
     where it applies (bf16/fp16, 576/512, pages a multiple of 64, contiguous cache); ``config={"HOPPER":
     True}`` forces it, ``{"HOPPER": False}`` the portable kernel.
     Returns out [T, H, head_dim_v] q.dtype and lse [T, H] float32 (natural log; rows that see no key give 0

@@ -29,8 +29,8 @@ from pagedmla.kernels.triton.common import (
     store_nan,
 )
 from pagedmla.kernels.triton.launch import current_stream
-from pagedmla.kernels.triton.varlen_sm90 import (
-    MAX_TILES,
+from pagedmla.kernels.triton.sm90.pipeline import MAX_TILES
+from pagedmla.kernels.triton.sm90.varlen import (
     varlen_sm90,
     varlen_sm90_args,
     varlen_sm90_plan,
@@ -310,7 +310,7 @@ def varlen_attention(
     max_seqlen_k is not needed by the kernel). causal: bottom-right aligned when lengths differ.
     ``out`` [Tq, H, Dv] (q's dtype) receives the output when given. ``config`` overrides the tile shape
     (keys BLOCK_M, BLOCK_N, num_warps, num_stages; benchmarks use it). Without ``config`` an sm_90 GPU runs
-    the Hopper kernel (``varlen_sm90.py``: bf16/fp16, head dims 64/128/192 and 64/128) when the inputs are
+    the Hopper kernel (``sm90/varlen.py``: bf16/fp16, head dims 64/128/192 and 64/128) when the inputs are
     contiguous or the queries long enough to amortise copying them; ``config={"HOPPER": True}`` forces it,
     ``{"HOPPER": False}`` the portable kernel. Returns (out [Tq, H, Dv] q.dtype, lse [Tq, H] float32, natural log; rows
     that see no key give 0 and -inf). No host synchronisation.

@@ -33,44 +33,41 @@ from pagedmla.kernels.triton.common import (
     indptr_is_partition,
     report,
 )
-from pagedmla.kernels.triton.decode_sm90 import (
-    BLOCK_M,
-    BLOCK_N,
-    D_QK,
-    D_V,
-    HAVE_GLUON,
-    MAX_TILES,
-    descriptor,
-    sm90_supported,
-    tma_rows,
-)
 from pagedmla.kernels.triton.launch import CachedKernel
+from pagedmla.kernels.triton.sm90.mla import BLOCK_M, D_V, mla_descriptors, sm90_supported
+from pagedmla.kernels.triton.sm90.pipeline import HAVE_GLUON, MAX_TILES, tma_rows
 
 if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-    from pagedmla.kernels.triton.decode_sm90 import (
+    from pagedmla.kernels.triton.sm90.mla import (
         _BM,
         _BN,
         _DV,
-        _O_LAYOUT,
-        _S_LAYOUT,
-        _load_kv_tiles,
-        _load_q,
-        _mla_buffers,
-        _softmax_finish,
-        _softmax_tile,
-        _tile_layout,
-        _value_finish,
-        _value_tile,
+        O_LAYOUT,
+        S_LAYOUT,
+        load_kv_tiles,
+        load_q,
+        mla_buffers,
         pages_ok,
+        softmax_finish,
+        softmax_tile,
+        value_finish,
+        value_tile,
+    )
+    from pagedmla.kernels.triton.sm90.pipeline import (
+        ONE_WARP,
+        WARPGROUP,
+        claim_tile,
+        free_phase,
+        phase,
+        receive_slot,
+        slot_fields,
     )
 
 if HAVE_GLUON:
-    _ONE_WARP = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
-    _WARPGROUP = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
 
     @gluon.jit
     def _tile_work(tile, qo_ptr, seqlens_ptr, H, batch, capacity, CAUSAL: gl.constexpr, SEARCH_STEPS: gl.constexpr):
@@ -115,17 +112,13 @@ if HAVE_GLUON:
         (request, first flat q row of the tile, end of its keys: 0 when the tile loads nothing, -1 past the
         last tile)."""
         s = i % 2
-        mbarrier.wait(tile_free.index(s), ((i // 2) & 1) ^ 1)
+        mbarrier.wait(tile_free.index(s), free_phase(i, 2))
         slot = tile_info.index(s)
-        fetched = gl.atomic_add(counter + gl.zeros([1], gl.int32, _ONE_WARP), gl.full([1], 1, gl.int32, _ONE_WARP))
-        slot.slice(0, 1).store(fetched)
-        # One lane holds the claimed index: every lane reads it back from shared memory.
-        gl.thread_barrier()
-        claim = gl.max(slot.slice(0, 1).load(_ONE_WARP), axis=0)
+        claim = claim_tile(counter, tile_info, s)
         # Past the last tile the bounds are tile 0's (in range); the warpgroups then only read the claim index.
         b, row0, r0, q_len, kv_len, bits, end = _tile_work(gl.maximum(T - 1 - claim, 0), qo_ptr, seqlens_ptr, H,
                                                            batch, capacity, CAUSAL, SEARCH_STEPS)
-        k = gl.arange(0, 8, layout=_ONE_WARP)
+        k = gl.arange(0, 8, layout=ONE_WARP)
         slot.store(gl.where(k == 0, claim, gl.where(k == 1, row0, gl.where(k == 2, r0, gl.where(
             k == 3, q_len, gl.where(k == 4, kv_len, gl.where(k == 5, bits, gl.where(k == 6, end, 0))))))))
         gl.thread_barrier()
@@ -135,19 +128,9 @@ if HAVE_GLUON:
     @gluon.jit
     def _receive_tile(i, tile_info, tile_ready, tile_free):
         """A warpgroup's i-th tile as the loader published it (``_publish_tile``'s seven fields)."""
-        s = i % 2
-        mbarrier.wait(tile_ready.index(s), (i // 2) & 1)
         # Every thread holds the whole slot: the fields come out without cross-thread reductions.
         layout: gl.constexpr = gl.BlockedLayout([8], [32], [4], [0])
-        info = tile_info.index(s).load(layout)
-        # Every warp has read the slot before it is handed back (the arrive is one thread's).
-        gl.thread_barrier()
-        mbarrier.arrive(tile_free.index(s), count=1)
-        k = gl.arange(0, 8, layout=layout)
-        return (gl.sum(gl.where(k == 0, info, 0), axis=0), gl.sum(gl.where(k == 1, info, 0), axis=0),
-                gl.sum(gl.where(k == 2, info, 0), axis=0), gl.sum(gl.where(k == 3, info, 0), axis=0),
-                gl.sum(gl.where(k == 4, info, 0), axis=0), gl.sum(gl.where(k == 5, info, 0), axis=0),
-                gl.sum(gl.where(k == 6, info, 0), axis=0))
+        return slot_fields(receive_slot(i, tile_info, tile_ready, tile_free, layout), layout)
 
     @gluon.jit
     def _store_rows(o, scale, lse2, col0, out_ptr, lse_ptr, row0, r0, n_rows, WRITE_LSE: gl.constexpr,
@@ -177,7 +160,7 @@ if HAVE_GLUON:
                         H, batch, T_rows, capacity, num_pages, q_smem, q_pe_smem, kv_ring, kv_pe_ring, tile_info,
                         tile_ready, tile_free, q_ready, q_free, kv_ready, kv_empty, page_flags, CAUSAL: gl.constexpr,
                         PAGE: gl.constexpr, SEARCH_STEPS: gl.constexpr):
-        if _rows_ok(qo_ptr, batch, T_rows, _ONE_WARP):
+        if _rows_ok(qo_ptr, batch, T_rows, ONE_WARP):
             b, q_row, end = _publish_tile(0, counter, T, qo_ptr, seqlens_ptr, H, batch, capacity, tile_info,
                                           tile_ready, tile_free, CAUSAL, SEARCH_STEPS)
             i = 1
@@ -186,10 +169,10 @@ if HAVE_GLUON:
             while end >= 0:
                 if end > 0:
                     # Q of the previous tile stays until warpgroup 0's last S of it is done.
-                    mbarrier.wait(q_free, (nq & 1) ^ 1)
-                    _load_q(q_desc, q_pe_desc, q_row, q_smem, q_pe_smem, q_ready)
+                    mbarrier.wait(q_free, free_phase(nq, 1))
+                    load_q(q_desc, q_pe_desc, q_row, q_smem, q_pe_smem, q_ready)
                     bt_row = bt_ptr + b.to(gl.int64) * stride_btb
-                    it = _load_kv_tiles(kv_desc, kv_pe_desc, bt_row, gl.load(bt_row), 0, end, it, kv_ring,
+                    it = load_kv_tiles(kv_desc, kv_pe_desc, bt_row, gl.load(bt_row), 0, end, it, kv_ring,
                                         kv_pe_ring, kv_ready, kv_empty, page_flags.index(nq % 2), num_pages, PAGE)
                     nq += 1
                 # The next tile is claimed once this one's loads are all issued (the warpgroups are then about
@@ -205,10 +188,10 @@ if HAVE_GLUON:
         q_free, kv_ready, kv_empty, p_ready, p_free, page_flags, out_ptr, lse_ptr, qo_ptr, err_ptr, batch, T_rows, T,
         H, qk_scale, CAUSAL: gl.constexpr,
     ):
-        s_layout: gl.constexpr = _S_LAYOUT
-        o_layout: gl.constexpr = _O_LAYOUT
+        s_layout: gl.constexpr = S_LAYOUT
+        o_layout: gl.constexpr = O_LAYOUT
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
-        if not _rows_ok(qo_ptr, batch, T_rows, _WARPGROUP):
+        if not _rows_ok(qo_ptr, batch, T_rows, WARPGROUP):
             _poison_tiles(0, out_ptr, lse_ptr, T, T_rows * H, True, o_layout)
             if gl.program_id(0) == 0:
                 report(err_ptr, QUERY_INDPTR)
@@ -234,11 +217,11 @@ if HAVE_GLUON:
                     l_i = gl.zeros([_BM], dtype=gl.float32, layout=row_l)
                     o = gl.zeros([_BM, 256], dtype=gl.float32, layout=o_layout)
                     if end > 0:
-                        mbarrier.wait(q_ready, nq & 1)
+                        mbarrier.wait(q_ready, phase(nq, 1))
                         nq += 1
                     for n0 in range(0, end, _BN):
                         # The last S of the tile hands Q back to the loader for the next one.
-                        o, m_i, l_i = _softmax_tile(o, m_i, l_i, it, npm, n0, first_masked, lim, kv_len,
+                        o, m_i, l_i = softmax_tile(o, m_i, l_i, it, npm, n0, first_masked, lim, kv_len,
                                                     n0 + _BN >= end, qk_scale, q_smem, q_pe_smem, kv_ring, kv_pe_ring,
                                                     p_smem, scale_smem, q_free, kv_ready, kv_empty, p_ready, p_free,
                                                     s_layout, o_layout)
@@ -248,7 +231,7 @@ if HAVE_GLUON:
                         bits = bits | gl.where(pages_ok(page_flags.index((nq - 1) % 2)), 0, BLOCK_TABLE)
                     if r0 == 0:
                         report(err_ptr, bits)
-                    inv_l, lse2 = _softmax_finish(m_i, l_i, qk_scale, bits != 0, npm, scale_smem, p_ready, p_free)
+                    inv_l, lse2 = softmax_finish(m_i, l_i, qk_scale, bits != 0, npm, scale_smem, p_ready, p_free)
                     npm += 1
                     _store_rows(o, gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)),
                                 gl.convert_layout(lse2, gl.SliceLayout(1, o_layout)), 0, out_ptr, lse_ptr, row0, r0,
@@ -257,8 +240,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _prefill_value_warpgroup(kv_ring, p_smem, scale_smem, tile_info, tile_ready, tile_free, kv_ready, kv_empty,
                                  p_ready, p_free, out_ptr, lse_ptr, qo_ptr, batch, T_rows, T, H):
-        o_layout: gl.constexpr = _O_LAYOUT
-        if not _rows_ok(qo_ptr, batch, T_rows, _WARPGROUP):
+        o_layout: gl.constexpr = O_LAYOUT
+        if not _rows_ok(qo_ptr, batch, T_rows, WARPGROUP):
             _poison_tiles(256, out_ptr, lse_ptr, T, T_rows * H, False, o_layout)
         else:
             i = 0
@@ -271,12 +254,12 @@ if HAVE_GLUON:
                 if (claim < T) & (r0 < q_len * H):
                     o = gl.zeros([_BM, 256], dtype=gl.float32, layout=o_layout)
                     for n0 in range(0, end, _BN):
-                        o = _value_tile(o, it, npm, n0, kv_len, kv_ring, p_smem, scale_smem, kv_ready, kv_empty,
+                        o = value_tile(o, it, npm, n0, kv_len, kv_ring, p_smem, scale_smem, kv_ready, kv_empty,
                                         p_ready, p_free, o_layout)
                         it += 1
                         npm += 1
                     # 1 / l from warpgroup 0: NaN for a request it found bad.
-                    inv_l = _value_finish(npm, scale_smem, p_ready, p_free, o_layout)
+                    inv_l = value_finish(npm, scale_smem, p_ready, p_free, o_layout)
                     npm += 1
                     _store_rows(o, inv_l, inv_l, 256, out_ptr, lse_ptr, row0, r0, q_len * H, False, o_layout)
 
@@ -287,7 +270,7 @@ if HAVE_GLUON:
         CAUSAL: gl.constexpr, PAGE: gl.constexpr, SEARCH_STEPS: gl.constexpr,
     ):
         (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, p_ready, p_free, kv_ready,
-         kv_empty, page_flags) = _mla_buffers(q_desc, q_pe_desc, kv_desc, kv_pe_desc)
+         kv_empty, page_flags) = mla_buffers(q_desc, q_pe_desc, kv_desc, kv_pe_desc)
         tile_info = gl.allocate_shared_memory(gl.int32, [2, 8], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
         tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
@@ -334,14 +317,11 @@ def paged_prefill_sm90(q: torch.Tensor, k_cache: torch.Tensor, block_table: torc
                          "has no such limit)")
     if programs is not None and programs < 1:
         raise ValueError(f"programs: expected at least 1, got {programs}")
-    nope, pe = _tile_layout(D_V, q.dtype), _tile_layout(D_QK - D_V, q.dtype)
     q_flat = tma_rows(q.reshape(t * h, d))
-    kv_flat = k_cache.view(-1, d)
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     _MAIN.launch(
         q.device, (min(tiles, sm_count(q.device), programs or tiles),),
-        descriptor(q_flat, [BLOCK_M, D_V], nope), descriptor(q_flat, [BLOCK_M, D_QK - D_V], pe),
-        descriptor(kv_flat, [BLOCK_N, D_V], nope), descriptor(kv_flat, [BLOCK_N, D_QK - D_V], pe),
+        *mla_descriptors(q_flat, k_cache.view(-1, d)),
         block_table, cache_seqlens, qo_indptr, out, lse, counter, errors.error_word(q.device),
         tiles, h, batch, t, softmax_scale * LOG2E, block_table.stride(0), block_table.shape[1], k_cache.shape[0],
         CAUSAL=bool(causal), PAGE=k_cache.shape[1], SEARCH_STEPS=max(1, batch.bit_length()),
