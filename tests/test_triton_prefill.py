@@ -16,6 +16,7 @@ from pagedmla import errors, reference
 from pagedmla.kernels.triton import merge as tmerge
 from pagedmla.kernels.triton import paged_prefill as tpaged
 from pagedmla.kernels.triton import varlen as tvarlen
+from pagedmla.kernels.triton.common import PrefillConfig
 from pagedmla.kernels.triton.sm90.mla import sm90_supported
 from pagedmla.kernels.triton.sm90.paged_prefill import paged_prefill_sm90
 from pagedmla.kernels.triton.sm90.varlen import varlen_sm90_plan, varlen_sm90_supported
@@ -196,7 +197,7 @@ def test_paged_prefill_random(seed):
 def test_paged_prefill_hopper_kernel_rejects_other_value_widths():
     q, cache, bt, lens, qo = _paged_case([4, 1], [9, 30], 4, 64, torch.float16, seed=3)
     with pytest.raises(ValueError, match="head_dim_v 256"):
-        tpaged.paged_varlen_attention(q, cache, bt, lens, qo, 256, 0.1, True, None, config={"HOPPER": True})
+        tpaged.paged_varlen_attention(q, cache, bt, lens, qo, 256, 0.1, True, None, config=PrefillConfig(use_sm90=True))
 
 
 def test_paged_prefill_public_api_and_bad_input():
@@ -263,22 +264,39 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_varlen_default_kernel_choice(monkeypatch):
     """Without a config: the Hopper kernel where it applies, unless a strided input would have to be copied
     for queries too short to pay for the copy, or the launch has more work tiles than its int32 tile
-    counter takes; an explicit config decides by its HOPPER key alone."""
+    counter takes; an explicit config decides by its use_sm90 alone."""
     q, k, v = torch.zeros(4, 2, 192), torch.zeros(4, 2, 192), torch.zeros(4, 2, 320)[..., 192:]
     monkeypatch.setattr(tvarlen, "varlen_sm90_supported", lambda *a: True)
-    assert tvarlen._use_hopper(None, q, k, v[..., :128].contiguous(), 1, 1)
-    assert not tvarlen._use_hopper(None, q, k, v, tvarlen.HOPPER_COPY_MIN_Q - 1, 1)
-    assert tvarlen._use_hopper(None, q, k, v, tvarlen.HOPPER_COPY_MIN_Q, 1)
-    assert not tvarlen._use_hopper({"BLOCK_M": 64}, q, k, v, 4096, 1)
-    assert tvarlen._use_hopper({"HOPPER": True}, q, k, v, 1, 1)
+    assert tvarlen._use_sm90(None, q, k, v[..., :128].contiguous(), 1, 1)
+    assert not tvarlen._use_sm90(None, q, k, v, tvarlen.SM90_COPY_MIN_Q - 1, 1)
+    assert tvarlen._use_sm90(None, q, k, v, tvarlen.SM90_COPY_MIN_Q, 1)
+    assert not tvarlen._use_sm90(PrefillConfig(block_m=64), q, k, v, 4096, 1)
+    assert tvarlen._use_sm90(PrefillConfig(use_sm90=True), q, k, v, 1, 1)
     # 4 rows over many sequences: (4 // 128 + batch) x 2 heads per-sequence work tiles, and the counter takes
     # fewer than 2**31 - 2**20.
-    long_q = tvarlen.HOPPER_COPY_MIN_Q
-    assert tvarlen._use_hopper(None, q, k, v, long_q, 2 ** 30 - 2 ** 19 - 1)
-    assert not tvarlen._use_hopper(None, q, k, v, long_q, 2 ** 30 - 2 ** 19)
+    long_q = tvarlen.SM90_COPY_MIN_Q
+    assert tvarlen._use_sm90(None, q, k, v, long_q, 2 ** 30 - 2 ** 19 - 1)
+    assert not tvarlen._use_sm90(None, q, k, v, long_q, 2 ** 30 - 2 ** 19)
     monkeypatch.setattr(tvarlen, "varlen_sm90_supported", lambda *a: False)
-    assert not tvarlen._use_hopper(None, q, k, v[..., :128].contiguous(), 4096, 1)
+    assert not tvarlen._use_sm90(None, q, k, v[..., :128].contiguous(), 4096, 1)
 
+
+
+def test_prefill_config_is_typed_and_merges_over_the_default():
+    """Both prefill entry points take a PrefillConfig or None (a dict names the argument in a TypeError); a
+    config's set fields replace the default tiles', the rest stay."""
+    q, k, v = torch.zeros(4, 2, 16), torch.zeros(4, 2, 16), torch.zeros(4, 2, 16)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(TypeError, match="config"):
+        tvarlen.varlen_attention(q, k, v, cu, cu, 4, 4, 0.25, True, config={"BLOCK_M": 16})
+    cache = torch.zeros(2, 16, 1, 16)
+    table, lens = torch.ones(1, 1, dtype=torch.int32), torch.tensor([4], dtype=torch.int32)
+    with pytest.raises(TypeError, match="config"):
+        tpaged.paged_varlen_attention(q, cache, table, lens, cu, 16, 0.25, True, config={"HOPPER": False})
+    base = tvarlen.default_config(192, 128, torch.float16)
+    merged = PrefillConfig(block_n=32).over(base)
+    assert (merged.block_m, merged.block_n, merged.num_warps, merged.num_stages, merged.use_sm90) == (
+        base.block_m, 32, base.num_warps, base.num_stages, False)
 
 def test_varlen_sm90_plan():
     """The Hopper ragged kernel's tile numbering: the longest sequence's row tiles for every sequence, unless
@@ -336,7 +354,7 @@ def test_gpu_varlen_each_kernel_bf16(kernel, h, hk, lens):
         pytest.skip("the Hopper kernel needs an sm_90 GPU and Triton's Gluon")
     q = (q.float() / 2).bfloat16()
     o, lse = tvarlen.varlen_attention(q, k, v, cu, cu, max(lens), max(lens), 192 ** -0.5, True,
-                                      config={"HOPPER": kernel == "hopper"})
+                                      config=PrefillConfig(use_sm90=kernel == "hopper"))
     ref, ref_lse = reference.varlen_attention(q.float(), k.float(), v.float(), cu, cu, 192 ** -0.5, True)
     _check_lse(lse, ref_lse, 1e-2)
     _check_out(o, ref, ref_lse, 1e-2)
@@ -355,7 +373,7 @@ def test_gpu_paged_prefill_bf16(h, kernel):
                                                           max_q_len=max(q_lens), provider="triton")
     else:
         out, lse = tpaged.paged_varlen_attention(q, cache, bt, lens, qo, 512, 576 ** -0.5, True, None,
-                                                 config={"HOPPER": False})
+                                                 config=PrefillConfig(use_sm90=False))
     ref, ref_lse = reference.paged_mla_attention(q, cache, bt, lens, qo, 576 ** -0.5, True, 512, 64)
     assert torch.isfinite(out).all()
     assert _rel(out, ref) < 1e-2 and _cos(out, ref) > 0.9999
@@ -389,7 +407,7 @@ def test_gpu_varlen_hopper_kernel(case, causal, dtype):
     v = torch.cat([v, torch.full((70, hk, dv), float("nan"), dtype=dtype, device="cuda")])
     out = torch.full((q.shape[0], h, dv), float("nan"), dtype=dtype, device="cuda")
     o, lse = tvarlen.varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), dk ** -0.5, causal, out,
-                                      config={"HOPPER": True})
+                                      config=PrefillConfig(use_sm90=True))
     ref, ref_lse = reference.varlen_attention(q.float(), k.float(), v.float(), cu_q, cu_k, dk ** -0.5, causal)
     assert o.data_ptr() == out.data_ptr()
     _check_lse(lse, ref_lse, 1e-2)
@@ -412,7 +430,7 @@ def test_gpu_varlen_hopper_kernel_many_tiles(causal):
 
     def call():
         return tvarlen.varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), 192 ** -0.5, causal,
-                                        config={"HOPPER": True})
+                                        config=PrefillConfig(use_sm90=True))
 
     o, lse = call()
     ref, ref_lse = reference.varlen_attention(q.float(), k.float(), v.float(), cu_q, cu_k, 192 ** -0.5, causal)
@@ -449,7 +467,7 @@ def test_gpu_varlen_hopper_kernel_skewed_batch(causal):
     q = (q.float() / 2).bfloat16()
     out = torch.full((q.shape[0], 16, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
     o, lse = tvarlen.varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), 192 ** -0.5, causal, out,
-                                      config={"HOPPER": True})
+                                      config=PrefillConfig(use_sm90=True))
     ref, ref_lse = reference.varlen_attention(q.float(), k.float(), v.float(), cu_q, cu_k, 192 ** -0.5, causal)
     _check_lse(lse, ref_lse, 1e-2)
     _check_out(o, ref, ref_lse, 1e-2)
@@ -460,7 +478,7 @@ def test_gpu_varlen_hopper_kernel_without_keys():
     q, k, v, cu_q, cu_k = _varlen_case([5, 3], [0, 0], 4, 4, 192, 128, torch.bfloat16, True, seed=1)
     if not varlen_sm90_supported(q, k, v):
         pytest.skip("the Hopper kernel needs an sm_90 GPU and Triton's Gluon")
-    o, lse = tvarlen.varlen_attention(q, k, v, cu_q, cu_k, 5, 0, 0.1, True, config={"HOPPER": True})
+    o, lse = tvarlen.varlen_attention(q, k, v, cu_q, cu_k, 5, 0, 0.1, True, config=PrefillConfig(use_sm90=True))
     assert (o == 0).all() and torch.isneginf(lse).all()
 
 
@@ -485,7 +503,7 @@ def test_gpu_paged_prefill_hopper_kernel(h, page, dtype, causal):
     del cache_ok
     torch.full((q.shape[0], h, 512), float("nan"), dtype=dtype, device="cuda")
     out, lse = tpaged.paged_varlen_attention(q, cache, bt, lens, qo, 512, 576 ** -0.5, causal, None,
-                                             config={"HOPPER": True})
+                                             config=PrefillConfig(use_sm90=True))
     ref, ref_lse = reference.paged_mla_attention(q.float(), cache.float(), bt, lens, qo, 576 ** -0.5, causal, 512,
                                                  page)
     _check_lse(lse, ref_lse, 1e-2)

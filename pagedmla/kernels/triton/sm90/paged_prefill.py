@@ -15,7 +15,7 @@ finish the current one, instead of each tile paying a program's start (search, Q
 trips) with the tensor cores idle.
 
 The default for ``paged_varlen_attention`` on sm_90 where it applies (measured on the H200: benchmarks/NOTES.md,
-Prefill); ``config={"HOPPER": False}`` runs the portable kernel instead.
+Prefill); ``PrefillConfig(use_sm90=False)`` runs the portable kernel instead.
 """
 
 from __future__ import annotations
@@ -306,7 +306,7 @@ def paged_prefill_sm90(q: torch.Tensor, k_cache: torch.Tensor, block_table: torc
     zeroes its own tile counter (one small memset on the stream), so concurrent calls on other streams and
     CUDA-graph replays do not share it."""
     if not sm90_supported(q, k_cache, D_V):
-        raise ValueError("config: HOPPER needs an sm_90 GPU, Triton's Gluon, bf16/fp16 q and cache, head dims "
+        raise ValueError("config: use_sm90 needs an sm_90 GPU, Triton's Gluon, bf16/fp16 q and cache, head dims "
                          "576/512, pages a multiple of 64 and a contiguous cache")
     t, h, d = q.shape
     batch = qo_indptr.shape[0] - 1

@@ -29,7 +29,7 @@ are masked, and each warpgroup zeroes those value rows in shared memory before i
 the output).
 
 The default for ``varlen_attention`` on sm_90 where it applies (measured on the H200: benchmarks/NOTES.md,
-Prefill); ``config={"HOPPER": False}`` runs the portable kernel instead.
+Prefill); ``PrefillConfig(use_sm90=False)`` runs the portable kernel instead.
 """
 
 from __future__ import annotations
@@ -548,7 +548,7 @@ def varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
     least one row (a TMA descriptor cannot describe an empty tensor: ``varlen_attention`` runs the portable
     kernel then)."""
     if not varlen_sm90_supported(q, k, v):
-        raise ValueError("config: HOPPER needs an sm_90 GPU, Triton's Gluon, bf16/fp16 q/k/v, q/k head dim 64, "
+        raise ValueError("config: use_sm90 needs an sm_90 GPU, Triton's Gluon, bf16/fp16 q/k/v, q/k head dim 64, "
                          "128 or 192 and value head dim 64 or 128")
     tq, h, _ = q.shape
     tk, hk, _ = v.shape
