@@ -43,7 +43,7 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def hopper_available(device: torch.device) -> bool:
+def sm90_available(device: torch.device) -> bool:
     """Whether ``device`` runs the Gluon sm_90 kernels: a CUDA device of capability 9.0 and Triton's Gluon."""
     if device.type != "cuda" or not gluon_available():
         return False

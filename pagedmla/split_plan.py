@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedmla.device import hopper_available, sm_count
+from pagedmla.device import sm90_available, sm_count
 
 BLOCK_N = 64
 BLOCK_M = 64
@@ -37,7 +37,7 @@ BLOCK_M = 64
 # two per SM beat one 8-warp 32-row tile per SM by 5-9%: benchmarks/NOTES.md.) On sm_90 the Hopper kernel
 # takes every request of more than 16 rows in 64-row tiles, one per SM (it beat the 32-row tile by 30%).
 SMALL_TILE_ROWS = 32
-HOPPER_MIN_ROWS = 17
+SM90_MIN_ROWS = 17
 # A request's fixed cost in KV blocks. Measured on the H200 with per-part timestamps (benchmarks/NOTES.md,
 # v12): a piece (q load, finish, result write) costs about 2 KV blocks of time for tiles of up to 32 valid
 # rows and 3 for more; FlashMLA's 5 left the parts that start several requests ending 10-20% early.
@@ -60,10 +60,10 @@ SPLITS_MIX = (0xC2B2AE3D, 0x27D4EB2F, 0x165667B1)
 _M32 = 0xFFFFFFFF
 
 
-def tile_plan(rows: int, hopper: bool = False) -> tuple[int, int]:
+def tile_plan(rows: int, sm90: bool = False) -> tuple[int, int]:
     """(rows per tile, programs per SM) the decode kernels use for ``rows`` query rows per request;
-    ``hopper``: the Hopper kernel is available (``pagedmla.device.hopper_available``)."""
-    if hopper and rows >= HOPPER_MIN_ROWS:
+    ``sm90``: the Hopper kernel is available (``pagedmla.device.sm90_available``)."""
+    if sm90 and rows >= SM90_MIN_ROWS:
         return BLOCK_M, 1
     if rows <= SMALL_TILE_ROWS:
         return (16 if rows <= 16 else 32), 2
@@ -81,7 +81,7 @@ def num_sm_parts_for(device: torch.device, num_q_tokens_per_head_k: int, num_hea
     more than 16 rows; calls it cannot take (fp32, pages not a multiple of 64) run the portable kernel
     with that part count: correct, with half the small tiles' two-per-SM slots unused."""
     sms = sm_count(device) if device.type == "cuda" else 8
-    tile_m, per_sm = tile_plan(num_q_tokens_per_head_k, hopper_available(device))
+    tile_m, per_sm = tile_plan(num_q_tokens_per_head_k, sm90_available(device))
     m_tiles = -(-num_q_tokens_per_head_k // tile_m)
     return max(1, sms * per_sm // max(1, num_heads_k) // max(1, m_tiles))
 

@@ -344,17 +344,17 @@ def test_gpu_varlen_equal_dims_bf16(d):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["portable", "hopper"])
+@pytest.mark.parametrize("kernel", ["portable", "sm90"])
 @pytest.mark.parametrize("h,hk,lens", [(16, 16, [1024, 2500, 3]), (128, 128, [777, 1])])
 def test_gpu_varlen_each_kernel_bf16(kernel, h, hk, lens):
     """Both kernels on the GPU whatever the default picks (the portable one runs off sm_90 and for
     fp32 / other head dims there)."""
     q, k, v, cu, _ = _varlen_case(lens, lens, h, hk, 192, 128, torch.bfloat16, True, seed=h + len(lens))
-    if kernel == "hopper" and not varlen_sm90_supported(q, k, v):
+    if kernel == "sm90" and not varlen_sm90_supported(q, k, v):
         pytest.skip("the Hopper kernel needs an sm_90 GPU and Triton's Gluon")
     q = (q.float() / 2).bfloat16()
     o, lse = tvarlen.varlen_attention(q, k, v, cu, cu, max(lens), max(lens), 192 ** -0.5, True,
-                                      config=PrefillConfig(use_sm90=kernel == "hopper"))
+                                      config=PrefillConfig(use_sm90=kernel == "sm90"))
     ref, ref_lse = reference.varlen_attention(q.float(), k.float(), v.float(), cu, cu, 192 ** -0.5, True)
     _check_lse(lse, ref_lse, 1e-2)
     _check_out(o, ref, ref_lse, 1e-2)
@@ -380,7 +380,7 @@ def test_gpu_paged_prefill_bf16(h, kernel):
     assert (lse - ref_lse).abs().max().item() < 1e-2
 
 
-HOPPER_VARLEN_CASES = [
+SM90_VARLEN_CASES = [
     # (q lengths, k lengths, H, Hk, Dqk, Dv): ragged tails around the 64-row warpgroup and 128-row program
     # tiles, q shorter and longer than k, GQA 1, 2, 8
     ([0, 1, 15, 16, 17, 64, 65, 127, 128, 129, 1000], None, 4, 4, 192, 128),
@@ -391,12 +391,12 @@ HOPPER_VARLEN_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", range(len(HOPPER_VARLEN_CASES)))
+@pytest.mark.parametrize("case", range(len(SM90_VARLEN_CASES)))
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_varlen_hopper_kernel(case, causal, dtype):
     """The Hopper ragged kernel against the reference on ragged tails, GQA and every supported head dim."""
-    lq, lk, h, hk, dk, dv = HOPPER_VARLEN_CASES[case]
+    lq, lk, h, hk, dk, dv = SM90_VARLEN_CASES[case]
     lk = lk or lq
     q, k, v, cu_q, cu_k = _varlen_case(lq, lk, h, hk, dk, dv, dtype, causal, seed=case + 40)
     if not varlen_sm90_supported(q, k, v):

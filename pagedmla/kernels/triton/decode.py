@@ -55,7 +55,7 @@ from pagedmla.kernels.triton.sm90.decode import sm90_main_args
 from pagedmla.kernels.triton.sm90.mla import sm90_supported
 from pagedmla.kernels.triton.sm90.pipeline import tma_rows
 from pagedmla.split_plan import BLOCK_N as SCHED_BLOCK_N
-from pagedmla.split_plan import HOPPER_MIN_ROWS, METADATA_WIDTH, tile_plan
+from pagedmla.split_plan import METADATA_WIDTH, SM90_MIN_ROWS, tile_plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -663,7 +663,7 @@ def select_config(q: torch.Tensor, k_cache: torch.Tensor, head_dim_v: int,
     Hopper kernel for more than 16 query rows where ``sm90_supported`` holds, else ``default_config``."""
     rows = q.shape[1] * q.shape[2]
     if config is None:
-        if rows >= HOPPER_MIN_ROWS and sm90_supported(q, k_cache, head_dim_v):
+        if rows >= SM90_MIN_ROWS and sm90_supported(q, k_cache, head_dim_v):
             return DecodeConfig(block_m=64, use_sm90=True)
         return default_config(rows)
     if config.use_sm90:

@@ -258,18 +258,18 @@ def _use_sm90(config: PrefillConfig | None, q: torch.Tensor, k: torch.Tensor, v:
 
 
 # Bound Hopper launches by call shape (False where binding does not apply: strided inputs are copied per call).
-_hopper_bound: dict[tuple, tuple | bool] = {}
+_sm90_bound: dict[tuple, tuple | bool] = {}
 
 
-def _bind_hopper(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal, out, lse):
+def _bind_sm90(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal, out, lse):
     """(BoundLaunch, grid, result shapes) of the Hopper launch for calls shaped like this one, when every
     tensor goes to the kernel as it is (contiguous q / k / v rows, cu_seqlens dense), else False."""
     rows = [x.reshape(x.shape[0], -1) for x in (q, k, v)]
     if any(r.stride() != (r.shape[1], 1) for r in rows) or not (cu_seqlens_q.is_contiguous()
                                                                 and cu_seqlens_k.is_contiguous()):
         return False
-    if len(_hopper_bound) > 1024:
-        _hopper_bound.clear()
+    if len(_sm90_bound) > 1024:
+        _sm90_bound.clear()
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     kernel, grid, args, options = varlen_sm90_args(*rows, q.shape[1], k.shape[1], cu_seqlens_q, cu_seqlens_k,
                                                    max_seqlen_q, softmax_scale, causal, out, lse, counter)
@@ -321,12 +321,12 @@ def varlen_attention(
     them. Returns (out [Tq, H, Dv] q.dtype, lse [Tq, H] float32, natural log; rows
     that see no key give 0 and -inf). No host synchronisation.
     """
-    # The Hopper kernel's launch, bound for this call shape by an earlier call (see _bind_hopper).
+    # The Hopper kernel's launch, bound for this call shape by an earlier call (see _bind_sm90).
     key = None if config is not None else (
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.get_device(),
         cu_seqlens_q.shape, cu_seqlens_q.stride(), cu_seqlens_k.shape, cu_seqlens_k.stride(), max_seqlen_q,
         softmax_scale, causal, None if out is None else (out.shape, out.stride(), out.dtype))
-    bound = _hopper_bound.get(key)
+    bound = _sm90_bound.get(key)
     if bound:
         result = _launch_bound(bound, q, k, v, cu_seqlens_q, cu_seqlens_k, out)
         if result is not None:
@@ -368,8 +368,8 @@ def varlen_attention(
     q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
     cfg = default_config(dk, dv, q.dtype) if config is None else config.over(default_config(dk, dv, q.dtype))
     if _use_sm90(config, q, k, v, max_seqlen_q, batch):
-        if key is not None and key not in _hopper_bound and q.is_cuda:
-            _hopper_bound[key] = _bind_hopper(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale,
+        if key is not None and key not in _sm90_bound and q.is_cuda:
+            _sm90_bound[key] = _bind_sm90(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale,
                                               causal, out, lse)
         varlen_sm90(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal, out, lse)
         return out, lse

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedmla.device import hopper_available
+from pagedmla.device import sm90_available
 from pagedmla.kernels.triton.common import checked_page, finish_rows
 from pagedmla.kernels.triton.sm90.pipeline import HAVE_GLUON, descriptor, shared_layout
 from pagedmla.split_plan import BLOCK_N as SCHED_BLOCK_N
@@ -52,7 +52,7 @@ if HAVE_GLUON:  # the same values as compile-time constants for the kernels
 
 def sm90_supported(q: torch.Tensor, k_cache: torch.Tensor, head_dim_v: int) -> bool:
     """Whether the Gluon MLA kernels can run this call (see the module docstring)."""
-    if not (hopper_available(q.device) and k_cache.is_cuda):
+    if not (sm90_available(q.device) and k_cache.is_cuda):
         return False
     page = k_cache.shape[1]
     return (q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == q.dtype

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from pagedmla import errors
-from pagedmla.device import hopper_available, sm_count
+from pagedmla.device import sm90_available, sm_count
 from pagedmla.kernels.triton.common import (
     _LN2,
     KEY_INDPTR,
@@ -94,7 +94,7 @@ def varlen_sm90_plan(max_seqlen_q: int, total_q: int, heads: int, batch: int) ->
 def varlen_sm90_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the Gluon kernel can run this call: an sm_90 GPU, bf16/fp16, q/k head dim 64, 128 or 192,
     value head dim 64 or 128. The launcher copies inputs that are not contiguous with 16-byte aligned bases."""
-    if not hopper_available(q.device):
+    if not sm90_available(q.device):
         return False
     return (q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype and v.dtype == q.dtype
             and q.shape[-1] in (64, 128, 192) and v.shape[-1] in (64, 128))
