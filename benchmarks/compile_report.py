@@ -11,7 +11,7 @@ budgets (``setmaxnreg``) of warp-specialised kernels. Triton-internal APIs (3.6)
     python benchmarks/compile_report.py                          # the default configs for 16, 32, 128 rows
     python benchmarks/compile_report.py --config m16n32w4s3c4p   # one config (bench_decode's spec syntax)
     python benchmarks/compile_report.py --config m64n64w8s2c1h   # the Hopper kernel
-    python benchmarks/compile_report.py --prefill-sm90           # the Hopper paged-prefill kernel
+    python benchmarks/compile_report.py --paged-varlen-sm90           # the Hopper paged-prefill kernel
     python benchmarks/compile_report.py --varlen-sm90            # the Hopper ragged kernel, 192/128
     python benchmarks/compile_report.py --varlen-sm90 --per-seq  # the same, per-sequence tile numbering
 
@@ -55,11 +55,11 @@ def _gluon_descs() -> dict[str, str]:
             "kv_pe_desc": _gluon_desc(D - DV)}
 
 
-def compile_sm90_prefill(arch: int = 90):
-    """The Hopper Gluon paged-prefill kernel (``sm90/paged_prefill.py``) for bf16, page 64, causal."""
+def compile_paged_varlen_sm90(arch: int = 90):
+    """The Hopper Gluon paged-prefill kernel (``sm90/paged_varlen.py``) for bf16, page 64, causal."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from pagedmla.kernels.triton.sm90.paged_prefill import _paged_prefill_sm90_kernel
+    from pagedmla.kernels.triton.sm90.paged_varlen import _paged_varlen_sm90_kernel
 
     signature = _gluon_descs()
     signature.update({name: "*i32" for name in ("bt_ptr", "seqlens_ptr", "qo_ptr")})
@@ -67,7 +67,7 @@ def compile_sm90_prefill(arch: int = 90):
                      T_rows="i32", qk_scale="fp32", stride_btb="i32", max_pages="i32", num_pages="i32")
     constexprs = dict(CAUSAL=True, PAGE=PAGE, SEARCH_STEPS=4)
     signature.update({name: "constexpr" for name in constexprs})
-    src = GluonASTSource(_paged_prefill_sm90_kernel, signature, constexprs=constexprs)
+    src = GluonASTSource(_paged_varlen_sm90_kernel, signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
 
 
@@ -188,12 +188,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", action="append", help="a config spec (repeatable); default: the shipped ones")
     ap.add_argument("--heads", type=int, default=None, help="query heads (default: the config's rows)")
     ap.add_argument("--json", action="store_true", help="print one JSON list of the reports instead")
-    ap.add_argument("--prefill-sm90", action="store_true", help="report the Hopper paged-prefill kernel instead")
+    ap.add_argument("--paged-varlen-sm90", action="store_true", help="report the Hopper paged-prefill kernel instead")
     ap.add_argument("--varlen-sm90", action="store_true", help="report the Hopper ragged kernel (192/128) instead")
     ap.add_argument("--per-seq", action="store_true", help="with --varlen-sm90: the per-sequence tile numbering")
     args = ap.parse_args(argv)
-    if args.prefill_sm90 or args.varlen_sm90:
-        rep = report(compile_sm90_prefill() if args.prefill_sm90 else compile_varlen_sm90(per_seq=args.per_seq))
+    if args.paged_varlen_sm90 or args.varlen_sm90:
+        kernel = compile_paged_varlen_sm90() if args.paged_varlen_sm90 else compile_varlen_sm90(per_seq=args.per_seq)
+        rep = report(kernel)
         print(json.dumps([rep]) if args.json else "\n".join(f"  {k}: {v}" for k, v in rep.items()))
         return 0
     try:

@@ -14,11 +14,11 @@ import torch
 import pagedmla
 from pagedmla import errors, reference
 from pagedmla.kernels.triton import merge as tmerge
-from pagedmla.kernels.triton import paged_prefill as tpaged
+from pagedmla.kernels.triton import paged_varlen as tpaged
 from pagedmla.kernels.triton import varlen as tvarlen
 from pagedmla.kernels.triton.common import PrefillConfig
 from pagedmla.kernels.triton.sm90.mla import sm90_supported
-from pagedmla.kernels.triton.sm90.paged_prefill import paged_prefill_sm90
+from pagedmla.kernels.triton.sm90.paged_varlen import paged_varlen_sm90
 from pagedmla.kernels.triton.sm90.varlen import varlen_sm90_plan, varlen_sm90_supported
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -528,7 +528,7 @@ def test_gpu_paged_prefill_hopper_kernel_many_tiles_per_program(causal):
     lse = torch.full((q.shape[0], 16), float("nan"), dtype=torch.float32, device="cuda")
 
     def call():
-        paged_prefill_sm90(q, cache, bt, lens, qo, 576 ** -0.5, causal, out, lse, programs=5)
+        paged_varlen_sm90(q, cache, bt, lens, qo, 576 ** -0.5, causal, out, lse, programs=5)
         return out.clone(), lse.clone()
 
     o, o_lse = call()
@@ -540,7 +540,7 @@ def test_gpu_paged_prefill_hopper_kernel_many_tiles_per_program(causal):
     assert torch.equal(o2, o) and torch.equal(lse2, o_lse)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        paged_prefill_sm90(q, cache, bt, lens, qo, 576 ** -0.5, causal, out, lse, programs=5)
+        paged_varlen_sm90(q, cache, bt, lens, qo, 576 ** -0.5, causal, out, lse, programs=5)
     # Two replays on new inputs: a counter left at its end value by the first would leave the second's
     # outputs stale.
     for _ in range(2):
@@ -568,7 +568,7 @@ def test_gpu_paged_prefill_hopper_kernel_negative_length(causal):
     out = torch.full((q.shape[0], 16, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((q.shape[0], 16), float("nan"), dtype=torch.float32, device="cuda")
     errors.device_errors()
-    paged_prefill_sm90(q, cache, bt, lens, qo, 576 ** -0.5, causal, out, lse, programs=3)
+    paged_varlen_sm90(q, cache, bt, lens, qo, 576 ** -0.5, causal, out, lse, programs=3)
     torch.cuda.synchronize()
     keep = torch.ones(q.shape[0], dtype=torch.bool)
     keep[40:49] = False

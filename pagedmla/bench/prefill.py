@@ -37,7 +37,7 @@ import triton
 from pagedmla.bench.common import CPU_TIMER, CUDA_TIMER, bar_plot, check_plotting, wall_clock_us
 from pagedmla.bench.options import prefill_arguments
 from pagedmla.kernels.triton import merge as tmerge
-from pagedmla.kernels.triton import paged_prefill as tpaged
+from pagedmla.kernels.triton import paged_varlen as tpaged
 from pagedmla.kernels.triton import varlen as tvarlen
 from pagedmla.kernels.triton.common import PrefillConfig
 from pagedmla.ops.attention import flash_mla_varlen_with_kvcache

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pagedmla.kernels.triton.decode import paged_decode_triton
 from pagedmla.kernels.triton.merge import merge_state
-from pagedmla.kernels.triton.paged_prefill import paged_varlen_attention
+from pagedmla.kernels.triton.paged_varlen import paged_varlen_attention
 from pagedmla.kernels.triton.varlen import varlen_attention
 from pagedmla.ops.providers import register_impl
 

@@ -33,7 +33,7 @@ CACHE_SLOT = tl.constexpr(errors.CACHE_SLOT)
 @dataclasses.dataclass(frozen=True)
 class PrefillConfig:
     """Kernel choice and tile shape of a prefill call (the paged ``paged_varlen`` and the ragged ``varlen``
-    op), overriding the per-call default (``default_config`` of ``paged_prefill.py`` / ``varlen.py``, and the
+    op), overriding the per-call default (``default_config`` of ``paged_varlen.py`` / ``varlen.py``, and the
     Hopper kernel where it applies); benchmarks and tests use it.
 
     use_sm90: run the Hopper Gluon kernel (``sm90/``, fixed tiles: the other fields do not apply to it);

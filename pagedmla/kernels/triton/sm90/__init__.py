@@ -2,6 +2,6 @@
 
 ``pipeline.py`` holds what every one shares (descriptors, ring phases, the persistent tile claim and
 hand-off), ``mla.py`` the absorbed-MLA steps of the decode and paged-prefill kernels; ``decode.py``,
-``paged_prefill.py`` and ``varlen.py`` each hold one kernel's partitions and launcher. The portable launchers
-(``kernels/triton/{decode,paged_prefill,varlen}.py``) pick these where the support checks accept a call.
+``paged_varlen.py`` and ``varlen.py`` each hold one kernel's partitions and launcher. The portable launchers
+(``kernels/triton/{decode,paged_varlen,varlen}.py``) pick these where the support checks accept a call.
 """

@@ -5,7 +5,7 @@ two-stage shared-memory ring (TMA; block shapes must be powers of two, so each t
 [64, 64] copy, which Gluon splits into 64-column boxes); warpgroup 0 computes S = Q K^T for the whole 64 x 64
 tile (36 wgmma k-steps), the online softmax, writes P and the per-row rescale factor to shared memory and
 accumulates O[:, :256] += P V[:, :256]; warpgroup 1 accumulates O[:, 256:] += P V[:, 256:] from the same P.
-The kernels differ in their work (``decode.py``: SM parts of the split plan; ``paged_prefill.py``: persistent
+The kernels differ in their work (``decode.py``: SM parts of the split plan; ``paged_varlen.py``: persistent
 tiles of 64 (token, head) rows) and in where results go.
 
 Requirements (``sm90_supported`` checks them): CUDA capability 9.0, Triton with Gluon, q and cache bf16 or

@@ -1,7 +1,7 @@
 """Hopper (sm_90a) variable-q-length paged absorbed attention in Gluon: the decode kernel's structure for
 prefill over a cached prefix.
 
-Work tiles as in ``paged_prefill.py``: 64 (token, head) rows of one request over all the keys its rows may
+Work tiles as in ``paged_varlen.py``: 64 (token, head) rows of one request over all the keys its rows may
 see (request b's tiles start at ``qo_indptr[b] * H // 64 + b``, found by binary search). Each tile runs the
 decode kernel's partitions and steps (``decode_sm90.py``): a TMA loader warp, warpgroup 0 computing S once
 per 64-key tile and the online softmax, both warpgroups accumulating half of the 512 value columns from the
@@ -264,7 +264,7 @@ if HAVE_GLUON:
                     _store_rows(o, inv_l, inv_l, 256, out_ptr, lse_ptr, row0, r0, q_len * H, False, o_layout)
 
     @gluon.jit
-    def _paged_prefill_sm90_kernel(
+    def _paged_varlen_sm90_kernel(
         q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, seqlens_ptr, qo_ptr, out_ptr, lse_ptr, counter, err_ptr,
         T, H, batch, T_rows, qk_scale, stride_btb, max_pages, num_pages,
         CAUSAL: gl.constexpr, PAGE: gl.constexpr, SEARCH_STEPS: gl.constexpr,
@@ -294,10 +294,10 @@ if HAVE_GLUON:
             worker_num_regs=[232, 32],
         )
 
-    _MAIN = CachedKernel(_paged_prefill_sm90_kernel)
+    _MAIN = CachedKernel(_paged_varlen_sm90_kernel)
 
 
-def paged_prefill_sm90(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
+def paged_varlen_sm90(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
                        cache_seqlens: torch.Tensor, qo_indptr: torch.Tensor, softmax_scale: float, causal: bool,
                        out: torch.Tensor, lse: torch.Tensor, programs: int | None = None) -> None:
     """Launch on checked inputs (``paged_varlen_attention`` checks them): q [T, H, 576], out [T, H, 512]

@@ -34,7 +34,7 @@ from pagedmla.kernels.triton.common import (
     store_nan,
 )
 from pagedmla.kernels.triton.sm90.mla import sm90_supported
-from pagedmla.kernels.triton.sm90.paged_prefill import paged_prefill_sm90
+from pagedmla.kernels.triton.sm90.paged_varlen import paged_varlen_sm90
 from pagedmla.kernels.triton.varlen import check_dtype, last_dim_contiguous, split_head_dim
 
 
@@ -96,7 +96,7 @@ def _paged_tile(
 
 
 @triton.jit
-def _paged_prefill_kernel(
+def _paged_varlen_kernel(
     Q, KV, O, LSE, block_table, cache_seqlens, qo_indptr, err_ptr,
     stride_qt, stride_qh, stride_slot, stride_bt, stride_ot, stride_oh,
     num_heads, batch, total_q, num_pages, max_pages, qk_scale,
@@ -213,7 +213,7 @@ def paged_varlen_attention(
     including the new tokens; qo_indptr: int32 [b + 1]; head_dim_v: the value width, the first columns of
     each latent row (512; at most the power-of-two part of D). causal: bottom-right per token. max_q_len is not
     needed: the grid is sized from T, so nothing is read back from the device. ``config`` overrides the
-    tile shape (benchmarks). Without ``config`` an sm_90 GPU runs the Hopper kernel (``sm90/paged_prefill.py``)
+    tile shape (benchmarks). Without ``config`` an sm_90 GPU runs the Hopper kernel (``sm90/paged_varlen.py``)
     where it applies (bf16/fp16, 576/512, pages a multiple of 64, contiguous cache); a ``PrefillConfig``
     runs it when its ``use_sm90`` is set, else the portable kernel.
     Returns out [T, H, head_dim_v] q.dtype and lse [T, H] float32 (natural log; rows that see no key give 0
@@ -259,11 +259,11 @@ def paged_varlen_attention(
     if use_sm90:
         if d != 576 or head_dim_v != 512:
             raise ValueError(f"config: use_sm90 needs head dims 576 / 512, got {d} / head_dim_v {head_dim_v}")
-        paged_prefill_sm90(q, k_cache, block_table, cache_seqlens, qo_indptr, softmax_scale, causal,
+        paged_varlen_sm90(q, k_cache, block_table, cache_seqlens, qo_indptr, softmax_scale, causal,
                            out, lse)
         return out, lse
     grid = ((t * h) // cfg.block_m + batch,)
-    _paged_prefill_kernel[grid](
+    _paged_varlen_kernel[grid](
         q, kv, out, lse, block_table, cache_seqlens, qo_indptr, errors.error_word(q.device),
         q.stride(0), q.stride(1), kv.stride(0), block_table.stride(0), out.stride(0), out.stride(1),
         h, batch, t, k_cache.shape[0], block_table.shape[1], softmax_scale * LOG2E,
