@@ -25,6 +25,7 @@ from __future__ import annotations
 from pagedmla.kernels.triton.common import _LN2, BLOCK_TABLE, LOG2E, SCHEDULE, report
 from pagedmla.kernels.triton.launch import CachedKernel
 from pagedmla.kernels.triton.metadata import part_bounds, request_span, schedule_matches
+from pagedmla.kernels.triton.sm90 import mla
 from pagedmla.kernels.triton.sm90.mla import BLOCK_M, D_QK, mla_descriptors
 from pagedmla.kernels.triton.sm90.pipeline import HAVE_GLUON
 from pagedmla.split_plan import METADATA_WIDTH
@@ -34,25 +35,18 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-    from pagedmla.kernels.triton.sm90.mla import (
-        _BM,
-        _BN,
-        _DV,
-        O_LAYOUT,
-        S_LAYOUT,
-        load_kv_tiles,
-        load_q,
-        mla_buffers,
-        pages_ok,
-        softmax_finish,
-        softmax_tile,
-        value_finish,
-        value_tile,
-    )
     from pagedmla.kernels.triton.sm90.pipeline import free_phase, phase
 
 
 if HAVE_GLUON:
+
+    @gluon.jit
+    def _piece(splits_ptr, b, begin_req, begin_split, PIECES):
+        """(whether request b is in one piece, so its result goes straight to out; the partial row of this
+        part's piece of it, clamped into the PIECES rows) from ``num_splits`` and the part's first split."""
+        s_lo = gl.load(splits_ptr + b)
+        is_direct = gl.load(splits_ptr + b + 1) - s_lo == 1
+        return is_direct, gl.minimum(s_lo + gl.where(b == begin_req, begin_split, 0), PIECES - 1)
 
     @gluon.jit
     def _store_half(o, scale, lse2, col0, is_direct, out_ptr, lse_ptr, partials_ptr, PIECES, b, piece, pid_m,
@@ -61,7 +55,7 @@ if HAVE_GLUON:
         """Columns col0 .. col0 + 255 of the tile's result: normalised into ``out`` (and LSE, natural log)
         when the request is in one piece, else into the fp32 partial row ``piece`` (and log2 LSE) of the
         partials buffer (decode.py's layout: PIECES x ROWS x 512 values, then the LSEs)."""
-        rows = pid_m * _BM + gl.arange(0, _BM, layout=gl.SliceLayout(1, layout))
+        rows = pid_m * mla._BM + gl.arange(0, mla._BM, layout=gl.SliceLayout(1, layout))
         cols = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, layout))
         row_ok = rows < ROWS
         o = o * scale[:, None]
@@ -75,9 +69,9 @@ if HAVE_GLUON:
                 gl.store(lse_ptr + b.to(gl.int64) * ROWS + h * Q_LEN + t, lse2 * _LN2, mask=row_ok)
         else:
             p_row = piece.to(gl.int64) * ROWS + rows
-            gl.store(partials_ptr + p_row[:, None] * _DV + cols[None, :], o, mask=row_ok[:, None])
+            gl.store(partials_ptr + p_row[:, None] * mla._DV + cols[None, :], o, mask=row_ok[:, None])
             if WRITE_LSE:
-                gl.store(partials_ptr + PIECES.to(gl.int64) * ROWS * _DV + p_row, lse2, mask=row_ok)
+                gl.store(partials_ptr + PIECES.to(gl.int64) * ROWS * mla._DV + p_row, lse2, mask=row_ok)
 
     @gluon.jit
     def _loader(q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, PIECES, CAPACITY, num_pages, seqlens_ptr,
@@ -92,23 +86,23 @@ if HAVE_GLUON:
             bt_row = bt_ptr + b.to(gl.int64) * stride_btb
             # The slice's first page id does not depend on the length: it loads alongside it (masked: an
             # empty slice may start past the row's last entry).
-            first = gl.where(b == begin_req, begin_blk, 0) * _BN // PAGE
+            first = gl.where(b == begin_req, begin_blk, 0) * mla._BN // PAGE
             first_page = gl.load(bt_row + first, mask=first * PAGE < CAPACITY, other=0)
             seqlen, tok_lo, tok_hi, _ = request_span(seqlens_ptr, b, begin_req, begin_blk, end_req, end_blk,
-                                                     CAPACITY, _BN)
+                                                     CAPACITY, mla._BN)
             if tok_lo < tok_hi:
                 # Q of the previous request stays until warpgroup 0's last S of it is done.
                 mbarrier.wait(q_free, free_phase(nq, 1))
-                load_q(q_desc, q_pe_desc, b * ROWS + pid_m * _BM, q_smem, q_pe_smem, q_ready)
-                it = load_kv_tiles(kv_desc, kv_pe_desc, bt_row, first_page, tok_lo, tok_hi, it, kv_ring, kv_pe_ring,
-                                    kv_ready, kv_empty, page_flags.index(nq % 2), num_pages, PAGE)
+                mla.load_q(q_desc, q_pe_desc, b * ROWS + pid_m * mla._BM, q_smem, q_pe_smem, q_ready)
+                it = mla.load_kv_tiles(kv_desc, kv_pe_desc, bt_row, first_page, tok_lo, tok_hi, it, kv_ring,
+                                       kv_pe_ring, kv_ready, kv_empty, page_flags.index(nq % 2), num_pages, PAGE)
                 nq += 1
         if (pid_m == 0) & (part == 0):
             # The schedule verdict (decode.py's partials layout), once the loads are issued: the loader has
             # nothing else to do while the warpgroups finish.
             lanes = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
-            ok = schedule_matches(seqlens_ptr, meta_ptr, splits_ptr, B, PARTS, lanes, _BN)
-            gl.store(partials_ptr + PIECES.to(gl.int64) * ROWS * (_DV + 1), gl.where(ok, 1.0, 0.0))
+            ok = schedule_matches(seqlens_ptr, meta_ptr, splits_ptr, B, PARTS, lanes, mla._BN)
+            gl.store(partials_ptr + PIECES.to(gl.int64) * ROWS * (mla._DV + 1), gl.where(ok, 1.0, 0.0))
             report(err_ptr, gl.where(ok, 0, SCHEDULE))
 
     @gluon.jit
@@ -118,19 +112,19 @@ if HAVE_GLUON:
         lse_ptr, partials_ptr, err_ptr, B, PARTS, H, Q_LEN, ROWS, qk_scale, stride_ob, stride_ot, stride_oh,
         CAUSAL: gl.constexpr, PAGE: gl.constexpr, META_W: gl.constexpr,
     ):
-        s_layout: gl.constexpr = S_LAYOUT
-        o_layout: gl.constexpr = O_LAYOUT
+        s_layout: gl.constexpr = mla.S_LAYOUT
+        o_layout: gl.constexpr = mla.O_LAYOUT
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         pid_m = gl.program_id(0)
         begin_req, begin_blk, end_req, end_blk, begin_split = part_bounds(meta_ptr, gl.program_id(1), B - 1, META_W)
-        rows = pid_m * _BM + gl.arange(0, _BM, layout=row_l)
+        rows = pid_m * mla._BM + gl.arange(0, mla._BM, layout=row_l)
         t = rows // H
         it = 0
         nq = 0
         npm = 0
         for b in range(begin_req, end_req + 1):
             seqlen, tok_lo, tok_hi, bits = request_span(seqlens_ptr, b, begin_req, begin_blk, end_req, end_blk,
-                                                        CAPACITY, _BN)
+                                                        CAPACITY, mla._BN)
             if tok_lo < tok_hi:
                 # Keys row r may see: [0, lim); with causal, query t of Q_LEN sees keys 0 .. seqlen - Q_LEN + t.
                 if CAUSAL:
@@ -138,26 +132,24 @@ if HAVE_GLUON:
                     lim = gl.minimum(first_masked + t, seqlen)
                 else:
                     first_masked = seqlen
-                    lim = gl.zeros([_BM], dtype=gl.int32, layout=row_l) + seqlen
-                m_i = gl.full([_BM], float("-inf"), dtype=gl.float32, layout=row_l)
-                l_i = gl.zeros([_BM], dtype=gl.float32, layout=row_l)
-                o = gl.zeros([_BM, 256], dtype=gl.float32, layout=o_layout)
+                    lim = gl.zeros([mla._BM], dtype=gl.int32, layout=row_l) + seqlen
+                m_i = gl.full([mla._BM], float("-inf"), dtype=gl.float32, layout=row_l)
+                l_i = gl.zeros([mla._BM], dtype=gl.float32, layout=row_l)
+                o = gl.zeros([mla._BM, 256], dtype=gl.float32, layout=o_layout)
                 mbarrier.wait(q_ready, phase(nq, 1))
-                for n0 in range(tok_lo, tok_hi, _BN):
-                    o, m_i, l_i = softmax_tile(o, m_i, l_i, it, npm, n0, first_masked, lim, seqlen,
-                                                n0 + _BN >= tok_hi, qk_scale, q_smem, q_pe_smem, kv_ring,
-                                                kv_pe_ring, p_smem, scale_smem, q_free, kv_ready, kv_empty,
-                                                p_ready, p_free, s_layout, o_layout)
+                for n0 in range(tok_lo, tok_hi, mla._BN):
+                    o, m_i, l_i = mla.softmax_tile(o, m_i, l_i, it, npm, n0, first_masked, lim, seqlen,
+                                                   n0 + mla._BN >= tok_hi, qk_scale, q_smem, q_pe_smem, kv_ring,
+                                                   kv_pe_ring, p_smem, scale_smem, q_free, kv_ready, kv_empty,
+                                                   p_ready, p_free, s_layout, o_layout)
                     npm += 1
                     it += 1
-                bits = bits | gl.where(pages_ok(page_flags.index(nq % 2)), 0, BLOCK_TABLE)
+                bits = bits | gl.where(mla.pages_ok(page_flags.index(nq % 2)), 0, BLOCK_TABLE)
                 report(err_ptr, bits)
-                inv_l, lse2 = softmax_finish(m_i, l_i, qk_scale, bits != 0, npm, scale_smem, p_ready, p_free)
+                inv_l, lse2 = mla.softmax_finish(m_i, l_i, qk_scale, bits != 0, npm, scale_smem, p_ready, p_free)
                 npm += 1
                 nq += 1
-                s_lo = gl.load(splits_ptr + b)
-                is_direct = gl.load(splits_ptr + b + 1) - s_lo == 1
-                piece = gl.minimum(s_lo + gl.where(b == begin_req, begin_split, 0), PIECES - 1)
+                is_direct, piece = _piece(splits_ptr, b, begin_req, begin_split, PIECES)
                 _store_half(o, gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)),
                             gl.convert_layout(lse2, gl.SliceLayout(1, o_layout)), 0, is_direct,
                             out_ptr, lse_ptr, partials_ptr, PIECES, b, piece, pid_m, H, Q_LEN, ROWS,
@@ -169,27 +161,25 @@ if HAVE_GLUON:
         splits_ptr, out_ptr, lse_ptr, partials_ptr, B, PARTS, H, Q_LEN, ROWS, stride_ob, stride_ot, stride_oh,
         PAGE: gl.constexpr, META_W: gl.constexpr,
     ):
-        o_layout: gl.constexpr = O_LAYOUT
+        o_layout: gl.constexpr = mla.O_LAYOUT
         pid_m = gl.program_id(0)
         begin_req, begin_blk, end_req, end_blk, begin_split = part_bounds(meta_ptr, gl.program_id(1), B - 1, META_W)
         it = 0
         npm = 0
         for b in range(begin_req, end_req + 1):
             seqlen, tok_lo, tok_hi, _ = request_span(seqlens_ptr, b, begin_req, begin_blk, end_req, end_blk,
-                                                     CAPACITY, _BN)
+                                                     CAPACITY, mla._BN)
             if tok_lo < tok_hi:
-                o = gl.zeros([_BM, 256], dtype=gl.float32, layout=o_layout)
-                for n0 in range(tok_lo, tok_hi, _BN):
-                    o = value_tile(o, it, npm, n0, seqlen, kv_ring, p_smem, scale_smem, kv_ready, kv_empty,
-                                    p_ready, p_free, o_layout)
+                o = gl.zeros([mla._BM, 256], dtype=gl.float32, layout=o_layout)
+                for n0 in range(tok_lo, tok_hi, mla._BN):
+                    o = mla.value_tile(o, it, npm, n0, seqlen, kv_ring, p_smem, scale_smem, kv_ready, kv_empty,
+                                       p_ready, p_free, o_layout)
                     npm += 1
                     it += 1
                 # 1 / l from warpgroup 0: NaN for a request it found bad.
-                inv_l = value_finish(npm, scale_smem, p_ready, p_free, o_layout)
+                inv_l = mla.value_finish(npm, scale_smem, p_ready, p_free, o_layout)
                 npm += 1
-                s_lo = gl.load(splits_ptr + b)
-                is_direct = gl.load(splits_ptr + b + 1) - s_lo == 1
-                piece = gl.minimum(s_lo + gl.where(b == begin_req, begin_split, 0), PIECES - 1)
+                is_direct, piece = _piece(splits_ptr, b, begin_req, begin_split, PIECES)
                 _store_half(o, inv_l, inv_l, 256, is_direct, out_ptr, lse_ptr, partials_ptr, PIECES, b, piece,
                             pid_m, H, Q_LEN, ROWS, stride_ob, stride_ot, stride_oh, False, o_layout)
 
@@ -206,7 +196,7 @@ if HAVE_GLUON:
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
                                       is_pure=False, pack=1)
         (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, p_ready, p_free, kv_ready,
-         kv_empty, page_flags) = mla_buffers(q_desc, q_pe_desc, kv_desc, kv_pe_desc)
+         kv_empty, page_flags) = mla.mla_buffers(q_desc, q_pe_desc, kv_desc, kv_pe_desc)
         gl.warp_specialize(
             [(_softmax_warpgroup, (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free,
                                    kv_ready, kv_empty, p_ready, p_free, page_flags, PIECES, CAPACITY,

@@ -34,6 +34,7 @@ from pagedmla.kernels.triton.common import (
     report,
 )
 from pagedmla.kernels.triton.launch import CachedKernel
+from pagedmla.kernels.triton.sm90 import mla
 from pagedmla.kernels.triton.sm90.mla import BLOCK_M, D_V, mla_descriptors, sm90_supported
 from pagedmla.kernels.triton.sm90.pipeline import HAVE_GLUON, MAX_TILES, tma_rows
 
@@ -42,21 +43,6 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-    from pagedmla.kernels.triton.sm90.mla import (
-        _BM,
-        _BN,
-        _DV,
-        O_LAYOUT,
-        S_LAYOUT,
-        load_kv_tiles,
-        load_q,
-        mla_buffers,
-        pages_ok,
-        softmax_finish,
-        softmax_tile,
-        value_finish,
-        value_tile,
-    )
     from pagedmla.kernels.triton.sm90.pipeline import (
         ONE_WARP,
         WARPGROUP,
@@ -79,19 +65,19 @@ if HAVE_GLUON:
         hi = lo + batch - 1
         for _ in gl.static_range(SEARCH_STEPS):
             mid = (lo + hi + 1) // 2
-            start_mid = (gl.load(qo_ptr + mid).to(gl.int64) * H) // _BM + mid
+            start_mid = (gl.load(qo_ptr + mid).to(gl.int64) * H) // mla._BM + mid
             go_up = start_mid <= tile
             lo = gl.where(go_up, mid, lo)
             hi = gl.where(go_up, hi, mid - 1)
         b = lo
         q_start = gl.load(qo_ptr + b)
         q_len = gl.load(qo_ptr + b + 1) - q_start
-        r0 = (tile - ((q_start.to(gl.int64) * H) // _BM + b)).to(gl.int32) * _BM
+        r0 = (tile - ((q_start.to(gl.int64) * H) // mla._BM + b)).to(gl.int32) * mla._BM
         n_rows = q_len * H
         kv_len, bits = checked_length(gl.load(seqlens_ptr + b), capacity)
         if CAUSAL:
             # Token t of the request sees keys 0 .. kv_len - q_len + t.
-            last_tok = (gl.minimum(r0 + _BM, n_rows) - 1) // H
+            last_tok = (gl.minimum(r0 + mla._BM, n_rows) - 1) // H
             end = gl.maximum(gl.minimum(kv_len, kv_len - q_len + last_tok + 1), 0)
         else:
             end = kv_len
@@ -137,11 +123,11 @@ if HAVE_GLUON:
                     layout: gl.constexpr):
         """Columns col0 .. col0 + 255 of rows r0 .. r0 + 63 (of n_rows), normalised, at flat rows row0 + r of
         out [T * H, 512]; with WRITE_LSE the natural-log LSE at lse[row0 + r]."""
-        r = r0 + gl.arange(0, _BM, layout=gl.SliceLayout(1, layout))
+        r = r0 + gl.arange(0, mla._BM, layout=gl.SliceLayout(1, layout))
         cols = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, layout))
         flat = row0.to(gl.int64) + r
         ok = r < n_rows
-        gl.store(out_ptr + flat[:, None] * _DV + cols[None, :], (o * scale[:, None]).to(out_ptr.dtype.element_ty),
+        gl.store(out_ptr + flat[:, None] * mla._DV + cols[None, :], (o * scale[:, None]).to(out_ptr.dtype.element_ty),
                  mask=ok[:, None])
         if WRITE_LSE:
             gl.store(lse_ptr + flat, lse2 * _LN2, mask=ok)
@@ -150,10 +136,10 @@ if HAVE_GLUON:
     def _poison_tiles(col0, out_ptr, lse_ptr, T, rows, WRITE_LSE: gl.constexpr, layout: gl.constexpr):
         """Without a partition of the q rows (``_rows_ok``) a warpgroup writes NaN into its columns of the flat
         rows 64 t .. 64 t + 63 of each tile t = program, program + programs, ... (the tiles cover every row)."""
-        nan = gl.full([_BM, 256], float("nan"), gl.float32, layout)
-        nan_rows = gl.full([_BM], float("nan"), gl.float32, gl.SliceLayout(1, layout))
+        nan = gl.full([mla._BM, 256], float("nan"), gl.float32, layout)
+        nan_rows = gl.full([mla._BM], float("nan"), gl.float32, gl.SliceLayout(1, layout))
         for t in range(gl.program_id(0), T, gl.num_programs(0)):
-            _store_rows(nan, nan_rows, nan_rows, col0, out_ptr, lse_ptr, t * 0, t * _BM, rows, WRITE_LSE, layout)
+            _store_rows(nan, nan_rows, nan_rows, col0, out_ptr, lse_ptr, t * 0, t * mla._BM, rows, WRITE_LSE, layout)
 
     @gluon.jit
     def _prefill_loader(q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, seqlens_ptr, qo_ptr, counter, T,
@@ -170,10 +156,11 @@ if HAVE_GLUON:
                 if end > 0:
                     # Q of the previous tile stays until warpgroup 0's last S of it is done.
                     mbarrier.wait(q_free, free_phase(nq, 1))
-                    load_q(q_desc, q_pe_desc, q_row, q_smem, q_pe_smem, q_ready)
+                    mla.load_q(q_desc, q_pe_desc, q_row, q_smem, q_pe_smem, q_ready)
                     bt_row = bt_ptr + b.to(gl.int64) * stride_btb
-                    it = load_kv_tiles(kv_desc, kv_pe_desc, bt_row, gl.load(bt_row), 0, end, it, kv_ring,
-                                        kv_pe_ring, kv_ready, kv_empty, page_flags.index(nq % 2), num_pages, PAGE)
+                    it = mla.load_kv_tiles(kv_desc, kv_pe_desc, bt_row, gl.load(bt_row), 0, end, it, kv_ring,
+                                           kv_pe_ring, kv_ready, kv_empty, page_flags.index(nq % 2), num_pages,
+                                           PAGE)
                     nq += 1
                 # The next tile is claimed once this one's loads are all issued (the warpgroups are then about
                 # two KV tiles from its end): late enough that a program never sits on a claimed tile it has not
@@ -188,8 +175,8 @@ if HAVE_GLUON:
         q_free, kv_ready, kv_empty, p_ready, p_free, page_flags, out_ptr, lse_ptr, qo_ptr, err_ptr, batch, T_rows, T,
         H, qk_scale, CAUSAL: gl.constexpr,
     ):
-        s_layout: gl.constexpr = S_LAYOUT
-        o_layout: gl.constexpr = O_LAYOUT
+        s_layout: gl.constexpr = mla.S_LAYOUT
+        o_layout: gl.constexpr = mla.O_LAYOUT
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         if not _rows_ok(qo_ptr, batch, T_rows, WARPGROUP):
             _poison_tiles(0, out_ptr, lse_ptr, T, T_rows * H, True, o_layout)
@@ -208,30 +195,30 @@ if HAVE_GLUON:
                 if (claim < T) & (r0 < n_rows):
                     first_masked = kv_len
                     if CAUSAL:
-                        tok = (r0 + gl.arange(0, _BM, layout=row_l)) // H
+                        tok = (r0 + gl.arange(0, mla._BM, layout=row_l)) // H
                         lim = gl.minimum(kv_len - q_len + 1 + tok, kv_len)
                         first_masked = gl.minimum(gl.maximum(kv_len - q_len + r0 // H + 1, 0), kv_len)
                     else:
-                        lim = gl.zeros([_BM], dtype=gl.int32, layout=row_l) + kv_len
-                    m_i = gl.full([_BM], float("-inf"), dtype=gl.float32, layout=row_l)
-                    l_i = gl.zeros([_BM], dtype=gl.float32, layout=row_l)
-                    o = gl.zeros([_BM, 256], dtype=gl.float32, layout=o_layout)
+                        lim = gl.zeros([mla._BM], dtype=gl.int32, layout=row_l) + kv_len
+                    m_i = gl.full([mla._BM], float("-inf"), dtype=gl.float32, layout=row_l)
+                    l_i = gl.zeros([mla._BM], dtype=gl.float32, layout=row_l)
+                    o = gl.zeros([mla._BM, 256], dtype=gl.float32, layout=o_layout)
                     if end > 0:
                         mbarrier.wait(q_ready, phase(nq, 1))
                         nq += 1
-                    for n0 in range(0, end, _BN):
+                    for n0 in range(0, end, mla._BN):
                         # The last S of the tile hands Q back to the loader for the next one.
-                        o, m_i, l_i = softmax_tile(o, m_i, l_i, it, npm, n0, first_masked, lim, kv_len,
-                                                    n0 + _BN >= end, qk_scale, q_smem, q_pe_smem, kv_ring, kv_pe_ring,
-                                                    p_smem, scale_smem, q_free, kv_ready, kv_empty, p_ready, p_free,
-                                                    s_layout, o_layout)
+                        o, m_i, l_i = mla.softmax_tile(o, m_i, l_i, it, npm, n0, first_masked, lim, kv_len,
+                                                       n0 + mla._BN >= end, qk_scale, q_smem, q_pe_smem, kv_ring,
+                                                       kv_pe_ring, p_smem, scale_smem, q_free, kv_ready, kv_empty,
+                                                       p_ready, p_free, s_layout, o_layout)
                         it += 1
                         npm += 1
                     if end > 0:  # the loader's page check of this tile's keys (nq counted its Q load)
-                        bits = bits | gl.where(pages_ok(page_flags.index((nq - 1) % 2)), 0, BLOCK_TABLE)
+                        bits = bits | gl.where(mla.pages_ok(page_flags.index((nq - 1) % 2)), 0, BLOCK_TABLE)
                     if r0 == 0:
                         report(err_ptr, bits)
-                    inv_l, lse2 = softmax_finish(m_i, l_i, qk_scale, bits != 0, npm, scale_smem, p_ready, p_free)
+                    inv_l, lse2 = mla.softmax_finish(m_i, l_i, qk_scale, bits != 0, npm, scale_smem, p_ready, p_free)
                     npm += 1
                     _store_rows(o, gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)),
                                 gl.convert_layout(lse2, gl.SliceLayout(1, o_layout)), 0, out_ptr, lse_ptr, row0, r0,
@@ -240,7 +227,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _prefill_value_warpgroup(kv_ring, p_smem, scale_smem, tile_info, tile_ready, tile_free, kv_ready, kv_empty,
                                  p_ready, p_free, out_ptr, lse_ptr, qo_ptr, batch, T_rows, T, H):
-        o_layout: gl.constexpr = O_LAYOUT
+        o_layout: gl.constexpr = mla.O_LAYOUT
         if not _rows_ok(qo_ptr, batch, T_rows, WARPGROUP):
             _poison_tiles(256, out_ptr, lse_ptr, T, T_rows * H, False, o_layout)
         else:
@@ -252,14 +239,14 @@ if HAVE_GLUON:
                 claim, row0, r0, q_len, kv_len, _, end = _receive_tile(i, tile_info, tile_ready, tile_free)
                 i += 1
                 if (claim < T) & (r0 < q_len * H):
-                    o = gl.zeros([_BM, 256], dtype=gl.float32, layout=o_layout)
-                    for n0 in range(0, end, _BN):
-                        o = value_tile(o, it, npm, n0, kv_len, kv_ring, p_smem, scale_smem, kv_ready, kv_empty,
-                                        p_ready, p_free, o_layout)
+                    o = gl.zeros([mla._BM, 256], dtype=gl.float32, layout=o_layout)
+                    for n0 in range(0, end, mla._BN):
+                        o = mla.value_tile(o, it, npm, n0, kv_len, kv_ring, p_smem, scale_smem, kv_ready, kv_empty,
+                                           p_ready, p_free, o_layout)
                         it += 1
                         npm += 1
                     # 1 / l from warpgroup 0: NaN for a request it found bad.
-                    inv_l = value_finish(npm, scale_smem, p_ready, p_free, o_layout)
+                    inv_l = mla.value_finish(npm, scale_smem, p_ready, p_free, o_layout)
                     npm += 1
                     _store_rows(o, inv_l, inv_l, 256, out_ptr, lse_ptr, row0, r0, q_len * H, False, o_layout)
 
@@ -270,7 +257,7 @@ if HAVE_GLUON:
         CAUSAL: gl.constexpr, PAGE: gl.constexpr, SEARCH_STEPS: gl.constexpr,
     ):
         (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, p_ready, p_free, kv_ready,
-         kv_empty, page_flags) = mla_buffers(q_desc, q_pe_desc, kv_desc, kv_pe_desc)
+         kv_empty, page_flags) = mla.mla_buffers(q_desc, q_pe_desc, kv_desc, kv_pe_desc)
         tile_info = gl.allocate_shared_memory(gl.int32, [2, 8], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
         tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
