@@ -316,7 +316,8 @@ def main(argv: list[str] | None = None) -> None:
 def run(args: argparse.Namespace, compact: bool = False) -> list[dict]:
     """Time the grid on the CUDA device, or (no CUDA) the tiny CPU grid; prints the CSV rows as they come
     and the summary table, writes ``args.csv`` / ``args.plot``. ``compact``: the summary leaves out columns
-    that no cell filled. Returns the rows (column name -> value, "" where not measured)."""
+    that no cell filled. Returns the rows (column name -> value, "" where not measured). Long: the
+    benchmark's whole procedure (grid loop, baselines, rows, summary) reads in one place."""
     check_plotting(args.plot)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")

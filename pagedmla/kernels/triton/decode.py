@@ -232,6 +232,10 @@ def _decode_split_kernel(
     HAS_PE: tl.constexpr, META_W: tl.constexpr, USE_TMA: tl.constexpr, CARRY_PAGES: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    """One program: a row tile of one split-plan part's requests, every KV step of each and its result.
+    Long (~120 lines) on purpose: the loop-carried state (the accumulator chunks, row max and sum, the
+    carried page id) stays in one body; Triton inlines helpers anyway, and a helper per stage would take
+    and return all of it."""
     DC: tl.constexpr = DV // NC
     pid_m = tl.program_id(0)
     part = tl.program_id(1)

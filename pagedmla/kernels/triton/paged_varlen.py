@@ -104,6 +104,9 @@ def _paged_varlen_kernel(
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, SEARCH_STEPS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
+    """One program: 64 (token, head) rows of one request over the keys they see. Long (~80 lines) on
+    purpose, as the decode kernel: the request search, guards and the key loop share the loop-carried
+    state, which a split into helpers would pass through every call."""
     # Later tiles hold later tokens, which see more keys: launch them first.
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
     d1 = tl.arange(0, BLOCK_D1)
@@ -217,7 +220,7 @@ def paged_varlen_attention(
     where it applies (bf16/fp16, 576/512, pages a multiple of 64, contiguous cache); a ``PrefillConfig``
     runs it when its ``use_sm90`` is set, else the portable kernel.
     Returns out [T, H, head_dim_v] q.dtype and lse [T, H] float32 (natural log; rows that see no key give 0
-    and -inf).
+    and -inf). Long for its checks, one per argument with its own message, ahead of the dispatch.
     """
     softmax_scale = checks.positive_scale(softmax_scale)
     config = PrefillConfig.checked(config)

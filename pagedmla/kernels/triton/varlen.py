@@ -141,6 +141,9 @@ def _varlen_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
+    """One program: BLOCK_M query rows of one sequence and head over the keys they see. Long (~85 lines)
+    on purpose, as the decode kernel: the sequence search, guards and key loop share the loop-carried
+    state, which a split into helpers would pass through every call."""
     # Tile pid of head h: sequence b owns tiles cu_q[b] // BLOCK_M + b .. (at least its ceil(lq / BLOCK_M)),
     # so total_q // BLOCK_M + batch tiles per head cover any lengths; later tiles (more keys when causal)
     # launch first.
@@ -319,7 +322,8 @@ def varlen_attention(
     Without ``config`` an sm_90 GPU runs the Hopper kernel (``sm90/varlen.py``: bf16/fp16, head dims
     64/128/192 and 64/128) when the inputs are contiguous or the queries long enough to amortise copying
     them. Returns (out [Tq, H, Dv] q.dtype, lse [Tq, H] float32, natural log; rows
-    that see no key give 0 and -inf). No host synchronisation.
+    that see no key give 0 and -inf). No host synchronisation. Long for its checks, one per argument with
+    its own message, and the bound-launch fast path ahead of them.
     """
     # The Hopper kernel's launch, bound for this call shape by an earlier call (see _bind_sm90).
     key = None if config is not None else (

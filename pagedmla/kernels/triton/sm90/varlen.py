@@ -311,7 +311,9 @@ if HAVE_GLUON:
                          CAUSAL: gl.constexpr, PER_SEQ: gl.constexpr):
         """Warpgroup W: query rows m0 + 64 W .. m0 + 64 W + 63 of each tile. FA3's intra-warpgroup overlap:
         S of key tile j is issued before P V of key tile j - 1, and the softmax of tile j runs while that
-        P V is on the tensor cores; a K slot is released as soon as its S is done, a V slot after its P V."""
+        P V is on the tensor cores; a K slot is released as soon as its S is done, a V slot after its P V.
+        Long (~130 lines): the prologue, the overlapped loop and the epilogue share one ring position and
+        the softmax state across the loop's edges, which helpers would take and return whole."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, _BN, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
