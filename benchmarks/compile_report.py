@@ -11,7 +11,7 @@ budgets (``setmaxnreg``) of warp-specialised kernels. Triton-internal APIs (3.6)
     python benchmarks/compile_report.py                          # the default configs for 16, 32, 128 rows
     python benchmarks/compile_report.py --config m16n32w4s3c4p   # one config (bench_decode's spec syntax)
     python benchmarks/compile_report.py --config m64n64w8s2c1h   # the Hopper kernel
-    python benchmarks/compile_report.py --prefill-sm90           # the Hopper paged-prefill kernel
+    python benchmarks/compile_report.py --paged-varlen-sm90           # the Hopper paged-prefill kernel
     python benchmarks/compile_report.py --varlen-sm90            # the Hopper ragged kernel, 192/128
     python benchmarks/compile_report.py --varlen-sm90 --per-seq  # the same, per-sequence tile numbering
 
@@ -37,8 +37,8 @@ from triton.backends.nvidia.compiler import CUDABackend
 
 from pagedmla.kernels.triton.common import LOG2E
 from pagedmla.kernels.triton.decode import DecodeConfig, _decode_split_kernel, default_config
-from pagedmla.ops.schedule import BLOCK_N as SCHED_N
-from pagedmla.ops.schedule import METADATA_WIDTH
+from pagedmla.split_plan import BLOCK_N as SCHED_N
+from pagedmla.split_plan import METADATA_WIDTH
 
 D, DV, PAGE = 576, 512, 64
 
@@ -55,11 +55,11 @@ def _gluon_descs() -> dict[str, str]:
             "kv_pe_desc": _gluon_desc(D - DV)}
 
 
-def compile_sm90_prefill(arch: int = 90):
-    """The Hopper Gluon paged-prefill kernel (``paged_prefill_sm90.py``) for bf16, page 64, causal."""
+def compile_paged_varlen_sm90(arch: int = 90):
+    """The Hopper Gluon paged-prefill kernel (``sm90/paged_varlen.py``) for bf16, page 64, causal."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from pagedmla.kernels.triton.paged_prefill_sm90 import _paged_prefill_sm90_kernel
+    from pagedmla.kernels.triton.sm90.paged_varlen import _paged_varlen_sm90_kernel
 
     signature = _gluon_descs()
     signature.update({name: "*i32" for name in ("bt_ptr", "seqlens_ptr", "qo_ptr")})
@@ -67,17 +67,17 @@ def compile_sm90_prefill(arch: int = 90):
                      T_rows="i32", qk_scale="fp32", stride_btb="i32", max_pages="i32", num_pages="i32")
     constexprs = dict(CAUSAL=True, PAGE=PAGE, SEARCH_STEPS=4)
     signature.update({name: "constexpr" for name in constexprs})
-    src = GluonASTSource(_paged_prefill_sm90_kernel, signature, constexprs=constexprs)
+    src = GluonASTSource(_paged_varlen_sm90_kernel, signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
 
 
 def compile_varlen_sm90(arch: int = 90, dk: int = 192, dv: int = 128, per_seq: bool = False):
-    """The Hopper Gluon ragged-attention kernel (``varlen_sm90.py``) for bf16, causal, with the padded or
+    """The Hopper Gluon ragged-attention kernel (``sm90/varlen.py``) for bf16, causal, with the padded or
     (``per_seq``) the per-sequence tile numbering."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from pagedmla.kernels.triton.varlen_sm90 import BLOCK_N, _varlen_sm90_kernel
+    from pagedmla.kernels.triton.sm90.varlen import BLOCK_N, _varlen_sm90_kernel
 
     def desc(rows: int, width: int) -> str:
         layout = gl.NVMMASharedLayout.get_default_for([rows, width], gl.bfloat16)
@@ -100,7 +100,7 @@ def compile_sm90(arch: int = 90):
     """The Hopper Gluon main kernel compiled for bf16, page 64, causal."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from pagedmla.kernels.triton.decode_sm90 import _decode_sm90_kernel
+    from pagedmla.kernels.triton.sm90.decode import _decode_sm90_kernel
 
     signature = _gluon_descs()
     signature.update({name: "*i32" for name in ("bt_ptr", "seqlens_ptr", "meta_ptr", "splits_ptr")})
@@ -188,12 +188,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", action="append", help="a config spec (repeatable); default: the shipped ones")
     ap.add_argument("--heads", type=int, default=None, help="query heads (default: the config's rows)")
     ap.add_argument("--json", action="store_true", help="print one JSON list of the reports instead")
-    ap.add_argument("--prefill-sm90", action="store_true", help="report the Hopper paged-prefill kernel instead")
+    ap.add_argument("--paged-varlen-sm90", action="store_true", help="report the Hopper paged-prefill kernel instead")
     ap.add_argument("--varlen-sm90", action="store_true", help="report the Hopper ragged kernel (192/128) instead")
     ap.add_argument("--per-seq", action="store_true", help="with --varlen-sm90: the per-sequence tile numbering")
     args = ap.parse_args(argv)
-    if args.prefill_sm90 or args.varlen_sm90:
-        rep = report(compile_sm90_prefill() if args.prefill_sm90 else compile_varlen_sm90(per_seq=args.per_seq))
+    if args.paged_varlen_sm90 or args.varlen_sm90:
+        kernel = compile_paged_varlen_sm90() if args.paged_varlen_sm90 else compile_varlen_sm90(per_seq=args.per_seq)
+        rep = report(kernel)
         print(json.dumps([rep]) if args.json else "\n".join(f"  {k}: {v}" for k, v in rep.items()))
         return 0
     try:

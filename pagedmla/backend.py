@@ -46,11 +46,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from pagedmla import errors
+from pagedmla import checks, errors
 from pagedmla.cache import MLAKVCache
 from pagedmla.config import MLAConfig
 from pagedmla.context_parallel import ContextParallel, DCPAttention
-from pagedmla.ops import checks, library
+from pagedmla.ops import library
 from pagedmla.ops.providers import available_providers, resolve
 from pagedmla.ops.schedule import get_mla_metadata, num_sm_parts_for, schedule_into
 from pagedmla.parallel import Group

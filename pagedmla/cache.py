@@ -11,8 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from pagedmla import errors
-from pagedmla.ops import checks
+from pagedmla import checks, errors
 
 
 class OutOfPagesError(RuntimeError):

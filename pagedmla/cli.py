@@ -333,7 +333,8 @@ def _version(package: str) -> str:
 def show_info(args: argparse.Namespace) -> int:
     """``pagedmla info``: versions, devices, and which providers implement each op here."""
     from pagedmla.bench.common import installed
-    from pagedmla.ops.providers import OPS, available_providers, triton_interpreting
+    from pagedmla.device import triton_interpreting
+    from pagedmla.ops.providers import OPS, available_providers
 
     print(f"pagedmla {pagedmla.__version__}, python {sys.version.split()[0]}, torch {torch.__version__}, "
           f"triton {_version('triton')}")

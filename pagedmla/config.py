@@ -42,11 +42,12 @@ def resolve_dtype(value: Any, name: str) -> torch.dtype:
     raise ValueError(f"{name}: unknown dtype {value!r}; expected one of bfloat16, float16, float32")
 
 
-def yarn_mscale(factor: float, mscale_all_dim: float) -> float:
-    """DeepSeek YaRN attention scale: 0.1 * mscale_all_dim * ln(factor) + 1 for factor > 1."""
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1): with DeepSeek's
+    ``mscale_all_dim`` it gives the attention scale's factor (squared), with ``mscale`` the rope's."""
     if factor <= 1.0:
         return 1.0
-    return 0.1 * mscale_all_dim * math.log(factor) + 1.0
+    return 0.1 * mscale * math.log(factor) + 1.0
 
 
 @dataclass

@@ -42,7 +42,7 @@ def test_carried_page_ids_double_buffer_the_small_tiles():
 
 
 def test_hopper_kernel_structure():
-    """The Gluon kernel's plan (decode_sm90.py): S computed once (36 m64n64k16 MMAs per tile), P V split in
+    """The Gluon kernel's plan (sm90/decode.py): S computed once (36 m64n64k16 MMAs per tile), P V split in
     two warpgroups (4 m64n256k16 each), a two-stage KV ring loaded by TMA, register budgets set per
     partition, nothing spilled, within the 227 KB of shared memory one CTA may use."""
     pytest.importorskip("triton.experimental.gluon")
@@ -61,7 +61,7 @@ def test_hopper_prefill_kernel_structure():
     (the qo_indptr end pointer, the row count), bounded at today's 24 / 48 bytes so that any new spill fails
     here."""
     pytest.importorskip("triton.experimental.gluon")
-    (rep,) = _reports(extra=("--prefill-sm90",))
+    (rep,) = _reports(extra=("--paged-varlen-sm90",))
     assert rep["wgmma"] == {"m64n64k16": 36, "m64n256k16": 8}, rep
     assert rep["kv_buffers"] == [2] and rep["tma_loads"] > 0, rep
     assert rep["spill_store_load_bytes"][0] <= 24 and rep["spill_store_load_bytes"][1] <= 48, rep

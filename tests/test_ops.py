@@ -24,7 +24,8 @@ from oracle import (
 )
 
 import pagedmla
-from pagedmla.ops import providers, schedule
+from pagedmla import split_plan
+from pagedmla.ops import providers
 
 F32, F64 = torch.float32, torch.float64
 NEG_INF = float("-inf")
@@ -414,11 +415,11 @@ def test_zero_length_batches(dtype):
 def enumerate_schedule(meta: torch.Tensor, splits: torch.Tensor, lens: list[int]):
     """Host-side walk over the documented metadata rows: returns {(req, block): part} and, per request,
     the list of split indices its pieces were given, in part order. Asserts each KV block is seen once."""
-    nblocks = [-(-max(0, x) // schedule.BLOCK_N) for x in lens]
+    nblocks = [-(-max(0, x) // split_plan.BLOCK_N) for x in lens]
     seen: dict[tuple[int, int], int] = {}
     pieces: dict[int, list[int]] = {b: [] for b in range(len(lens))}
     # Row 0 carries the fingerprint of the block counts and splits (what the decode kernels verify).
-    want = [int(f) for f in schedule.fingerprint(torch.tensor(nblocks, dtype=torch.int64), splits.cpu(),
+    want = [int(f) for f in split_plan.fingerprint(torch.tensor(nblocks, dtype=torch.int64), splits.cpu(),
                                                   meta.shape[0])]
     for p, row in enumerate(meta.tolist()):
         begin_req, begin_block, end_req, end_block, begin_split = row[:5]
@@ -448,7 +449,7 @@ def check_metadata(lens: list[int], parts: int | None, q_tokens: int = 16):
     meta, splits = pagedmla.get_mla_metadata(seqlens, q_tokens, 1, num_sm_parts=parts)
     assert meta.dtype == torch.int32 and splits.dtype == torch.int32
     assert meta.device == seqlens.device and splits.device == seqlens.device
-    assert meta.dim() == 2 and meta.shape[1] == schedule.METADATA_WIDTH
+    assert meta.dim() == 2 and meta.shape[1] == split_plan.METADATA_WIDTH
     if parts is not None:
         assert meta.shape[0] == parts
     assert tuple(splits.shape) == (len(lens) + 1,) and int(splits[0]) == 0
@@ -485,7 +486,7 @@ def test_get_mla_metadata_edge_batches(lens):
 
 def test_get_mla_metadata_empty_batch():
     meta, splits = pagedmla.get_mla_metadata(torch.zeros(0, dtype=torch.int32), 16, 1, num_sm_parts=5)
-    assert meta.dtype == torch.int32 and tuple(meta.shape) == (5, schedule.METADATA_WIDTH)
+    assert meta.dtype == torch.int32 and tuple(meta.shape) == (5, split_plan.METADATA_WIDTH)
     assert splits.tolist() == [0]
     assert all(r[0] > r[2] for r in meta.tolist())  # every part idle
 
@@ -499,7 +500,7 @@ def test_get_mla_metadata_splits_long_request_across_parts():
         assert int(splits[1]) >= 9
         seen, _ = enumerate_schedule(meta, splits, [6400])
         per_part = [sum(1 for p in seen.values() if p == i) for i in range(10)]
-        overhead = schedule.overhead_blocks(rows)
+        overhead = split_plan.overhead_blocks(rows)
         share = -(-(100 + overhead) // 10)
         assert sum(per_part) == 100 and max(per_part[0] + overhead, *per_part[1:]) <= share, per_part
 

@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from pagedmla.kernels.triton.decode import DecodeConfig, few_requests_block_r, launch_combine, paged_decode_triton
-from pagedmla.kernels.triton.decode_sm90 import sm90_supported
-from pagedmla.kernels.triton.schedule import schedule_into as schedule_kernel_into
+from pagedmla.kernels.triton.metadata import schedule_into as schedule_kernel_into
+from pagedmla.kernels.triton.sm90.mla import sm90_supported
 from pagedmla.ops import flash_mla_with_kvcache, get_mla_metadata
 from pagedmla.ops import schedule as ops_schedule
-from pagedmla.ops.schedule import BLOCK_N as SCHED_N
-from pagedmla.ops.schedule import PIECE_COST_RATIO, min_part_units, overhead_blocks
 from pagedmla.reference import paged_mla_attention
+from pagedmla.split_plan import BLOCK_N as SCHED_N
+from pagedmla.split_plan import PIECE_COST_RATIO, min_part_units, overhead_blocks, plan_into
 
 # fp16 elementwise bounds: P is rounded to fp16 before P @ V and the output to fp16 (2**-11 relative each);
 # the largest error seen on the CPU cases was 3e-4 at |out| ~ 1.
@@ -209,7 +209,7 @@ def test_schedule_kernel_equals_tensor_ops(seed, device):
         for parts, rows, default_plan in itertools.product(part_counts, (16, 128), (False, True)):
             want_md = torch.empty(parts, 8, dtype=torch.int32)
             want_ns = torch.empty(b + 1, dtype=torch.int32)
-            ops_schedule._fill(lens.cpu(), want_md, want_ns, overhead_blocks(rows), default_plan)  # tensor ops
+            plan_into(lens.cpu(), want_md, want_ns, overhead_blocks(rows), default_plan)  # tensor ops
             md = torch.full((parts, 8), -7, dtype=torch.int32, device=device)
             ns = torch.full((b + 1,), -7, dtype=torch.int32, device=device)
             schedule_kernel_into(lens, md, ns, overhead_blocks(rows), default_plan)
@@ -412,25 +412,25 @@ def test_gpu_cuda_graph_replay(heads, q_len):
 def test_hopper_descriptors_and_row_alignment():
     """The Hopper launchers build TMA descriptors without the dataclass's per-call checks: the object must
     equal ``from_tensor``'s, and ``tma_rows`` must hand them an aligned row-major tensor."""
-    from pagedmla.kernels.triton import decode_sm90
+    from pagedmla.kernels.triton.sm90 import pipeline
 
-    if not decode_sm90.HAVE_GLUON:
+    if not pipeline.HAVE_GLUON:
         pytest.skip("needs Triton's Gluon")
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     x = torch.randn(130, 576).to(torch.bfloat16)
-    layout = decode_sm90._tile_layout(512, torch.bfloat16)
-    fast, ref = decode_sm90.descriptor(x, [64, 512], layout), TensorDescriptor.from_tensor(x, [64, 512], layout)
+    layout = pipeline.shared_layout(64, 512, torch.bfloat16)
+    fast, ref = pipeline.descriptor(x, [64, 512], layout), TensorDescriptor.from_tensor(x, [64, 512], layout)
     for field in ("shape", "strides", "block_shape", "layout", "padding"):
         assert getattr(fast, field) == getattr(ref, field), field
     assert fast.base is ref.base
-    assert decode_sm90.tma_rows(x) is x
+    assert pipeline.tma_rows(x) is x
     misaligned = torch.randn(131 * 576 + 1).to(torch.bfloat16)[1:].view(131, 576)
     assert misaligned.data_ptr() % 16
-    fixed = decode_sm90.tma_rows(misaligned)
+    fixed = pipeline.tma_rows(misaligned)
     assert fixed.data_ptr() % 16 == 0 and fixed.stride() == (576, 1) and torch.equal(fixed, misaligned)
     strided = torch.randn(4, 130, 576).to(torch.bfloat16)[:, 0]
-    assert decode_sm90.tma_rows(strided).stride() == (576, 1)
+    assert pipeline.tma_rows(strided).stride() == (576, 1)
 
 
 @pytest.mark.parametrize("block_r", [1, 2, 4, 16, 32])

@@ -52,7 +52,7 @@ def test_varlen_with_strided_cumulative_lengths():
 def test_kernel_entry_points_reject_a_non_positive_scale(scale):
     """The Triton entry points (called by the backend without the public ops' checks) need a positive scale:
     the Hopper kernels keep unscaled row maxima, which are the maxima of the scaled scores only then."""
-    from pagedmla.kernels.triton import paged_prefill as tpaged
+    from pagedmla.kernels.triton import paged_varlen as tpaged
     from pagedmla.kernels.triton import varlen as tvarlen
     from pagedmla.kernels.triton.decode import paged_decode_triton
 

@@ -14,11 +14,12 @@ import torch
 import pagedmla
 from pagedmla import errors, reference
 from pagedmla.kernels.triton import merge as tmerge
-from pagedmla.kernels.triton import paged_prefill as tpaged
+from pagedmla.kernels.triton import paged_varlen as tpaged
 from pagedmla.kernels.triton import varlen as tvarlen
-from pagedmla.kernels.triton.decode_sm90 import sm90_supported
-from pagedmla.kernels.triton.paged_prefill_sm90 import paged_prefill_sm90
-from pagedmla.kernels.triton.varlen_sm90 import varlen_sm90_plan, varlen_sm90_supported
+from pagedmla.kernels.triton.common import PrefillConfig
+from pagedmla.kernels.triton.sm90.mla import sm90_supported
+from pagedmla.kernels.triton.sm90.paged_varlen import paged_varlen_sm90
+from pagedmla.kernels.triton.sm90.varlen import varlen_sm90_plan, varlen_sm90_supported
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -196,7 +197,7 @@ def test_paged_prefill_random(seed):
 def test_paged_prefill_hopper_kernel_rejects_other_value_widths():
     q, cache, bt, lens, qo = _paged_case([4, 1], [9, 30], 4, 64, torch.float16, seed=3)
     with pytest.raises(ValueError, match="head_dim_v 256"):
-        tpaged.paged_varlen_attention(q, cache, bt, lens, qo, 256, 0.1, True, None, config={"HOPPER": True})
+        tpaged.paged_varlen_attention(q, cache, bt, lens, qo, 256, 0.1, True, None, config=PrefillConfig(use_sm90=True))
 
 
 def test_paged_prefill_public_api_and_bad_input():
@@ -263,22 +264,39 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_varlen_default_kernel_choice(monkeypatch):
     """Without a config: the Hopper kernel where it applies, unless a strided input would have to be copied
     for queries too short to pay for the copy, or the launch has more work tiles than its int32 tile
-    counter takes; an explicit config decides by its HOPPER key alone."""
+    counter takes; an explicit config decides by its use_sm90 alone."""
     q, k, v = torch.zeros(4, 2, 192), torch.zeros(4, 2, 192), torch.zeros(4, 2, 320)[..., 192:]
     monkeypatch.setattr(tvarlen, "varlen_sm90_supported", lambda *a: True)
-    assert tvarlen._use_hopper(None, q, k, v[..., :128].contiguous(), 1, 1)
-    assert not tvarlen._use_hopper(None, q, k, v, tvarlen.HOPPER_COPY_MIN_Q - 1, 1)
-    assert tvarlen._use_hopper(None, q, k, v, tvarlen.HOPPER_COPY_MIN_Q, 1)
-    assert not tvarlen._use_hopper({"BLOCK_M": 64}, q, k, v, 4096, 1)
-    assert tvarlen._use_hopper({"HOPPER": True}, q, k, v, 1, 1)
+    assert tvarlen._use_sm90(None, q, k, v[..., :128].contiguous(), 1, 1)
+    assert not tvarlen._use_sm90(None, q, k, v, tvarlen.SM90_COPY_MIN_Q - 1, 1)
+    assert tvarlen._use_sm90(None, q, k, v, tvarlen.SM90_COPY_MIN_Q, 1)
+    assert not tvarlen._use_sm90(PrefillConfig(block_m=64), q, k, v, 4096, 1)
+    assert tvarlen._use_sm90(PrefillConfig(use_sm90=True), q, k, v, 1, 1)
     # 4 rows over many sequences: (4 // 128 + batch) x 2 heads per-sequence work tiles, and the counter takes
     # fewer than 2**31 - 2**20.
-    long_q = tvarlen.HOPPER_COPY_MIN_Q
-    assert tvarlen._use_hopper(None, q, k, v, long_q, 2 ** 30 - 2 ** 19 - 1)
-    assert not tvarlen._use_hopper(None, q, k, v, long_q, 2 ** 30 - 2 ** 19)
+    long_q = tvarlen.SM90_COPY_MIN_Q
+    assert tvarlen._use_sm90(None, q, k, v, long_q, 2 ** 30 - 2 ** 19 - 1)
+    assert not tvarlen._use_sm90(None, q, k, v, long_q, 2 ** 30 - 2 ** 19)
     monkeypatch.setattr(tvarlen, "varlen_sm90_supported", lambda *a: False)
-    assert not tvarlen._use_hopper(None, q, k, v[..., :128].contiguous(), 4096, 1)
+    assert not tvarlen._use_sm90(None, q, k, v[..., :128].contiguous(), 4096, 1)
 
+
+
+def test_prefill_config_is_typed_and_merges_over_the_default():
+    """Both prefill entry points take a PrefillConfig or None (a dict names the argument in a TypeError); a
+    config's set fields replace the default tiles', the rest stay."""
+    q, k, v = torch.zeros(4, 2, 16), torch.zeros(4, 2, 16), torch.zeros(4, 2, 16)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(TypeError, match="config"):
+        tvarlen.varlen_attention(q, k, v, cu, cu, 4, 4, 0.25, True, config={"BLOCK_M": 16})
+    cache = torch.zeros(2, 16, 1, 16)
+    table, lens = torch.ones(1, 1, dtype=torch.int32), torch.tensor([4], dtype=torch.int32)
+    with pytest.raises(TypeError, match="config"):
+        tpaged.paged_varlen_attention(q, cache, table, lens, cu, 16, 0.25, True, config={"HOPPER": False})
+    base = tvarlen.default_config(192, 128, torch.float16)
+    merged = PrefillConfig(block_n=32).over(base)
+    assert (merged.block_m, merged.block_n, merged.num_warps, merged.num_stages, merged.use_sm90) == (
+        base.block_m, 32, base.num_warps, base.num_stages, False)
 
 def test_varlen_sm90_plan():
     """The Hopper ragged kernel's tile numbering: the longest sequence's row tiles for every sequence, unless
@@ -326,17 +344,17 @@ def test_gpu_varlen_equal_dims_bf16(d):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["portable", "hopper"])
+@pytest.mark.parametrize("kernel", ["portable", "sm90"])
 @pytest.mark.parametrize("h,hk,lens", [(16, 16, [1024, 2500, 3]), (128, 128, [777, 1])])
 def test_gpu_varlen_each_kernel_bf16(kernel, h, hk, lens):
     """Both kernels on the GPU whatever the default picks (the portable one runs off sm_90 and for
     fp32 / other head dims there)."""
     q, k, v, cu, _ = _varlen_case(lens, lens, h, hk, 192, 128, torch.bfloat16, True, seed=h + len(lens))
-    if kernel == "hopper" and not varlen_sm90_supported(q, k, v):
+    if kernel == "sm90" and not varlen_sm90_supported(q, k, v):
         pytest.skip("the Hopper kernel needs an sm_90 GPU and Triton's Gluon")
     q = (q.float() / 2).bfloat16()
     o, lse = tvarlen.varlen_attention(q, k, v, cu, cu, max(lens), max(lens), 192 ** -0.5, True,
-                                      config={"HOPPER": kernel == "hopper"})
+                                      config=PrefillConfig(use_sm90=kernel == "sm90"))
     ref, ref_lse = reference.varlen_attention(q.float(), k.float(), v.float(), cu, cu, 192 ** -0.5, True)
     _check_lse(lse, ref_lse, 1e-2)
     _check_out(o, ref, ref_lse, 1e-2)
@@ -355,14 +373,14 @@ def test_gpu_paged_prefill_bf16(h, kernel):
                                                           max_q_len=max(q_lens), provider="triton")
     else:
         out, lse = tpaged.paged_varlen_attention(q, cache, bt, lens, qo, 512, 576 ** -0.5, True, None,
-                                                 config={"HOPPER": False})
+                                                 config=PrefillConfig(use_sm90=False))
     ref, ref_lse = reference.paged_mla_attention(q, cache, bt, lens, qo, 576 ** -0.5, True, 512, 64)
     assert torch.isfinite(out).all()
     assert _rel(out, ref) < 1e-2 and _cos(out, ref) > 0.9999
     assert (lse - ref_lse).abs().max().item() < 1e-2
 
 
-HOPPER_VARLEN_CASES = [
+SM90_VARLEN_CASES = [
     # (q lengths, k lengths, H, Hk, Dqk, Dv): ragged tails around the 64-row warpgroup and 128-row program
     # tiles, q shorter and longer than k, GQA 1, 2, 8
     ([0, 1, 15, 16, 17, 64, 65, 127, 128, 129, 1000], None, 4, 4, 192, 128),
@@ -373,12 +391,12 @@ HOPPER_VARLEN_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", range(len(HOPPER_VARLEN_CASES)))
+@pytest.mark.parametrize("case", range(len(SM90_VARLEN_CASES)))
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_varlen_hopper_kernel(case, causal, dtype):
     """The Hopper ragged kernel against the reference on ragged tails, GQA and every supported head dim."""
-    lq, lk, h, hk, dk, dv = HOPPER_VARLEN_CASES[case]
+    lq, lk, h, hk, dk, dv = SM90_VARLEN_CASES[case]
     lk = lk or lq
     q, k, v, cu_q, cu_k = _varlen_case(lq, lk, h, hk, dk, dv, dtype, causal, seed=case + 40)
     if not varlen_sm90_supported(q, k, v):
@@ -389,7 +407,7 @@ def test_gpu_varlen_hopper_kernel(case, causal, dtype):
     v = torch.cat([v, torch.full((70, hk, dv), float("nan"), dtype=dtype, device="cuda")])
     out = torch.full((q.shape[0], h, dv), float("nan"), dtype=dtype, device="cuda")
     o, lse = tvarlen.varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), dk ** -0.5, causal, out,
-                                      config={"HOPPER": True})
+                                      config=PrefillConfig(use_sm90=True))
     ref, ref_lse = reference.varlen_attention(q.float(), k.float(), v.float(), cu_q, cu_k, dk ** -0.5, causal)
     assert o.data_ptr() == out.data_ptr()
     _check_lse(lse, ref_lse, 1e-2)
@@ -412,7 +430,7 @@ def test_gpu_varlen_hopper_kernel_many_tiles(causal):
 
     def call():
         return tvarlen.varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), 192 ** -0.5, causal,
-                                        config={"HOPPER": True})
+                                        config=PrefillConfig(use_sm90=True))
 
     o, lse = call()
     ref, ref_lse = reference.varlen_attention(q.float(), k.float(), v.float(), cu_q, cu_k, 192 ** -0.5, causal)
@@ -449,7 +467,7 @@ def test_gpu_varlen_hopper_kernel_skewed_batch(causal):
     q = (q.float() / 2).bfloat16()
     out = torch.full((q.shape[0], 16, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
     o, lse = tvarlen.varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), 192 ** -0.5, causal, out,
-                                      config={"HOPPER": True})
+                                      config=PrefillConfig(use_sm90=True))
     ref, ref_lse = reference.varlen_attention(q.float(), k.float(), v.float(), cu_q, cu_k, 192 ** -0.5, causal)
     _check_lse(lse, ref_lse, 1e-2)
     _check_out(o, ref, ref_lse, 1e-2)
@@ -460,7 +478,7 @@ def test_gpu_varlen_hopper_kernel_without_keys():
     q, k, v, cu_q, cu_k = _varlen_case([5, 3], [0, 0], 4, 4, 192, 128, torch.bfloat16, True, seed=1)
     if not varlen_sm90_supported(q, k, v):
         pytest.skip("the Hopper kernel needs an sm_90 GPU and Triton's Gluon")
-    o, lse = tvarlen.varlen_attention(q, k, v, cu_q, cu_k, 5, 0, 0.1, True, config={"HOPPER": True})
+    o, lse = tvarlen.varlen_attention(q, k, v, cu_q, cu_k, 5, 0, 0.1, True, config=PrefillConfig(use_sm90=True))
     assert (o == 0).all() and torch.isneginf(lse).all()
 
 
@@ -485,7 +503,7 @@ def test_gpu_paged_prefill_hopper_kernel(h, page, dtype, causal):
     del cache_ok
     torch.full((q.shape[0], h, 512), float("nan"), dtype=dtype, device="cuda")
     out, lse = tpaged.paged_varlen_attention(q, cache, bt, lens, qo, 512, 576 ** -0.5, causal, None,
-                                             config={"HOPPER": True})
+                                             config=PrefillConfig(use_sm90=True))
     ref, ref_lse = reference.paged_mla_attention(q.float(), cache.float(), bt, lens, qo, 576 ** -0.5, causal, 512,
                                                  page)
     _check_lse(lse, ref_lse, 1e-2)
@@ -510,7 +528,7 @@ def test_gpu_paged_prefill_hopper_kernel_many_tiles_per_program(causal):
     lse = torch.full((q.shape[0], 16), float("nan"), dtype=torch.float32, device="cuda")
 
     def call():
-        paged_prefill_sm90(q, cache, bt, lens, qo, 576 ** -0.5, causal, out, lse, programs=5)
+        paged_varlen_sm90(q, cache, bt, lens, qo, 576 ** -0.5, causal, out, lse, programs=5)
         return out.clone(), lse.clone()
 
     o, o_lse = call()
@@ -522,7 +540,7 @@ def test_gpu_paged_prefill_hopper_kernel_many_tiles_per_program(causal):
     assert torch.equal(o2, o) and torch.equal(lse2, o_lse)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        paged_prefill_sm90(q, cache, bt, lens, qo, 576 ** -0.5, causal, out, lse, programs=5)
+        paged_varlen_sm90(q, cache, bt, lens, qo, 576 ** -0.5, causal, out, lse, programs=5)
     # Two replays on new inputs: a counter left at its end value by the first would leave the second's
     # outputs stale.
     for _ in range(2):
@@ -550,7 +568,7 @@ def test_gpu_paged_prefill_hopper_kernel_negative_length(causal):
     out = torch.full((q.shape[0], 16, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((q.shape[0], 16), float("nan"), dtype=torch.float32, device="cuda")
     errors.device_errors()
-    paged_prefill_sm90(q, cache, bt, lens, qo, 576 ** -0.5, causal, out, lse, programs=3)
+    paged_varlen_sm90(q, cache, bt, lens, qo, 576 ** -0.5, causal, out, lse, programs=3)
     torch.cuda.synchronize()
     keep = torch.ones(q.shape[0], dtype=torch.bool)
     keep[40:49] = False

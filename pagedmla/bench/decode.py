@@ -37,9 +37,10 @@ import triton
 from pagedmla.bench.common import CPU_TIMER, CUDA_TIMER, bar_plot, check_plotting, wall_clock_us
 from pagedmla.bench.options import decode_arguments
 from pagedmla.kernels.triton.decode import DecodeConfig, default_config, paged_decode_triton, select_config
-from pagedmla.kernels.triton.decode_sm90 import sm90_supported
+from pagedmla.kernels.triton.sm90.mla import sm90_supported
 from pagedmla.ops.attention import flash_mla_with_kvcache
-from pagedmla.ops.schedule import get_mla_metadata, tile_plan
+from pagedmla.ops.schedule import get_mla_metadata
+from pagedmla.split_plan import tile_plan
 
 D, DV, PAGE = 576, 512, 64
 HEADER = ["b", "q_len", "heads", "mean_seq", "config", "pagedmla_us", "TFLOPs", "GBps", "flashmla_us",
@@ -315,7 +316,8 @@ def main(argv: list[str] | None = None) -> None:
 def run(args: argparse.Namespace, compact: bool = False) -> list[dict]:
     """Time the grid on the CUDA device, or (no CUDA) the tiny CPU grid; prints the CSV rows as they come
     and the summary table, writes ``args.csv`` / ``args.plot``. ``compact``: the summary leaves out columns
-    that no cell filled. Returns the rows (column name -> value, "" where not measured)."""
+    that no cell filled. Returns the rows (column name -> value, "" where not measured). Long: the
+    benchmark's whole procedure (grid loop, baselines, rows, summary) reads in one place."""
     check_plotting(args.plot)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")

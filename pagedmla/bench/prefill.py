@@ -38,17 +38,18 @@ import triton
 from pagedmla.bench.common import CPU_TIMER, CUDA_TIMER, bar_plot, check_plotting, wall_clock_us
 from pagedmla.bench.options import prefill_arguments
 from pagedmla.kernels.triton import merge as tmerge
-from pagedmla.kernels.triton import paged_prefill as tpaged
+from pagedmla.kernels.triton import paged_varlen as tpaged
 from pagedmla.kernels.triton import varlen as tvarlen
+from pagedmla.kernels.triton.common import PrefillConfig
 from pagedmla.ops.attention import flash_attn_varlen_func, flash_mla_varlen_with_kvcache
 
 # (prompts, length, heads); the short-prompt cells are the batches an engine's prefill steps send most often.
 RAGGED_GRID = [(1, 8192, 128), (4, 4096, 128), (16, 1024, 128), (8, 4096, 16), (1, 32768, 16),
                (32, 2048, 128), (32, 2048, 16), (64, 512, 128), (64, 512, 16), (256, 128, 128), (256, 128, 16)]
 RAGGED_VARIANTS = {
-    "m128n64w8s3": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
-    "m128n64w8s4": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 4},
-    "m128n128w8s2": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
+    "m128n64w8s3": PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
+    "m128n64w8s4": PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=4),
+    "m128n128w8s2": PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=2),
 }
 # (long prompt, short prompts, their length, heads): causal, 192/128
 SKEWED_GRID = [(4096, 63, 64, 128), (16384, 127, 128, 16)]
@@ -56,8 +57,8 @@ SKEWED_GRID = [(4096, 63, 64, 128), (16384, 127, 128, 16)]
 PAGED_GRID = [(8, 1024, 4096, 128), (8, 1024, 4096, 16), (64, 512, 1024, 128), (64, 512, 1024, 16),
               (256, 128, 1024, 128), (256, 128, 1024, 16)]
 PAGED_VARIANTS = {
-    "m64n64w8s2": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
-    "m64n32w8s3": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3},
+    "m64n64w8s2": PrefillConfig(block_m=64, block_n=64, num_warps=8, num_stages=2),
+    "m64n32w8s3": PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=3),
 }
 MERGE_GRID = [(8192, 128, 128), (8192, 16, 512)]  # (tokens, heads, head dim)
 # The CPU run's tiny grids (the interpreter takes seconds per kernel call).
@@ -88,9 +89,11 @@ def dtype_name() -> str:
     return {torch.bfloat16: "bf16", torch.float32: "float32"}[dtype]
 
 
-def default_variants() -> dict[str, dict | None]:
+def default_variants() -> dict[str, PrefillConfig | None]:
     """pagedmla's default kernel choice and (on CUDA, where the default may be a Hopper kernel) the portable one."""
-    return {"triton": None, "triton_portable": {"HOPPER": False}} if device.type == "cuda" else {"triton": None}
+    if device.type != "cuda":
+        return {"triton": None}
+    return {"triton": None, "triton_portable": PrefillConfig(use_sm90=False)}
 
 
 def empty_cache() -> None:
@@ -141,7 +144,7 @@ def bench_ragged(args, fi_workspace):
         else RAGGED_GRID
     variants = default_variants()
     if args.variants:
-        variants.update({name: {**cfg, "HOPPER": False} for name, cfg in RAGGED_VARIANTS.items()})
+        variants.update(RAGGED_VARIANTS)
     for b, seqlen, h in grid:
         ragged_cell(b, seqlen, h, variants, fi_workspace)
         empty_cache()
@@ -222,7 +225,7 @@ def bench_paged(args, fi_workspace):
     print(f"\n== paged absorbed prefill, causal, 576/512, page 64, {dtype_name()} ==", flush=True)
     variants = default_variants()
     if args.variants:
-        variants.update({name: {**cfg, "HOPPER": False} for name, cfg in PAGED_VARIANTS.items()})
+        variants.update(PAGED_VARIANTS)
     for b, new, cached, h in CPU_PAGED_GRID if device.type != "cuda" else PAGED_GRID:
         paged_cell(b, new, cached, h, variants, fi_workspace)
         empty_cache()

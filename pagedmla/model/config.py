@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedmla.config import MLAConfig, resolve_dtype
+from pagedmla.config import MLAConfig, resolve_dtype, yarn_mscale
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 _SCORING = ("softmax", "sigmoid")
@@ -27,13 +27,6 @@ _ROPE_TYPES = ("default", "yarn", "deepseek_yarn")
 class CheckpointError(ValueError):
     """A checkpoint directory or its config.json that cannot be loaded: one line naming the config field
     or the file (never a command-line flag, though a field may share a flag's name, as ``dtype`` does)."""
-
-
-def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
-    """YaRN magnitude correction 0.1 * mscale * ln(scale) + 1 (1 for scale <= 1)."""
-    if scale <= 1.0:
-        return 1.0
-    return 0.1 * mscale * math.log(scale) + 1.0
 
 
 @dataclass
@@ -166,7 +159,7 @@ class DeepseekConfig:
         """qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN (as DeepSeek and transformers)."""
         scale = self.qk_head_dim ** -0.5
         if self.rope.is_yarn and self.rope.mscale_all_dim:
-            m = yarn_get_mscale(self.rope.factor, self.rope.mscale_all_dim)
+            m = yarn_mscale(self.rope.factor, self.rope.mscale_all_dim)
             scale *= m * m
         return scale
 

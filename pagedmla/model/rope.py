@@ -12,7 +12,8 @@ import math
 import torch
 from torch import nn
 
-from pagedmla.model.config import RopeConfig, yarn_get_mscale
+from pagedmla.config import yarn_mscale
+from pagedmla.model.config import RopeConfig
 
 
 def rope_inv_freq(cfg: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
@@ -26,9 +27,9 @@ def rope_inv_freq(cfg: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
     if cfg.attention_factor is not None:
         attention_factor = float(cfg.attention_factor)
     elif cfg.mscale and cfg.mscale_all_dim:
-        attention_factor = yarn_get_mscale(factor, cfg.mscale) / yarn_get_mscale(factor, cfg.mscale_all_dim)
+        attention_factor = yarn_mscale(factor, cfg.mscale) / yarn_mscale(factor, cfg.mscale_all_dim)
     else:
-        attention_factor = yarn_get_mscale(factor)
+        attention_factor = yarn_mscale(factor)
 
     def correction_dim(rotations: float) -> float:
         # The dimension whose wavelength fits `rotations` times into the original context.

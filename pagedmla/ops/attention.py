@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import torch
 
-from pagedmla import errors
-from pagedmla.ops import checks, library
+from pagedmla import checks, errors
+from pagedmla.ops import library
 from pagedmla.ops.providers import resolve
 
 _KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)

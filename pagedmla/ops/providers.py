@@ -17,6 +17,8 @@ from collections.abc import Callable
 
 import torch
 
+from pagedmla.device import triton_interpreting
+
 PROVIDERS = ("torch", "triton", "flashmla")
 OPS = ("paged_decode", "paged_varlen", "varlen", "merge")
 _PREFERENCE_CUDA = ("triton", "torch")
@@ -26,7 +28,7 @@ _loaded: set[str] = set()
 # Modules that register a provider's implementations when imported; a missing library leaves it out.
 _PROVIDER_MODULES = {
     "torch": ("pagedmla.ops.torch_provider",),
-    "triton": ("pagedmla.kernels.triton",),
+    "triton": ("pagedmla.ops.triton_provider",),
     "flashmla": ("pagedmla.ops.flashmla_provider",),
 }
 
@@ -62,10 +64,6 @@ def available_providers(op: str) -> list[str]:
     for p in PROVIDERS:
         _load(p)
     return [p for p in PROVIDERS if p in _impls[op]]
-
-
-def triton_interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def resolve(op: str, device: torch.device, provider: str | None = None) -> tuple[str, Callable]:

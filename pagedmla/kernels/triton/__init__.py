@@ -1,6 +1,7 @@
-"""pagedmla's Triton kernels; importing this package registers them as the `triton` provider."""
+"""pagedmla's Triton and Gluon kernels, one family per module (``pagedmla.ops.triton_provider`` registers
+them as the `triton` provider). Importing the package makes the interpreter usable for them on CPU."""
 
-from pagedmla.ops.providers import triton_interpreting
+from pagedmla.device import triton_interpreting
 
 
 def _interpreter_scalar_index_fix() -> None:
@@ -29,5 +30,3 @@ def _interpreter_scalar_index_fix() -> None:
 
 if triton_interpreting():
     _interpreter_scalar_index_fix()
-
-from pagedmla.kernels.triton import decode, merge, paged_prefill, varlen  # noqa: E402, F401

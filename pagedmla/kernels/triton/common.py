@@ -1,4 +1,5 @@
-"""What every pagedmla kernel shares: the base-2 softmax constants, the value guards and the row finish.
+"""What every pagedmla kernel shares: the base-2 softmax constants, the value guards, the row finish and the
+prefill kernels' config.
 
 The guards implement ``pagedmla.errors``' contract inside the kernels (Triton and Gluon kernels both call
 these ``@triton.jit`` helpers): a value that would address memory outside a tensor is replaced by a safe one
@@ -7,6 +8,8 @@ error bit is OR-ed into the device's error word.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import triton
 import triton.language as tl
@@ -25,6 +28,36 @@ QUERY_INDPTR = tl.constexpr(errors.QUERY_INDPTR)
 KEY_INDPTR = tl.constexpr(errors.KEY_INDPTR)
 MAX_SEQLEN = tl.constexpr(errors.MAX_SEQLEN)
 CACHE_SLOT = tl.constexpr(errors.CACHE_SLOT)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    """Kernel choice and tile shape of a prefill call (the paged ``paged_varlen`` and the ragged ``varlen``
+    op), overriding the per-call default (``default_config`` of ``paged_varlen.py`` / ``varlen.py``, and the
+    Hopper kernel where it applies); benchmarks and tests use it.
+
+    use_sm90: run the Hopper Gluon kernel (``sm90/``, fixed tiles: the other fields do not apply to it);
+    False runs the portable kernel. block_m: query rows per program; block_n: keys per step; num_warps,
+    num_stages: Triton's; a field left None keeps the default's value.
+    """
+
+    use_sm90: bool = False
+    block_m: int | None = None
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+    def over(self, default: PrefillConfig) -> PrefillConfig:
+        """``default`` with this config's set fields in its place."""
+        return dataclasses.replace(default, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                                               if getattr(self, f.name) is not None})
+
+    @staticmethod
+    def checked(config) -> PrefillConfig | None:
+        """``config`` itself: None or a PrefillConfig, anything else a TypeError naming the argument."""
+        if config is not None and not isinstance(config, PrefillConfig):
+            raise TypeError(f"config: expected a PrefillConfig or None, got {type(config).__name__}")
+        return config
 
 
 @triton.jit

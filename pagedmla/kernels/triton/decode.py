@@ -3,7 +3,7 @@
 Work layout. The query rows of one request are its (token, head) pairs packed token-major
 (row = t * H + h) into BLOCK_M-row tiles: a TP-sharded 16-head decode is one 16-row tile, 128 heads are
 two 64-row tiles. The grid is (M tiles, SM parts); part p walks the (request, KV block) range that
-``get_mla_metadata`` gave it (pagedmla/ops/schedule.py documents the metadata) and, for each request in
+``get_mla_metadata`` gave it (pagedmla/split_plan.py documents the metadata) and, for each request in
 it, streams the KV blocks once: each [BLOCK_N, 576] tile is the key (all 576 columns) and the value
 (its first 512) of the same load. A request covered by one part is normalised and written straight to
 ``out`` / ``lse``; a request cut across parts writes one fp32 partial (normalised output + log2 LSE) per
@@ -18,7 +18,7 @@ included) and masked scores become -inf before the exponential, so no such value
 Guards (``pagedmla.errors``). Metadata rows are clamped to the batch, lengths to the block-table row, page
 ids to page 0 and piece indices to the partials buffer, so no value sends a load or store outside the
 tensors; a request with a bad length or page gets NaN rows. Part 0 also checks the metadata's fingerprint
-(``ops.schedule.fingerprint``: metadata and num_splits made for these lengths) and leaves its verdict at
+(``split_plan.fingerprint``: metadata and num_splits made for these lengths) and leaves its verdict at
 the end of the partials buffer; without it the combine kernel poisons every request, since a schedule
 made for other lengths may skip or repeat any request's keys.
 
@@ -37,7 +37,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from pagedmla import errors
+from pagedmla import checks, errors
+from pagedmla.device import sm_count
 from pagedmla.kernels.triton.common import (
     _LN2,
     BLOCK_TABLE,
@@ -48,13 +49,13 @@ from pagedmla.kernels.triton.common import (
     finish_rows,
     report,
 )
-from pagedmla.kernels.triton.decode_sm90 import sm90_main_args, sm90_supported, sm_count, tma_rows
 from pagedmla.kernels.triton.launch import CachedKernel, current_stream
-from pagedmla.kernels.triton.schedule import part_bounds, request_span, schedule_matches
-from pagedmla.ops import checks
-from pagedmla.ops.providers import register_impl
-from pagedmla.ops.schedule import BLOCK_N as SCHED_BLOCK_N
-from pagedmla.ops.schedule import HOPPER_MIN_ROWS, METADATA_WIDTH, tile_plan
+from pagedmla.kernels.triton.metadata import part_bounds, request_span, schedule_matches
+from pagedmla.kernels.triton.sm90.decode import sm90_main_args
+from pagedmla.kernels.triton.sm90.mla import sm90_supported
+from pagedmla.kernels.triton.sm90.pipeline import tma_rows
+from pagedmla.split_plan import BLOCK_N as SCHED_BLOCK_N
+from pagedmla.split_plan import METADATA_WIDTH, SM90_MIN_ROWS, tile_plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +71,7 @@ class DecodeConfig:
     on a load of its own step. Compiled for sm_90a with 3 stages, this turns the small tiles' single KV
     buffer with ``cp.async.wait_group 0`` into two buffers with the next tile in flight (benchmarks/NOTES.md
     v5); on the H200 it made 16-row tiles 6-13% and 32-row tiles 14-16% faster;
-    use_sm90: run the Hopper Gluon main kernel (``decode_sm90.py``: 64-row tiles, warp-specialised, wgmma)
+    use_sm90: run the Hopper Gluon main kernel (``sm90/decode.py``: 64-row tiles, warp-specialised, wgmma)
     instead; the other fields do not apply to it. Without a config, requests of more than 16 query rows
     use it wherever ``sm90_supported`` holds.
     """
@@ -231,6 +232,10 @@ def _decode_split_kernel(
     HAS_PE: tl.constexpr, META_W: tl.constexpr, USE_TMA: tl.constexpr, CARRY_PAGES: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    """One program: a row tile of one split-plan part's requests, every KV step of each and its result.
+    Long (~120 lines) on purpose: the loop-carried state (the accumulator chunks, row max and sum, the
+    carried page id) stays in one body; Triton inlines helpers anyway, and a helper per stage would take
+    and return all of it."""
     DC: tl.constexpr = DV // NC
     pid_m = tl.program_id(0)
     part = tl.program_id(1)
@@ -591,7 +596,7 @@ def paged_decode_triton(
     other lengths makes every row NaN. ``out`` / ``lse`` (contiguous, those shapes and dtypes) receive the
     results when given, e.g. a CUDA graph's static buffers; ``config`` overrides the tile shape (benchmarks
     sweep it). On sm_90 GPUs, bf16/fp16 with pages a multiple of 64, requests of more than 16 query rows run
-    the Hopper main kernel (``decode_sm90.py``). No host synchronisation: capturable in a CUDA graph.
+    the Hopper main kernel (``sm90/decode.py``). No host synchronisation: capturable in a CUDA graph.
     """
     key = (q.shape, q.stride(), q.dtype, q.get_device(), k_cache.shape, k_cache.stride(), k_cache.dtype,
            block_table.shape, block_table.stride(), cache_seqlens.is_contiguous(), tile_scheduler_metadata.shape,
@@ -662,7 +667,7 @@ def select_config(q: torch.Tensor, k_cache: torch.Tensor, head_dim_v: int,
     Hopper kernel for more than 16 query rows where ``sm90_supported`` holds, else ``default_config``."""
     rows = q.shape[1] * q.shape[2]
     if config is None:
-        if rows >= HOPPER_MIN_ROWS and sm90_supported(q, k_cache, head_dim_v):
+        if rows >= SM90_MIN_ROWS and sm90_supported(q, k_cache, head_dim_v):
             return DecodeConfig(block_m=64, use_sm90=True)
         return default_config(rows)
     if config.use_sm90:
@@ -675,11 +680,3 @@ def select_config(q: torch.Tensor, k_cache: torch.Tensor, head_dim_v: int,
                          f"of >= 16 columns; got {config}")
     return config
 
-
-def _paged_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                  softmax_scale, causal):
-    return paged_decode_triton(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                               num_splits, softmax_scale, causal)
-
-
-register_impl("paged_decode", "triton", _paged_decode)

@@ -16,7 +16,6 @@ import triton
 import triton.language as tl
 
 from pagedmla.kernels.triton.varlen import check_dtype, last_dim_contiguous
-from pagedmla.ops.providers import register_impl
 
 
 @triton.jit
@@ -110,5 +109,3 @@ def merge_state(
     )
     return out, out_lse
 
-
-register_impl("merge", "triton", merge_state)

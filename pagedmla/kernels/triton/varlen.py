@@ -15,28 +15,28 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedmla import errors
+from pagedmla import checks, errors
+from pagedmla.device import triton_interpreting
 from pagedmla.kernels.triton.common import (
     _LN2,
     KEY_INDPTR,
     LOG2E,
     MAX_SEQLEN,
     QUERY_INDPTR,
+    PrefillConfig,
     finish_rows,
     indptr_is_partition,
     report,
     store_nan,
 )
 from pagedmla.kernels.triton.launch import current_stream
-from pagedmla.kernels.triton.varlen_sm90 import (
-    MAX_TILES,
+from pagedmla.kernels.triton.sm90.pipeline import MAX_TILES
+from pagedmla.kernels.triton.sm90.varlen import (
     varlen_sm90,
     varlen_sm90_args,
     varlen_sm90_plan,
     varlen_sm90_supported,
 )
-from pagedmla.ops import checks
-from pagedmla.ops.providers import register_impl, triton_interpreting
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -141,6 +141,9 @@ def _varlen_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
+    """One program: BLOCK_M query rows of one sequence and head over the keys they see. Long (~85 lines)
+    on purpose, as the decode kernel: the sequence search, guards and key loop share the loop-carried
+    state, which a split into helpers would pass through every call."""
     # Tile pid of head h: sequence b owns tiles cu_q[b] // BLOCK_M + b .. (at least its ceil(lq / BLOCK_M)),
     # so total_q // BLOCK_M + batch tiles per head cover any lengths; later tiles (more keys when causal)
     # launch first.
@@ -220,51 +223,56 @@ def _varlen_fwd_kernel(
     tl.store(LSE + (q_start.to(tl.int64) + offs_m) * num_heads + h, lse2 * _LN2, mask=row_ok)
 
 
-def default_config(dk: int, dv: int, dtype: torch.dtype) -> dict:
-    """Tile shape and launch parameters. Under the interpreter small tiles exercise the multi-tile and
-    masked paths on small test shapes; on the GPU the H200-tuned shapes (benchmarks/NOTES.md)."""
+_INTERPRETER_TILES = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+_FP32_TILES = PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=1)
+# 128 x 64 tiles, 8 warps (two warpgroups of 64 query rows), 3 stages: best of the variants measured on the
+# H200 for 192/128 (benchmarks/NOTES.md); 256-wide heads drop to 2 stages to fit shared memory.
+_TILES = PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+_WIDE_TILES = PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+
+
+def default_config(dk: int, dv: int, dtype: torch.dtype) -> PrefillConfig:
+    """The portable kernel's tiles and launch parameters. Under the interpreter small tiles exercise the
+    multi-tile and masked paths on small test shapes; on the GPU the H200-tuned shapes (benchmarks/NOTES.md)."""
     if triton_interpreting():
-        return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+        return _INTERPRETER_TILES
     if dtype == torch.float32:
-        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
-    # 128 x 64 tiles, 8 warps (two warpgroups of 64 query rows), 3 stages: best of the variants measured on
-    # the H200 for 192/128 (benchmarks/NOTES.md); 256-wide heads drop to 2 stages to fit shared memory.
-    stages = 3 if dk + dv <= 384 else 2
-    return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": stages}
+        return _FP32_TILES
+    return _TILES if dk + dv <= 384 else _WIDE_TILES
 
 
 # A non-contiguous q/k/v (the value half of a kv_b_proj output) costs the Hopper kernel a copy of ~512 B per
 # key row and head; attention at full speed spends ~Tq x 1.1 ps per key row and head, so below ~512 query
 # rows the copy would eat most of the Hopper kernel's gain over the strided portable kernel.
-HOPPER_COPY_MIN_Q = 512
+SM90_COPY_MIN_Q = 512
 
 
-def _use_hopper(config: dict | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_seqlen_q: int,
-                batch: int) -> bool:
+def _use_sm90(config: PrefillConfig | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_seqlen_q: int,
+              batch: int) -> bool:
     if k.shape[0] == 0:  # no keys at all: a TMA descriptor cannot describe an empty tensor
         return False
     if config is not None:
-        return bool(config.get("HOPPER"))
+        return config.use_sm90
     if not varlen_sm90_supported(q, k, v):
         return False
     if varlen_sm90_plan(max_seqlen_q, q.shape[0], q.shape[1], batch)[0] >= MAX_TILES:
         return False
-    return max_seqlen_q >= HOPPER_COPY_MIN_Q or all(t.is_contiguous() for t in (q, k, v))
+    return max_seqlen_q >= SM90_COPY_MIN_Q or all(t.is_contiguous() for t in (q, k, v))
 
 
 # Bound Hopper launches by call shape (False where binding does not apply: strided inputs are copied per call).
-_hopper_bound: dict[tuple, tuple | bool] = {}
+_sm90_bound: dict[tuple, tuple | bool] = {}
 
 
-def _bind_hopper(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal, out, lse):
+def _bind_sm90(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal, out, lse):
     """(BoundLaunch, grid, result shapes) of the Hopper launch for calls shaped like this one, when every
     tensor goes to the kernel as it is (contiguous q / k / v rows, cu_seqlens dense), else False."""
     rows = [x.reshape(x.shape[0], -1) for x in (q, k, v)]
     if any(r.stride() != (r.shape[1], 1) for r in rows) or not (cu_seqlens_q.is_contiguous()
                                                                 and cu_seqlens_k.is_contiguous()):
         return False
-    if len(_hopper_bound) > 1024:
-        _hopper_bound.clear()
+    if len(_sm90_bound) > 1024:
+        _sm90_bound.clear()
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     kernel, grid, args, options = varlen_sm90_args(*rows, q.shape[1], k.shape[1], cu_seqlens_q, cu_seqlens_k,
                                                    max_seqlen_q, softmax_scale, causal, out, lse, counter)
@@ -302,31 +310,33 @@ def varlen_attention(
     causal: bool,
     out: torch.Tensor | None = None,
     *,
-    config: dict | None = None,
+    config: PrefillConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged attention over packed sequences (the ``varlen`` op of the ``triton`` provider).
 
     q: [Tq, H, Dqk]; k: [Tk, Hk, Dqk]; v: [Tk, Hk, Dv]; H a multiple of Hk; float16/bfloat16/float32.
     cu_seqlens_q/k: int32 [b + 1] on q's device; max_seqlen_q bounds every q length (sizes the grid;
     max_seqlen_k is not needed by the kernel). causal: bottom-right aligned when lengths differ.
-    ``out`` [Tq, H, Dv] (q's dtype) receives the output when given. ``config`` overrides the tile shape
-    (keys BLOCK_M, BLOCK_N, num_warps, num_stages; benchmarks use it). Without ``config`` an sm_90 GPU runs
-    the Hopper kernel (``varlen_sm90.py``: bf16/fp16, head dims 64/128/192 and 64/128) when the inputs are
-    contiguous or the queries long enough to amortise copying them; ``config={"HOPPER": True}`` forces it,
-    ``{"HOPPER": False}`` the portable kernel. Returns (out [Tq, H, Dv] q.dtype, lse [Tq, H] float32, natural log; rows
-    that see no key give 0 and -inf). No host synchronisation.
+    ``out`` [Tq, H, Dv] (q's dtype) receives the output when given. ``config`` (a ``PrefillConfig``,
+    benchmarks use it) picks the kernel by its ``use_sm90`` and overrides the portable kernel's tiles.
+    Without ``config`` an sm_90 GPU runs the Hopper kernel (``sm90/varlen.py``: bf16/fp16, head dims
+    64/128/192 and 64/128) when the inputs are contiguous or the queries long enough to amortise copying
+    them. Returns (out [Tq, H, Dv] q.dtype, lse [Tq, H] float32, natural log; rows
+    that see no key give 0 and -inf). No host synchronisation. Long for its checks, one per argument with
+    its own message, and the bound-launch fast path ahead of them.
     """
-    # The Hopper kernel's launch, bound for this call shape by an earlier call (see _bind_hopper).
+    # The Hopper kernel's launch, bound for this call shape by an earlier call (see _bind_sm90).
     key = None if config is not None else (
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.get_device(),
         cu_seqlens_q.shape, cu_seqlens_q.stride(), cu_seqlens_k.shape, cu_seqlens_k.stride(), max_seqlen_q,
         softmax_scale, causal, None if out is None else (out.shape, out.stride(), out.dtype))
-    bound = _hopper_bound.get(key)
+    bound = _sm90_bound.get(key)
     if bound:
         result = _launch_bound(bound, q, k, v, cu_seqlens_q, cu_seqlens_k, out)
         if result is not None:
             return result
     softmax_scale = checks.positive_scale(softmax_scale)
+    config = PrefillConfig.checked(config)
     check_dtype(q, "q")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
@@ -360,27 +370,23 @@ def varlen_attention(
     if batch <= 0:
         raise ValueError(f"cu_seqlens_q: no sequences (1 entry) but q has {tq} rows")
     q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
-    cfg = dict(default_config(dk, dv, q.dtype))
-    if config:
-        cfg.update(config)
-    if _use_hopper(config, q, k, v, max_seqlen_q, batch):
-        if key is not None and key not in _hopper_bound and q.is_cuda:
-            _hopper_bound[key] = _bind_hopper(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale,
+    cfg = default_config(dk, dv, q.dtype) if config is None else config.over(default_config(dk, dv, q.dtype))
+    if _use_sm90(config, q, k, v, max_seqlen_q, batch):
+        if key is not None and key not in _sm90_bound and q.is_cuda:
+            _sm90_bound[key] = _bind_sm90(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale,
                                               causal, out, lse)
         varlen_sm90(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal, out, lse)
         return out, lse
     d1, d2 = split_head_dim(dk)
-    grid = (tq // cfg["BLOCK_M"] + batch, h)
+    grid = (tq // cfg.block_m + batch, h)
     _varlen_fwd_kernel[grid](
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, errors.error_word(q.device),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         h, batch, tq, tk, max_seqlen_q, softmax_scale * LOG2E,
         GROUP=h // hk, DK=dk, DV=dv, BLOCK_D1=d1, BLOCK_D2=d2, BLOCK_DV=pow2_dim(dv),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=bool(causal), SEARCH_STEPS=max(1, batch.bit_length()),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=bool(causal), SEARCH_STEPS=max(1, batch.bit_length()),
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
 
-
-register_impl("varlen", "triton", varlen_attention)

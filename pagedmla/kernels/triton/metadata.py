@@ -1,6 +1,7 @@
-"""The decode schedule (``get_mla_metadata``) as one Triton launch.
+"""The split plan's metadata on the device: the plan (``get_mla_metadata``) as one Triton launch, and the
+helpers with which the decode kernels read and check it.
 
-Same arithmetic as the tensor-op version in ``pagedmla/ops/schedule.py`` (which documents the metadata
+Same arithmetic as the tensor-op version in ``pagedmla/split_plan.py`` (which documents the metadata
 and runs off CUDA): that version is ~25 small torch ops, half a millisecond of host time per decode step
 on the H200 machine's CPU; this is one launch. Program p writes metadata row p; program 0 also writes
 ``num_splits``. Each program walks the lengths in ``CHUNK``-request blocks three times (total units and
@@ -15,10 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedmla.device import triton_interpreting
 from pagedmla.kernels.triton.common import checked_length
 from pagedmla.kernels.triton.launch import CachedKernel
-from pagedmla.ops.providers import triton_interpreting
-from pagedmla.ops.schedule import BLOCK_N, BLOCKS_MIX, FINGERPRINT_COLUMNS, METADATA_WIDTH, PIECE_COST_RATIO, SPLITS_MIX
+from pagedmla.split_plan import BLOCK_N, BLOCKS_MIX, FINGERPRINT_COLUMNS, METADATA_WIDTH, PIECE_COST_RATIO, SPLITS_MIX
 
 # Under the interpreter (CPU tests) small chunks exercise the multi-chunk walk on small batches.
 CHUNK = 32 if triton_interpreting() else 1024
@@ -31,7 +32,7 @@ _FP_BLOCKS, _FP_SPLITS = (tl.constexpr(c) for c in FINGERPRINT_COLUMNS)
 
 @triton.jit
 def mix(x, i, C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr):
-    """``ops.schedule._mix`` on int64 values: one element's hash, < 2**32."""
+    """``split_plan._mix`` on int64 values: one element's hash, < 2**32."""
     v = (x * C0 + (i + 1) * C1) & 0xFFFFFFFF
     v = v ^ (v >> 15)
     v = (v * C2) & 0xFFFFFFFF
@@ -51,7 +52,7 @@ def splits_mix(s, j):
 @triton.jit
 def schedule_matches(seqlens_ptr, meta_ptr, splits_ptr, bs, parts, lanes, BLOCK: tl.constexpr):
     """Whether metadata row 0's fingerprint is that of these lengths' block counts, this ``num_splits`` and
-    ``parts`` parts (``ops.schedule.fingerprint``): metadata and splits made for these lengths by the
+    ``parts`` parts (``split_plan.fingerprint``): metadata and splits made for these lengths by the
     scheduler. Reads the bs lengths and bs + 1 split counts ``lanes`` (an arange, with the caller's layout)
     at a time."""
     CHUNK: tl.constexpr = lanes.shape[0]
@@ -118,7 +119,7 @@ def _schedule_kernel(seqlens_ptr, meta_ptr, splits_ptr, bs, parts,
         total = tl.max(unit_end, 0)
         n_max = tl.maximum(n_max, tl.max(n, 0))
     per_part = tl.maximum((total + parts - 1) // parts, 1)
-    if DEFAULT_PLAN:  # ops.schedule.min_part_units's integer steps (k < 1 only when per_part >= 1 wins)
+    if DEFAULT_PLAN:  # split_plan.min_part_units's integer steps (k < 1 only when per_part >= 1 wins)
         k = tl.ceil(tl.sqrt(n_max.to(tl.float64) / RATIO)).to(tl.int64)
         k = tl.where((k - 1) * (k - 1) * RATIO >= n_max, k - 1, k)
         k = tl.where(k * k * RATIO < n_max, k + 1, k)
@@ -161,7 +162,7 @@ def _schedule_kernel(seqlens_ptr, meta_ptr, splits_ptr, bs, parts,
         tl.store(splits_ptr, 0)
         carry = tl.zeros([], dtype=tl.int64)
         done = tl.zeros([], dtype=tl.int64)
-        # The fingerprint (ops.schedule.fingerprint) of the block counts and of num_splits as stored.
+        # The fingerprint (split_plan.fingerprint) of the block counts and of num_splits as stored.
         f_blocks = tl.zeros([], dtype=tl.int64)
         f_splits = splits_mix(tl.zeros([], dtype=tl.int64), tl.zeros([], dtype=tl.int64))
         for c in range(0, bs, CHUNK):
@@ -186,7 +187,7 @@ def schedule_into(cache_seqlens: torch.Tensor, metadata: torch.Tensor, num_split
                   overhead: int, default_plan: bool = False) -> None:
     """Write the schedule of ``cache_seqlens`` (int32 [bs], contiguous, bs >= 1) into ``metadata`` (int32
     [parts, METADATA_WIDTH], contiguous) and ``num_splits`` (int32 [bs + 1]), ``overhead`` units per request
-    (``ops.schedule.overhead_blocks``), parts at least ``ops.schedule.min_part_units`` long when
+    (``split_plan.overhead_blocks``), parts at least ``split_plan.min_part_units`` long when
     ``default_plan``; checked by the caller."""
     bs, parts = cache_seqlens.shape[0], metadata.shape[0]
     _SCHEDULE.launch(cache_seqlens.device, (parts,), cache_seqlens, metadata, num_splits, bs, parts,

@@ -29,16 +29,15 @@ are masked, and each warpgroup zeroes those value rows in shared memory before i
 the output).
 
 The default for ``varlen_attention`` on sm_90 where it applies (measured on the H200: benchmarks/NOTES.md,
-Prefill); ``config={"HOPPER": False}`` runs the portable kernel instead.
+Prefill); ``PrefillConfig(use_sm90=False)`` runs the portable kernel instead.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from pagedmla import errors
+from pagedmla.device import sm90_available, sm_count
 from pagedmla.kernels.triton.common import (
     _LN2,
     KEY_INDPTR,
@@ -49,19 +48,8 @@ from pagedmla.kernels.triton.common import (
     indptr_is_partition,
     report,
 )
-from pagedmla.kernels.triton.decode_sm90 import (
-    HAVE_GLUON,
-    MAX_TILES,
-    _gl_dtype,
-    descriptor,
-    hopper_available,
-    sm_count,
-    tma_rows,
-)
-
-if HAVE_GLUON:
-    from pagedmla.kernels.triton.decode_sm90 import _zero_tail_rows
 from pagedmla.kernels.triton.launch import CachedKernel
+from pagedmla.kernels.triton.sm90.pipeline import HAVE_GLUON, MAX_TILES, descriptor, shared_layout, tma_rows
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -71,6 +59,16 @@ if HAVE_GLUON:
         tma,
         warpgroup_mma,
         warpgroup_mma_wait,
+    )
+
+    from pagedmla.kernels.triton.sm90.pipeline import (
+        WARPGROUP,
+        claim_tile,
+        free_phase,
+        phase,
+        receive_slot,
+        slot_fields,
+        zero_tail_rows,
     )
 
 BLOCK_M = 128  # query rows per program: two warpgroups of 64
@@ -96,7 +94,7 @@ def varlen_sm90_plan(max_seqlen_q: int, total_q: int, heads: int, batch: int) ->
 def varlen_sm90_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the Gluon kernel can run this call: an sm_90 GPU, bf16/fp16, q/k head dim 64, 128 or 192,
     value head dim 64 or 128. The launcher copies inputs that are not contiguous with 16-byte aligned bases."""
-    if not hopper_available(q.device):
+    if not sm90_available(q.device):
         return False
     return (q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype and v.dtype == q.dtype
             and q.shape[-1] in (64, 128, 192) and v.shape[-1] in (64, 128))
@@ -182,24 +180,13 @@ if HAVE_GLUON:
     def _receive_tile_info(i, tile_info, tile_ready, tile_free):
         """Consumer side of a per-sequence hand-off: the loader's i-th tile as (id, head, q_start, lq, m0, lk,
         error bits)."""
-        s = i % 2
-        mbarrier.wait(tile_ready.index(s), (i // 2) & 1)
-        layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        info = tile_info.index(s).load(layout)
-        # Every warp has read the slot before it is handed back (the arrive is one thread's).
-        gl.thread_barrier()
-        mbarrier.arrive(tile_free.index(s), count=1)
-        idx = gl.arange(0, 8, layout=layout)
-        return (gl.sum(gl.where(idx == 0, info, 0), axis=0), gl.sum(gl.where(idx == 1, info, 0), axis=0),
-                gl.sum(gl.where(idx == 2, info, 0), axis=0), gl.sum(gl.where(idx == 3, info, 0), axis=0),
-                gl.sum(gl.where(idx == 4, info, 0), axis=0), gl.sum(gl.where(idx == 5, info, 0), axis=0),
-                gl.sum(gl.where(idx == 6, info, 0), axis=0))
+        return slot_fields(receive_slot(i, tile_info, tile_ready, tile_free, WARPGROUP), WARPGROUP)
 
     @gluon.jit
     def _receive_tile(i, tile_ids, tile_ready, tile_free):
         """Consumer side of the tile hand-off: the id the loader published as its i-th tile."""
         s = i % 2
-        mbarrier.wait(tile_ready.index(s), (i // 2) & 1)
+        mbarrier.wait(tile_ready.index(s), phase(i, 2))
         t = gl.max(tile_ids.index(s).load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)
         # Every warp has read the slot before it is handed back (the arrive is one thread's).
         gl.thread_barrier()
@@ -210,7 +197,7 @@ if HAVE_GLUON:
     def _load_q_half(q_desc, q_pe_desc, q_smem, q_pe_smem, q_ready, q_free, nq, row0, q_col, W: gl.constexpr,
                      DK1: gl.constexpr, DK2: gl.constexpr):
         """Warpgroup W's 64 query rows of a tile, once its previous tile's last S is done (the nq-th load)."""
-        mbarrier.wait(q_free.index(W), (nq & 1) ^ 1)
+        mbarrier.wait(q_free.index(W), free_phase(nq, 1))
         q_bytes: gl.constexpr = q_desc.block_type.nbytes + (q_pe_desc.block_type.nbytes if DK2 > 0 else 0)
         ready = q_ready.index(W)
         mbarrier.expect(ready, q_bytes)
@@ -239,20 +226,14 @@ if HAVE_GLUON:
             # Tiles are taken in launch order from a global counter: the tiles in flight stay a contiguous
             # window of heads (their K/V stay in L2) and the heaviest causal tiles go first.
             s = i % 2
-            mbarrier.wait(tile_free.index(s), ((i // 2) & 1) ^ 1)
-            fetched = gl.atomic_add(counter + gl.zeros([1], gl.int32, one), gl.full([1], 1, gl.int32, one))
+            mbarrier.wait(tile_free.index(s), free_phase(i, 2))
             if PER_SEQ:
+                t = claim_tile(counter, tile_ids, s)
                 slot = tile_ids.index(s)
-                slot.slice(0, 1).store(fetched)
-                # One lane holds the fetched id: every lane reads it back from shared memory.
-                gl.thread_barrier()
-                t = gl.max(slot.slice(0, 1).load(one), axis=0)
                 h, q_start, lq, m0, k_start, lk = _publish_tile_info(slot, t, cu_q, cu_k, H, batch, Tk, MAXQ,
                                                                      SEARCH_STEPS)
             else:
-                tile_ids.index(s).store(fetched)
-                gl.thread_barrier()
-                t = gl.max(tile_ids.index(s).load(one), axis=0)
+                t = claim_tile(counter, tile_ids, s)
             mbarrier.arrive(tile_ready.index(s), count=1)
             i += 1
             if t < T:
@@ -277,7 +258,7 @@ if HAVE_GLUON:
                         if j < n_tiles:
                             c = base + j
                             s = c % _STAGES
-                            mbarrier.wait(k_empty.index(s), ((c // _STAGES) & 1) ^ 1)
+                            mbarrier.wait(k_empty.index(s), free_phase(c, _STAGES))
                             ready = k_ready.index(s)
                             mbarrier.expect(ready, k_bytes)
                             tma.async_copy_global_to_shared(k_desc, [k_start + j * _BN, k_col], ready, k_ring.index(s))
@@ -291,7 +272,7 @@ if HAVE_GLUON:
                         if j > 0:
                             c = base + j - 1
                             s = c % _STAGES
-                            mbarrier.wait(v_empty.index(s), ((c // _STAGES) & 1) ^ 1)
+                            mbarrier.wait(v_empty.index(s), free_phase(c, _STAGES))
                             ready = v_ready.index(s)
                             mbarrier.expect(ready, v_desc.block_type.nbytes)
                             tma.async_copy_global_to_shared(v_desc, [k_start + (j - 1) * _BN, v_col], ready,
@@ -330,7 +311,9 @@ if HAVE_GLUON:
                          CAUSAL: gl.constexpr, PER_SEQ: gl.constexpr):
         """Warpgroup W: query rows m0 + 64 W .. m0 + 64 W + 63 of each tile. FA3's intra-warpgroup overlap:
         S of key tile j is issued before P V of key tile j - 1, and the softmax of tile j runs while that
-        P V is on the tensor cores; a K slot is released as soon as its S is done, a V slot after its P V."""
+        P V is on the tensor cores; a K slot is released as soon as its S is done, a V slot after its P V.
+        Long (~130 lines): the prologue, the overlapped loop and the epilogue share one ring position and
+        the softmax state across the loop's edges, which helpers would take and return whole."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, _BN, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -375,10 +358,10 @@ if HAVE_GLUON:
                     m_i = gl.full([_WM], float("-inf"), dtype=gl.float32, layout=row_l)
                     l_i = gl.zeros([_WM], dtype=gl.float32, layout=row_l)
                     o = gl.zeros([_WM, DV], dtype=gl.float32, layout=o_layout)
-                    mbarrier.wait(q_ready.index(W), nq & 1)
+                    mbarrier.wait(q_ready.index(W), phase(nq, 1))
                     nq += 1
                     if n_my > 0:
-                        mbarrier.wait(k_ready.index(base % _STAGES), (base // _STAGES) & 1)
+                        mbarrier.wait(k_ready.index(base % _STAGES), phase(base, _STAGES))
                         acc = _scores(q, q_pe, k_ring, k_pe_ring, base, DK2, s_layout)
                         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, q))[0]
                         mbarrier.arrive(k_empty.index(base % _STAGES), count=1)
@@ -386,10 +369,10 @@ if HAVE_GLUON:
                         p_op = gl.convert_layout(p.to(q.dtype), p_layout)
                         for j in range(1, n_my):
                             c = base + j
-                            mbarrier.wait(k_ready.index(c % _STAGES), (c // _STAGES) & 1)
+                            mbarrier.wait(k_ready.index(c % _STAGES), phase(c, _STAGES))
                             acc = _scores(q, q_pe, k_ring, k_pe_ring, c, DK2, s_layout)
                             sv = (c - 1) % _STAGES
-                            mbarrier.wait(v_ready.index(sv), ((c - 1) // _STAGES) & 1)
+                            mbarrier.wait(v_ready.index(sv), phase(c - 1, _STAGES))
                             v = v_ring.index(sv)
                             o = warpgroup_mma(p_op, v, o, is_async=True)
                             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, q))[0]
@@ -406,11 +389,11 @@ if HAVE_GLUON:
                         j = n_my - 1
                         c = base + j
                         sv = c % _STAGES
-                        mbarrier.wait(v_ready.index(sv), (c // _STAGES) & 1)
+                        mbarrier.wait(v_ready.index(sv), phase(c, _STAGES))
                         v = v_ring.index(sv)
                         if j * _BN + _BN > lk:
                             # Both warpgroups may zero the same rows: they write the same zeros.
-                            _zero_tail_rows(v, 0, lk - j * _BN, DV // 64, 4)
+                            zero_tail_rows(v, 0, lk - j * _BN, DV // 64, 4)
                         o = warpgroup_mma(p_op, v, o, is_async=True)
                         o = warpgroup_mma_wait(num_outstanding=0, deps=(o, v))[0]
                         mbarrier.arrive(v_empty.index(sv), count=1)
@@ -420,9 +403,9 @@ if HAVE_GLUON:
                     n_tiles = gl.cdiv(hi, _BN)
                     for j in range(n_my, n_tiles):
                         c = base + j
-                        mbarrier.wait(k_ready.index(c % _STAGES), (c // _STAGES) & 1)
+                        mbarrier.wait(k_ready.index(c % _STAGES), phase(c, _STAGES))
                         mbarrier.arrive(k_empty.index(c % _STAGES), count=1)
-                        mbarrier.wait(v_ready.index(c % _STAGES), (c // _STAGES) & 1)
+                        mbarrier.wait(v_ready.index(c % _STAGES), phase(c, _STAGES))
                         mbarrier.arrive(v_empty.index(c % _STAGES), count=1)
                     base += n_tiles
                     if (W == 0) & (m0 == 0) & (h == 0):
@@ -526,11 +509,6 @@ if HAVE_GLUON:
     _MAIN = CachedKernel(_varlen_sm90_kernel)
 
 
-@functools.cache
-def _layout(rows: int, width: int, dtype: torch.dtype):
-    return gl.NVMMASharedLayout.get_default_for([rows, width], _gl_dtype(dtype))
-
-
 def varlen_sm90_args(q2: torch.Tensor, k2: torch.Tensor, v2: torch.Tensor, heads: int, kv_heads: int,
                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, softmax_scale: float,
                      causal: bool, out: torch.Tensor, lse: torch.Tensor, counter: torch.Tensor):
@@ -547,11 +525,11 @@ def varlen_sm90_args(q2: torch.Tensor, k2: torch.Tensor, v2: torch.Tensor, heads
         raise ValueError(f"max_seqlen_q: {max_seqlen_q} over {batch} sequences, {tq} rows and {heads} heads is {tiles} "
                          f"work tiles; the Hopper kernel's int32 tile counter takes fewer than {MAX_TILES} (the "
                          "portable kernel has no such limit)")
-    args = (descriptor(q2, [64, dk1], _layout(64, dk1, q2.dtype)),
-            descriptor(q2, [64, pe_width], _layout(64, pe_width, q2.dtype)),
-            descriptor(k2, [BLOCK_N, dk1], _layout(BLOCK_N, dk1, q2.dtype)),
-            descriptor(k2, [BLOCK_N, pe_width], _layout(BLOCK_N, pe_width, q2.dtype)),
-            descriptor(v2, [BLOCK_N, dv], _layout(BLOCK_N, dv, q2.dtype)),
+    args = (descriptor(q2, [64, dk1], shared_layout(64, dk1, q2.dtype)),
+            descriptor(q2, [64, pe_width], shared_layout(64, pe_width, q2.dtype)),
+            descriptor(k2, [BLOCK_N, dk1], shared_layout(BLOCK_N, dk1, q2.dtype)),
+            descriptor(k2, [BLOCK_N, pe_width], shared_layout(BLOCK_N, pe_width, q2.dtype)),
+            descriptor(v2, [BLOCK_N, dv], shared_layout(BLOCK_N, dv, q2.dtype)),
             out, lse, cu_seqlens_q, cu_seqlens_k, counter, errors.error_word(q2.device),
             heads, heads // kv_heads, -(-max_seqlen_q // BLOCK_M), tiles, batch, tq, tk, max_seqlen_q,
             softmax_scale * LOG2E, out.stride(0), out.stride(1))
@@ -572,7 +550,7 @@ def varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
     least one row (a TMA descriptor cannot describe an empty tensor: ``varlen_attention`` runs the portable
     kernel then)."""
     if not varlen_sm90_supported(q, k, v):
-        raise ValueError("config: HOPPER needs an sm_90 GPU, Triton's Gluon, bf16/fp16 q/k/v, q/k head dim 64, "
+        raise ValueError("config: use_sm90 needs an sm_90 GPU, Triton's Gluon, bf16/fp16 q/k/v, q/k head dim 64, "
                          "128 or 192 and value head dim 64 or 128")
     tq, h, _ = q.shape
     tk, hk, _ = v.shape

@@ -1,7 +1,7 @@
 """Hopper (sm_90a) variable-q-length paged absorbed attention in Gluon: the decode kernel's structure for
 prefill over a cached prefix.
 
-Work tiles as in ``paged_prefill.py``: 64 (token, head) rows of one request over all the keys its rows may
+Work tiles as in ``paged_varlen.py``: 64 (token, head) rows of one request over all the keys its rows may
 see (request b's tiles start at ``qo_indptr[b] * H // 64 + b``, found by binary search). Each tile runs the
 decode kernel's partitions and steps (``decode_sm90.py``): a TMA loader warp, warpgroup 0 computing S once
 per 64-key tile and the online softmax, both warpgroups accumulating half of the 512 value columns from the
@@ -15,7 +15,7 @@ finish the current one, instead of each tile paying a program's start (search, Q
 trips) with the tensor cores idle.
 
 The default for ``paged_varlen_attention`` on sm_90 where it applies (measured on the H200: benchmarks/NOTES.md,
-Prefill); ``config={"HOPPER": False}`` runs the portable kernel instead.
+Prefill); ``PrefillConfig(use_sm90=False)`` runs the portable kernel instead.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from pagedmla import errors
+from pagedmla.device import sm_count
 from pagedmla.kernels.triton.common import (
     _LN2,
     BLOCK_TABLE,
@@ -32,45 +33,27 @@ from pagedmla.kernels.triton.common import (
     indptr_is_partition,
     report,
 )
-from pagedmla.kernels.triton.decode_sm90 import (
-    BLOCK_M,
-    BLOCK_N,
-    D_QK,
-    D_V,
-    HAVE_GLUON,
-    MAX_TILES,
-    descriptor,
-    sm90_supported,
-    sm_count,
-    tma_rows,
-)
 from pagedmla.kernels.triton.launch import CachedKernel
+from pagedmla.kernels.triton.sm90 import mla
+from pagedmla.kernels.triton.sm90.mla import BLOCK_M, D_V, mla_descriptors, sm90_supported
+from pagedmla.kernels.triton.sm90.pipeline import HAVE_GLUON, MAX_TILES, tma_rows
 
 if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-    from pagedmla.kernels.triton.decode_sm90 import (
-        _BM,
-        _BN,
-        _DV,
-        _O_LAYOUT,
-        _S_LAYOUT,
-        _load_kv_tiles,
-        _load_q,
-        _mla_buffers,
-        _softmax_finish,
-        _softmax_tile,
-        _tile_layout,
-        _value_finish,
-        _value_tile,
-        pages_ok,
+    from pagedmla.kernels.triton.sm90.pipeline import (
+        ONE_WARP,
+        WARPGROUP,
+        claim_tile,
+        free_phase,
+        phase,
+        receive_slot,
+        slot_fields,
     )
 
 if HAVE_GLUON:
-    _ONE_WARP = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
-    _WARPGROUP = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
 
     @gluon.jit
     def _tile_work(tile, qo_ptr, seqlens_ptr, H, batch, capacity, CAUSAL: gl.constexpr, SEARCH_STEPS: gl.constexpr):
@@ -82,19 +65,19 @@ if HAVE_GLUON:
         hi = lo + batch - 1
         for _ in gl.static_range(SEARCH_STEPS):
             mid = (lo + hi + 1) // 2
-            start_mid = (gl.load(qo_ptr + mid).to(gl.int64) * H) // _BM + mid
+            start_mid = (gl.load(qo_ptr + mid).to(gl.int64) * H) // mla._BM + mid
             go_up = start_mid <= tile
             lo = gl.where(go_up, mid, lo)
             hi = gl.where(go_up, hi, mid - 1)
         b = lo
         q_start = gl.load(qo_ptr + b)
         q_len = gl.load(qo_ptr + b + 1) - q_start
-        r0 = (tile - ((q_start.to(gl.int64) * H) // _BM + b)).to(gl.int32) * _BM
+        r0 = (tile - ((q_start.to(gl.int64) * H) // mla._BM + b)).to(gl.int32) * mla._BM
         n_rows = q_len * H
         kv_len, bits = checked_length(gl.load(seqlens_ptr + b), capacity)
         if CAUSAL:
             # Token t of the request sees keys 0 .. kv_len - q_len + t.
-            last_tok = (gl.minimum(r0 + _BM, n_rows) - 1) // H
+            last_tok = (gl.minimum(r0 + mla._BM, n_rows) - 1) // H
             end = gl.maximum(gl.minimum(kv_len, kv_len - q_len + last_tok + 1), 0)
         else:
             end = kv_len
@@ -115,17 +98,13 @@ if HAVE_GLUON:
         (request, first flat q row of the tile, end of its keys: 0 when the tile loads nothing, -1 past the
         last tile)."""
         s = i % 2
-        mbarrier.wait(tile_free.index(s), ((i // 2) & 1) ^ 1)
+        mbarrier.wait(tile_free.index(s), free_phase(i, 2))
         slot = tile_info.index(s)
-        fetched = gl.atomic_add(counter + gl.zeros([1], gl.int32, _ONE_WARP), gl.full([1], 1, gl.int32, _ONE_WARP))
-        slot.slice(0, 1).store(fetched)
-        # One lane holds the claimed index: every lane reads it back from shared memory.
-        gl.thread_barrier()
-        claim = gl.max(slot.slice(0, 1).load(_ONE_WARP), axis=0)
+        claim = claim_tile(counter, tile_info, s)
         # Past the last tile the bounds are tile 0's (in range); the warpgroups then only read the claim index.
         b, row0, r0, q_len, kv_len, bits, end = _tile_work(gl.maximum(T - 1 - claim, 0), qo_ptr, seqlens_ptr, H,
                                                            batch, capacity, CAUSAL, SEARCH_STEPS)
-        k = gl.arange(0, 8, layout=_ONE_WARP)
+        k = gl.arange(0, 8, layout=ONE_WARP)
         slot.store(gl.where(k == 0, claim, gl.where(k == 1, row0, gl.where(k == 2, r0, gl.where(
             k == 3, q_len, gl.where(k == 4, kv_len, gl.where(k == 5, bits, gl.where(k == 6, end, 0))))))))
         gl.thread_barrier()
@@ -135,30 +114,20 @@ if HAVE_GLUON:
     @gluon.jit
     def _receive_tile(i, tile_info, tile_ready, tile_free):
         """A warpgroup's i-th tile as the loader published it (``_publish_tile``'s seven fields)."""
-        s = i % 2
-        mbarrier.wait(tile_ready.index(s), (i // 2) & 1)
         # Every thread holds the whole slot: the fields come out without cross-thread reductions.
         layout: gl.constexpr = gl.BlockedLayout([8], [32], [4], [0])
-        info = tile_info.index(s).load(layout)
-        # Every warp has read the slot before it is handed back (the arrive is one thread's).
-        gl.thread_barrier()
-        mbarrier.arrive(tile_free.index(s), count=1)
-        k = gl.arange(0, 8, layout=layout)
-        return (gl.sum(gl.where(k == 0, info, 0), axis=0), gl.sum(gl.where(k == 1, info, 0), axis=0),
-                gl.sum(gl.where(k == 2, info, 0), axis=0), gl.sum(gl.where(k == 3, info, 0), axis=0),
-                gl.sum(gl.where(k == 4, info, 0), axis=0), gl.sum(gl.where(k == 5, info, 0), axis=0),
-                gl.sum(gl.where(k == 6, info, 0), axis=0))
+        return slot_fields(receive_slot(i, tile_info, tile_ready, tile_free, layout), layout)
 
     @gluon.jit
     def _store_rows(o, scale, lse2, col0, out_ptr, lse_ptr, row0, r0, n_rows, WRITE_LSE: gl.constexpr,
                     layout: gl.constexpr):
         """Columns col0 .. col0 + 255 of rows r0 .. r0 + 63 (of n_rows), normalised, at flat rows row0 + r of
         out [T * H, 512]; with WRITE_LSE the natural-log LSE at lse[row0 + r]."""
-        r = r0 + gl.arange(0, _BM, layout=gl.SliceLayout(1, layout))
+        r = r0 + gl.arange(0, mla._BM, layout=gl.SliceLayout(1, layout))
         cols = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, layout))
         flat = row0.to(gl.int64) + r
         ok = r < n_rows
-        gl.store(out_ptr + flat[:, None] * _DV + cols[None, :], (o * scale[:, None]).to(out_ptr.dtype.element_ty),
+        gl.store(out_ptr + flat[:, None] * mla._DV + cols[None, :], (o * scale[:, None]).to(out_ptr.dtype.element_ty),
                  mask=ok[:, None])
         if WRITE_LSE:
             gl.store(lse_ptr + flat, lse2 * _LN2, mask=ok)
@@ -167,17 +136,17 @@ if HAVE_GLUON:
     def _poison_tiles(col0, out_ptr, lse_ptr, T, rows, WRITE_LSE: gl.constexpr, layout: gl.constexpr):
         """Without a partition of the q rows (``_rows_ok``) a warpgroup writes NaN into its columns of the flat
         rows 64 t .. 64 t + 63 of each tile t = program, program + programs, ... (the tiles cover every row)."""
-        nan = gl.full([_BM, 256], float("nan"), gl.float32, layout)
-        nan_rows = gl.full([_BM], float("nan"), gl.float32, gl.SliceLayout(1, layout))
+        nan = gl.full([mla._BM, 256], float("nan"), gl.float32, layout)
+        nan_rows = gl.full([mla._BM], float("nan"), gl.float32, gl.SliceLayout(1, layout))
         for t in range(gl.program_id(0), T, gl.num_programs(0)):
-            _store_rows(nan, nan_rows, nan_rows, col0, out_ptr, lse_ptr, t * 0, t * _BM, rows, WRITE_LSE, layout)
+            _store_rows(nan, nan_rows, nan_rows, col0, out_ptr, lse_ptr, t * 0, t * mla._BM, rows, WRITE_LSE, layout)
 
     @gluon.jit
     def _prefill_loader(q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, seqlens_ptr, qo_ptr, counter, T,
                         H, batch, T_rows, capacity, num_pages, q_smem, q_pe_smem, kv_ring, kv_pe_ring, tile_info,
                         tile_ready, tile_free, q_ready, q_free, kv_ready, kv_empty, page_flags, CAUSAL: gl.constexpr,
                         PAGE: gl.constexpr, SEARCH_STEPS: gl.constexpr):
-        if _rows_ok(qo_ptr, batch, T_rows, _ONE_WARP):
+        if _rows_ok(qo_ptr, batch, T_rows, ONE_WARP):
             b, q_row, end = _publish_tile(0, counter, T, qo_ptr, seqlens_ptr, H, batch, capacity, tile_info,
                                           tile_ready, tile_free, CAUSAL, SEARCH_STEPS)
             i = 1
@@ -186,11 +155,12 @@ if HAVE_GLUON:
             while end >= 0:
                 if end > 0:
                     # Q of the previous tile stays until warpgroup 0's last S of it is done.
-                    mbarrier.wait(q_free, (nq & 1) ^ 1)
-                    _load_q(q_desc, q_pe_desc, q_row, q_smem, q_pe_smem, q_ready)
+                    mbarrier.wait(q_free, free_phase(nq, 1))
+                    mla.load_q(q_desc, q_pe_desc, q_row, q_smem, q_pe_smem, q_ready)
                     bt_row = bt_ptr + b.to(gl.int64) * stride_btb
-                    it = _load_kv_tiles(kv_desc, kv_pe_desc, bt_row, gl.load(bt_row), 0, end, it, kv_ring,
-                                        kv_pe_ring, kv_ready, kv_empty, page_flags.index(nq % 2), num_pages, PAGE)
+                    it = mla.load_kv_tiles(kv_desc, kv_pe_desc, bt_row, gl.load(bt_row), 0, end, it, kv_ring,
+                                           kv_pe_ring, kv_ready, kv_empty, page_flags.index(nq % 2), num_pages,
+                                           PAGE)
                     nq += 1
                 # The next tile is claimed once this one's loads are all issued (the warpgroups are then about
                 # two KV tiles from its end): late enough that a program never sits on a claimed tile it has not
@@ -205,10 +175,10 @@ if HAVE_GLUON:
         q_free, kv_ready, kv_empty, p_ready, p_free, page_flags, out_ptr, lse_ptr, qo_ptr, err_ptr, batch, T_rows, T,
         H, qk_scale, CAUSAL: gl.constexpr,
     ):
-        s_layout: gl.constexpr = _S_LAYOUT
-        o_layout: gl.constexpr = _O_LAYOUT
+        s_layout: gl.constexpr = mla.S_LAYOUT
+        o_layout: gl.constexpr = mla.O_LAYOUT
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
-        if not _rows_ok(qo_ptr, batch, T_rows, _WARPGROUP):
+        if not _rows_ok(qo_ptr, batch, T_rows, WARPGROUP):
             _poison_tiles(0, out_ptr, lse_ptr, T, T_rows * H, True, o_layout)
             if gl.program_id(0) == 0:
                 report(err_ptr, QUERY_INDPTR)
@@ -225,30 +195,30 @@ if HAVE_GLUON:
                 if (claim < T) & (r0 < n_rows):
                     first_masked = kv_len
                     if CAUSAL:
-                        tok = (r0 + gl.arange(0, _BM, layout=row_l)) // H
+                        tok = (r0 + gl.arange(0, mla._BM, layout=row_l)) // H
                         lim = gl.minimum(kv_len - q_len + 1 + tok, kv_len)
                         first_masked = gl.minimum(gl.maximum(kv_len - q_len + r0 // H + 1, 0), kv_len)
                     else:
-                        lim = gl.zeros([_BM], dtype=gl.int32, layout=row_l) + kv_len
-                    m_i = gl.full([_BM], float("-inf"), dtype=gl.float32, layout=row_l)
-                    l_i = gl.zeros([_BM], dtype=gl.float32, layout=row_l)
-                    o = gl.zeros([_BM, 256], dtype=gl.float32, layout=o_layout)
+                        lim = gl.zeros([mla._BM], dtype=gl.int32, layout=row_l) + kv_len
+                    m_i = gl.full([mla._BM], float("-inf"), dtype=gl.float32, layout=row_l)
+                    l_i = gl.zeros([mla._BM], dtype=gl.float32, layout=row_l)
+                    o = gl.zeros([mla._BM, 256], dtype=gl.float32, layout=o_layout)
                     if end > 0:
-                        mbarrier.wait(q_ready, nq & 1)
+                        mbarrier.wait(q_ready, phase(nq, 1))
                         nq += 1
-                    for n0 in range(0, end, _BN):
+                    for n0 in range(0, end, mla._BN):
                         # The last S of the tile hands Q back to the loader for the next one.
-                        o, m_i, l_i = _softmax_tile(o, m_i, l_i, it, npm, n0, first_masked, lim, kv_len,
-                                                    n0 + _BN >= end, qk_scale, q_smem, q_pe_smem, kv_ring, kv_pe_ring,
-                                                    p_smem, scale_smem, q_free, kv_ready, kv_empty, p_ready, p_free,
-                                                    s_layout, o_layout)
+                        o, m_i, l_i = mla.softmax_tile(o, m_i, l_i, it, npm, n0, first_masked, lim, kv_len,
+                                                       n0 + mla._BN >= end, qk_scale, q_smem, q_pe_smem, kv_ring,
+                                                       kv_pe_ring, p_smem, scale_smem, q_free, kv_ready, kv_empty,
+                                                       p_ready, p_free, s_layout, o_layout)
                         it += 1
                         npm += 1
                     if end > 0:  # the loader's page check of this tile's keys (nq counted its Q load)
-                        bits = bits | gl.where(pages_ok(page_flags.index((nq - 1) % 2)), 0, BLOCK_TABLE)
+                        bits = bits | gl.where(mla.pages_ok(page_flags.index((nq - 1) % 2)), 0, BLOCK_TABLE)
                     if r0 == 0:
                         report(err_ptr, bits)
-                    inv_l, lse2 = _softmax_finish(m_i, l_i, qk_scale, bits != 0, npm, scale_smem, p_ready, p_free)
+                    inv_l, lse2 = mla.softmax_finish(m_i, l_i, qk_scale, bits != 0, npm, scale_smem, p_ready, p_free)
                     npm += 1
                     _store_rows(o, gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)),
                                 gl.convert_layout(lse2, gl.SliceLayout(1, o_layout)), 0, out_ptr, lse_ptr, row0, r0,
@@ -257,8 +227,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _prefill_value_warpgroup(kv_ring, p_smem, scale_smem, tile_info, tile_ready, tile_free, kv_ready, kv_empty,
                                  p_ready, p_free, out_ptr, lse_ptr, qo_ptr, batch, T_rows, T, H):
-        o_layout: gl.constexpr = _O_LAYOUT
-        if not _rows_ok(qo_ptr, batch, T_rows, _WARPGROUP):
+        o_layout: gl.constexpr = mla.O_LAYOUT
+        if not _rows_ok(qo_ptr, batch, T_rows, WARPGROUP):
             _poison_tiles(256, out_ptr, lse_ptr, T, T_rows * H, False, o_layout)
         else:
             i = 0
@@ -269,25 +239,25 @@ if HAVE_GLUON:
                 claim, row0, r0, q_len, kv_len, _, end = _receive_tile(i, tile_info, tile_ready, tile_free)
                 i += 1
                 if (claim < T) & (r0 < q_len * H):
-                    o = gl.zeros([_BM, 256], dtype=gl.float32, layout=o_layout)
-                    for n0 in range(0, end, _BN):
-                        o = _value_tile(o, it, npm, n0, kv_len, kv_ring, p_smem, scale_smem, kv_ready, kv_empty,
-                                        p_ready, p_free, o_layout)
+                    o = gl.zeros([mla._BM, 256], dtype=gl.float32, layout=o_layout)
+                    for n0 in range(0, end, mla._BN):
+                        o = mla.value_tile(o, it, npm, n0, kv_len, kv_ring, p_smem, scale_smem, kv_ready, kv_empty,
+                                           p_ready, p_free, o_layout)
                         it += 1
                         npm += 1
                     # 1 / l from warpgroup 0: NaN for a request it found bad.
-                    inv_l = _value_finish(npm, scale_smem, p_ready, p_free, o_layout)
+                    inv_l = mla.value_finish(npm, scale_smem, p_ready, p_free, o_layout)
                     npm += 1
                     _store_rows(o, inv_l, inv_l, 256, out_ptr, lse_ptr, row0, r0, q_len * H, False, o_layout)
 
     @gluon.jit
-    def _paged_prefill_sm90_kernel(
+    def _paged_varlen_sm90_kernel(
         q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, seqlens_ptr, qo_ptr, out_ptr, lse_ptr, counter, err_ptr,
         T, H, batch, T_rows, qk_scale, stride_btb, max_pages, num_pages,
         CAUSAL: gl.constexpr, PAGE: gl.constexpr, SEARCH_STEPS: gl.constexpr,
     ):
         (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, p_ready, p_free, kv_ready,
-         kv_empty, page_flags) = _mla_buffers(q_desc, q_pe_desc, kv_desc, kv_pe_desc)
+         kv_empty, page_flags) = mla.mla_buffers(q_desc, q_pe_desc, kv_desc, kv_pe_desc)
         tile_info = gl.allocate_shared_memory(gl.int32, [2, 8], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
         tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
@@ -311,10 +281,10 @@ if HAVE_GLUON:
             worker_num_regs=[232, 32],
         )
 
-    _MAIN = CachedKernel(_paged_prefill_sm90_kernel)
+    _MAIN = CachedKernel(_paged_varlen_sm90_kernel)
 
 
-def paged_prefill_sm90(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
+def paged_varlen_sm90(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
                        cache_seqlens: torch.Tensor, qo_indptr: torch.Tensor, softmax_scale: float, causal: bool,
                        out: torch.Tensor, lse: torch.Tensor, programs: int | None = None) -> None:
     """Launch on checked inputs (``paged_varlen_attention`` checks them): q [T, H, 576], out [T, H, 512]
@@ -323,7 +293,7 @@ def paged_prefill_sm90(q: torch.Tensor, k_cache: torch.Tensor, block_table: torc
     zeroes its own tile counter (one small memset on the stream), so concurrent calls on other streams and
     CUDA-graph replays do not share it."""
     if not sm90_supported(q, k_cache, D_V):
-        raise ValueError("config: HOPPER needs an sm_90 GPU, Triton's Gluon, bf16/fp16 q and cache, head dims "
+        raise ValueError("config: use_sm90 needs an sm_90 GPU, Triton's Gluon, bf16/fp16 q and cache, head dims "
                          "576/512, pages a multiple of 64 and a contiguous cache")
     t, h, d = q.shape
     batch = qo_indptr.shape[0] - 1
@@ -334,14 +304,11 @@ def paged_prefill_sm90(q: torch.Tensor, k_cache: torch.Tensor, block_table: torc
                          "has no such limit)")
     if programs is not None and programs < 1:
         raise ValueError(f"programs: expected at least 1, got {programs}")
-    nope, pe = _tile_layout(D_V, q.dtype), _tile_layout(D_QK - D_V, q.dtype)
     q_flat = tma_rows(q.reshape(t * h, d))
-    kv_flat = k_cache.view(-1, d)
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     _MAIN.launch(
         q.device, (min(tiles, sm_count(q.device), programs or tiles),),
-        descriptor(q_flat, [BLOCK_M, D_V], nope), descriptor(q_flat, [BLOCK_M, D_QK - D_V], pe),
-        descriptor(kv_flat, [BLOCK_N, D_V], nope), descriptor(kv_flat, [BLOCK_N, D_QK - D_V], pe),
+        *mla_descriptors(q_flat, k_cache.view(-1, d)),
         block_table, cache_seqlens, qo_indptr, out, lse, counter, errors.error_word(q.device),
         tiles, h, batch, t, softmax_scale * LOG2E, block_table.stride(0), block_table.shape[1], k_cache.shape[0],
         CAUSAL=bool(causal), PAGE=k_cache.shape[1], SEARCH_STEPS=max(1, batch.bit_length()),

@@ -18,12 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedmla import errors
+from pagedmla import checks, errors
+from pagedmla.device import triton_interpreting
 from pagedmla.kernels.triton.common import (
     _LN2,
     BLOCK_TABLE,
     LOG2E,
     QUERY_INDPTR,
+    PrefillConfig,
     checked_length,
     checked_page,
     finish_rows,
@@ -31,11 +33,9 @@ from pagedmla.kernels.triton.common import (
     report,
     store_nan,
 )
-from pagedmla.kernels.triton.decode_sm90 import sm90_supported
-from pagedmla.kernels.triton.paged_prefill_sm90 import paged_prefill_sm90
+from pagedmla.kernels.triton.sm90.mla import sm90_supported
+from pagedmla.kernels.triton.sm90.paged_varlen import paged_varlen_sm90
 from pagedmla.kernels.triton.varlen import check_dtype, last_dim_contiguous, split_head_dim
-from pagedmla.ops import checks
-from pagedmla.ops.providers import register_impl, triton_interpreting
 
 
 @triton.jit
@@ -96,7 +96,7 @@ def _paged_tile(
 
 
 @triton.jit
-def _paged_prefill_kernel(
+def _paged_varlen_kernel(
     Q, KV, O, LSE, block_table, cache_seqlens, qo_indptr, err_ptr,
     stride_qt, stride_qh, stride_slot, stride_bt, stride_ot, stride_oh,
     num_heads, batch, total_q, num_pages, max_pages, qk_scale,
@@ -104,6 +104,9 @@ def _paged_prefill_kernel(
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, SEARCH_STEPS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
+    """One program: 64 (token, head) rows of one request over the keys they see. Long (~80 lines) on
+    purpose, as the decode kernel: the request search, guards and the key loop share the loop-carried
+    state, which a split into helpers would pass through every call."""
     # Later tiles hold later tokens, which see more keys: launch them first.
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
     d1 = tl.arange(0, BLOCK_D1)
@@ -179,14 +182,17 @@ def _paged_prefill_kernel(
     tl.store(LSE + (q_start.to(tl.int64) + tok) * num_heads + head, lse2 * _LN2, mask=row_ok)
 
 
-def default_config(dtype: torch.dtype) -> dict:
-    """Tile shape: small tiles under the interpreter (exercise multi-tile paths on small tests); on the
-    H200 64 rows x 64 latent rows with 8 warps (two warpgroups split the 512-wide accumulator)."""
+_INTERPRETER_TILES = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+_FP32_TILES = PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
+_TILES = PrefillConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
+
+
+def default_config(dtype: torch.dtype) -> PrefillConfig:
+    """The portable kernel's tiles: small under the interpreter (exercise multi-tile paths on small tests);
+    on the H200 64 rows x 64 latent rows with 8 warps (two warpgroups split the 512-wide accumulator)."""
     if triton_interpreting():
-        return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
-    if dtype == torch.float32:
-        return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
-    return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+        return _INTERPRETER_TILES
+    return _FP32_TILES if dtype == torch.float32 else _TILES
 
 
 def paged_varlen_attention(
@@ -200,7 +206,7 @@ def paged_varlen_attention(
     causal: bool,
     max_q_len: int | None = None,
     *,
-    config: dict | None = None,
+    config: PrefillConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA attention with per-request q lengths over a paged latent cache (``paged_varlen`` op).
 
@@ -210,13 +216,14 @@ def paged_varlen_attention(
     including the new tokens; qo_indptr: int32 [b + 1]; head_dim_v: the value width, the first columns of
     each latent row (512; at most the power-of-two part of D). causal: bottom-right per token. max_q_len is not
     needed: the grid is sized from T, so nothing is read back from the device. ``config`` overrides the
-    tile shape (benchmarks). Without ``config`` an sm_90 GPU runs the Hopper kernel (``paged_prefill_sm90.py``)
-    where it applies (bf16/fp16, 576/512, pages a multiple of 64, contiguous cache); ``config={"HOPPER":
-    True}`` forces it, ``{"HOPPER": False}`` the portable kernel.
+    tile shape (benchmarks). Without ``config`` an sm_90 GPU runs the Hopper kernel (``sm90/paged_varlen.py``)
+    where it applies (bf16/fp16, 576/512, pages a multiple of 64, contiguous cache); a ``PrefillConfig``
+    runs it when its ``use_sm90`` is set, else the portable kernel.
     Returns out [T, H, head_dim_v] q.dtype and lse [T, H] float32 (natural log; rows that see no key give 0
-    and -inf).
+    and -inf). Long for its checks, one per argument with its own message, ahead of the dispatch.
     """
     softmax_scale = checks.positive_scale(softmax_scale)
+    config = PrefillConfig.checked(config)
     check_dtype(q, "q")
     if k_cache.dtype != q.dtype:
         raise ValueError(f"k_cache: dtype {k_cache.dtype} differs from q's {q.dtype}")
@@ -247,28 +254,26 @@ def paged_varlen_attention(
     block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
     # The kernel indexes these 1-D tensors as dense arrays (a no-op when they already are).
     cache_seqlens, qo_indptr = cache_seqlens.contiguous(), qo_indptr.contiguous()
-    cfg = default_config(q.dtype)
-    if config:
-        cfg.update(config)
-    if config is None and d == 576 and head_dim_v == 512 and sm90_supported(q, k_cache, head_dim_v):
-        cfg["HOPPER"] = True
-    if cfg.get("HOPPER"):
+    if config is None:
+        cfg = default_config(q.dtype)
+        use_sm90 = d == 576 and head_dim_v == 512 and sm90_supported(q, k_cache, head_dim_v)
+    else:
+        cfg, use_sm90 = config.over(default_config(q.dtype)), config.use_sm90
+    if use_sm90:
         if d != 576 or head_dim_v != 512:
-            raise ValueError(f"config: HOPPER needs head dims 576 / 512, got {d} / head_dim_v {head_dim_v}")
-        paged_prefill_sm90(q, k_cache, block_table, cache_seqlens, qo_indptr, softmax_scale, causal,
+            raise ValueError(f"config: use_sm90 needs head dims 576 / 512, got {d} / head_dim_v {head_dim_v}")
+        paged_varlen_sm90(q, k_cache, block_table, cache_seqlens, qo_indptr, softmax_scale, causal,
                            out, lse)
         return out, lse
-    grid = ((t * h) // cfg["BLOCK_M"] + batch,)
-    _paged_prefill_kernel[grid](
+    grid = ((t * h) // cfg.block_m + batch,)
+    _paged_varlen_kernel[grid](
         q, kv, out, lse, block_table, cache_seqlens, qo_indptr, errors.error_word(q.device),
         q.stride(0), q.stride(1), kv.stride(0), block_table.stride(0), out.stride(0), out.stride(1),
         h, batch, t, k_cache.shape[0], block_table.shape[1], softmax_scale * LOG2E,
         PAGE_SIZE=page_size, DK=d, DV=head_dim_v, BLOCK_D1=d1, BLOCK_D2=d2,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=bool(causal),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=bool(causal),
         SEARCH_STEPS=max(1, batch.bit_length()), DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
 
-
-register_impl("paged_varlen", "triton", paged_varlen_attention)

@@ -1,0 +1,56 @@
+"""What this process can run: the Triton interpreter switch and the Hopper (sm_90) capability probes.
+
+A leaf module (torch and the standard library only), so that the split plan, the kernels and the public ops
+all ask the same questions the same way without importing each other. Triton itself is imported only when
+``gluon_available`` is first asked, so ``import pagedmla`` stays free of it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+
+import torch
+
+# The Gluon modules the Hopper kernels use; a Triton without any of them runs the portable kernels instead.
+_GLUON_MODULES = (
+    "triton.experimental.gluon",
+    "triton.experimental.gluon.language",
+    "triton.experimental.gluon.language.nvidia.hopper",
+    "triton.experimental.gluon.nvidia.hopper",
+)
+
+
+def triton_interpreting() -> bool:
+    """Whether Triton kernels run under its interpreter (``TRITON_INTERPRET`` set and not 0: the CPU path)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def gluon_available() -> bool:
+    """Whether the installed Triton has the Gluon Hopper API the sm_90 kernels are written in."""
+    try:
+        for name in _GLUON_MODULES:
+            importlib.import_module(name)
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def sm90_available(device: torch.device) -> bool:
+    """Whether ``device`` runs the Gluon sm_90 kernels: a CUDA device of capability 9.0 and Triton's Gluon."""
+    if device.type != "cuda" or not gluon_available():
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """The streaming multiprocessors of CUDA ``device``."""
+    return torch.cuda.get_device_properties(device).multi_processor_count

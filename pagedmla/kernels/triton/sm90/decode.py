@@ -1,0 +1,237 @@
+"""Hopper (sm_90a) MLA decode main kernel in Gluon: TMA loads, warp specialisation, warpgroup MMAs.
+
+Same contract, metadata, work split and partial format as the portable kernel in ``decode.py`` (whose
+combine kernel finishes the split requests); this one replaces its main kernel on sm_90 GPUs for 64-row
+tiles, where the portable kernel reaches only 30-38% of the tensor-core peak (benchmarks/NOTES.md).
+
+Structure per program (64 query rows x one SM part), FlashMLA's (the steps are ``mla.py``'s):
+- a loader warp streams each request's Q tile and its [64, 576] KV tiles through a two-stage shared-memory
+  ring (TMA; block shapes must be powers of two, so each tile is a [64, 512] and a [64, 64] copy, which
+  Gluon splits into 64-column boxes);
+- warpgroup 0 computes S = Q K^T for the whole 64 x 64 tile (36 wgmma k-steps), the online softmax, writes
+  P (bf16/fp16) and the per-row rescale factor to shared memory, and accumulates O[:, :256] += P V[:, :256];
+- warpgroup 1 accumulates O[:, 256:] += P V[:, 256:] from the same shared P, so S is computed once and
+  warpgroup 1's MMAs run while warpgroup 0 computes the next S and softmax.
+Each KV tile is the key (576 columns) and the value (its first 512) of one load. The last tile of a
+sequence may hold unused cache slots (NaN-poisoned in the tests): their scores are masked and their value
+rows are zeroed in shared memory before P V (0 * NaN would poison the output).
+
+Requirements (``mla.sm90_supported`` checks them): CUDA capability 9.0, Triton with Gluon, q and cache bf16 or
+fp16, head dims 576 / 512, page size a multiple of 64, a contiguous cache, 64-row tiles.
+"""
+
+from __future__ import annotations
+
+from pagedmla.kernels.triton.common import _LN2, BLOCK_TABLE, LOG2E, SCHEDULE, report
+from pagedmla.kernels.triton.launch import CachedKernel
+from pagedmla.kernels.triton.metadata import part_bounds, request_span, schedule_matches
+from pagedmla.kernels.triton.sm90 import mla
+from pagedmla.kernels.triton.sm90.mla import BLOCK_M, D_QK, mla_descriptors
+from pagedmla.kernels.triton.sm90.pipeline import HAVE_GLUON
+from pagedmla.split_plan import METADATA_WIDTH
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+    from pagedmla.kernels.triton.sm90.pipeline import free_phase, phase
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _piece(splits_ptr, b, begin_req, begin_split, PIECES):
+        """(whether request b is in one piece, so its result goes straight to out; the partial row of this
+        part's piece of it, clamped into the PIECES rows) from ``num_splits`` and the part's first split."""
+        s_lo = gl.load(splits_ptr + b)
+        is_direct = gl.load(splits_ptr + b + 1) - s_lo == 1
+        return is_direct, gl.minimum(s_lo + gl.where(b == begin_req, begin_split, 0), PIECES - 1)
+
+    @gluon.jit
+    def _store_half(o, scale, lse2, col0, is_direct, out_ptr, lse_ptr, partials_ptr, PIECES, b, piece, pid_m,
+                    H, Q_LEN, ROWS, stride_ob, stride_ot, stride_oh, WRITE_LSE: gl.constexpr,
+                    layout: gl.constexpr):
+        """Columns col0 .. col0 + 255 of the tile's result: normalised into ``out`` (and LSE, natural log)
+        when the request is in one piece, else into the fp32 partial row ``piece`` (and log2 LSE) of the
+        partials buffer (decode.py's layout: PIECES x ROWS x 512 values, then the LSEs)."""
+        rows = pid_m * mla._BM + gl.arange(0, mla._BM, layout=gl.SliceLayout(1, layout))
+        cols = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, layout))
+        row_ok = rows < ROWS
+        o = o * scale[:, None]
+        if is_direct:
+            t = rows // H
+            h = rows % H
+            o_row = b.to(gl.int64) * stride_ob + t.to(gl.int64) * stride_ot + h * stride_oh
+            gl.store(out_ptr + o_row[:, None] + cols[None, :], o.to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None])
+            if WRITE_LSE:
+                gl.store(lse_ptr + b.to(gl.int64) * ROWS + h * Q_LEN + t, lse2 * _LN2, mask=row_ok)
+        else:
+            p_row = piece.to(gl.int64) * ROWS + rows
+            gl.store(partials_ptr + p_row[:, None] * mla._DV + cols[None, :], o, mask=row_ok[:, None])
+            if WRITE_LSE:
+                gl.store(partials_ptr + PIECES.to(gl.int64) * ROWS * mla._DV + p_row, lse2, mask=row_ok)
+
+    @gluon.jit
+    def _loader(q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, PIECES, CAPACITY, num_pages, seqlens_ptr,
+                meta_ptr, splits_ptr, partials_ptr, err_ptr, B, PARTS, ROWS, q_smem, q_pe_smem, kv_ring, kv_pe_ring,
+                q_ready, q_free, kv_ready, kv_empty, page_flags, PAGE: gl.constexpr, META_W: gl.constexpr):
+        pid_m = gl.program_id(0)
+        part = gl.program_id(1)
+        begin_req, begin_blk, end_req, end_blk, _ = part_bounds(meta_ptr, part, B - 1, META_W)
+        it = 0
+        nq = 0
+        for b in range(begin_req, end_req + 1):
+            bt_row = bt_ptr + b.to(gl.int64) * stride_btb
+            # The slice's first page id does not depend on the length: it loads alongside it (masked: an
+            # empty slice may start past the row's last entry).
+            first = gl.where(b == begin_req, begin_blk, 0) * mla._BN // PAGE
+            first_page = gl.load(bt_row + first, mask=first * PAGE < CAPACITY, other=0)
+            seqlen, tok_lo, tok_hi, _ = request_span(seqlens_ptr, b, begin_req, begin_blk, end_req, end_blk,
+                                                     CAPACITY, mla._BN)
+            if tok_lo < tok_hi:
+                # Q of the previous request stays until warpgroup 0's last S of it is done.
+                mbarrier.wait(q_free, free_phase(nq, 1))
+                mla.load_q(q_desc, q_pe_desc, b * ROWS + pid_m * mla._BM, q_smem, q_pe_smem, q_ready)
+                it = mla.load_kv_tiles(kv_desc, kv_pe_desc, bt_row, first_page, tok_lo, tok_hi, it, kv_ring,
+                                       kv_pe_ring, kv_ready, kv_empty, page_flags.index(nq % 2), num_pages, PAGE)
+                nq += 1
+        if (pid_m == 0) & (part == 0):
+            # The schedule verdict (decode.py's partials layout), once the loads are issued: the loader has
+            # nothing else to do while the warpgroups finish.
+            lanes = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
+            ok = schedule_matches(seqlens_ptr, meta_ptr, splits_ptr, B, PARTS, lanes, mla._BN)
+            gl.store(partials_ptr + PIECES.to(gl.int64) * ROWS * (mla._DV + 1), gl.where(ok, 1.0, 0.0))
+            report(err_ptr, gl.where(ok, 0, SCHEDULE))
+
+    @gluon.jit
+    def _softmax_warpgroup(
+        q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, kv_ready, kv_empty,
+        p_ready, p_free, page_flags, PIECES, CAPACITY, seqlens_ptr, meta_ptr, splits_ptr, out_ptr,
+        lse_ptr, partials_ptr, err_ptr, B, PARTS, H, Q_LEN, ROWS, qk_scale, stride_ob, stride_ot, stride_oh,
+        CAUSAL: gl.constexpr, PAGE: gl.constexpr, META_W: gl.constexpr,
+    ):
+        s_layout: gl.constexpr = mla.S_LAYOUT
+        o_layout: gl.constexpr = mla.O_LAYOUT
+        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+        pid_m = gl.program_id(0)
+        begin_req, begin_blk, end_req, end_blk, begin_split = part_bounds(meta_ptr, gl.program_id(1), B - 1, META_W)
+        rows = pid_m * mla._BM + gl.arange(0, mla._BM, layout=row_l)
+        t = rows // H
+        it = 0
+        nq = 0
+        npm = 0
+        for b in range(begin_req, end_req + 1):
+            seqlen, tok_lo, tok_hi, bits = request_span(seqlens_ptr, b, begin_req, begin_blk, end_req, end_blk,
+                                                        CAPACITY, mla._BN)
+            if tok_lo < tok_hi:
+                # Keys row r may see: [0, lim); with causal, query t of Q_LEN sees keys 0 .. seqlen - Q_LEN + t.
+                if CAUSAL:
+                    first_masked = seqlen - Q_LEN + 1
+                    lim = gl.minimum(first_masked + t, seqlen)
+                else:
+                    first_masked = seqlen
+                    lim = gl.zeros([mla._BM], dtype=gl.int32, layout=row_l) + seqlen
+                m_i = gl.full([mla._BM], float("-inf"), dtype=gl.float32, layout=row_l)
+                l_i = gl.zeros([mla._BM], dtype=gl.float32, layout=row_l)
+                o = gl.zeros([mla._BM, 256], dtype=gl.float32, layout=o_layout)
+                mbarrier.wait(q_ready, phase(nq, 1))
+                for n0 in range(tok_lo, tok_hi, mla._BN):
+                    o, m_i, l_i = mla.softmax_tile(o, m_i, l_i, it, npm, n0, first_masked, lim, seqlen,
+                                                   n0 + mla._BN >= tok_hi, qk_scale, q_smem, q_pe_smem, kv_ring,
+                                                   kv_pe_ring, p_smem, scale_smem, q_free, kv_ready, kv_empty,
+                                                   p_ready, p_free, s_layout, o_layout)
+                    npm += 1
+                    it += 1
+                bits = bits | gl.where(mla.pages_ok(page_flags.index(nq % 2)), 0, BLOCK_TABLE)
+                report(err_ptr, bits)
+                inv_l, lse2 = mla.softmax_finish(m_i, l_i, qk_scale, bits != 0, npm, scale_smem, p_ready, p_free)
+                npm += 1
+                nq += 1
+                is_direct, piece = _piece(splits_ptr, b, begin_req, begin_split, PIECES)
+                _store_half(o, gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)),
+                            gl.convert_layout(lse2, gl.SliceLayout(1, o_layout)), 0, is_direct,
+                            out_ptr, lse_ptr, partials_ptr, PIECES, b, piece, pid_m, H, Q_LEN, ROWS,
+                            stride_ob, stride_ot, stride_oh, True, o_layout)
+
+    @gluon.jit
+    def _value_warpgroup(
+        kv_ring, p_smem, scale_smem, kv_ready, kv_empty, p_ready, p_free, PIECES, CAPACITY, seqlens_ptr, meta_ptr,
+        splits_ptr, out_ptr, lse_ptr, partials_ptr, B, PARTS, H, Q_LEN, ROWS, stride_ob, stride_ot, stride_oh,
+        PAGE: gl.constexpr, META_W: gl.constexpr,
+    ):
+        o_layout: gl.constexpr = mla.O_LAYOUT
+        pid_m = gl.program_id(0)
+        begin_req, begin_blk, end_req, end_blk, begin_split = part_bounds(meta_ptr, gl.program_id(1), B - 1, META_W)
+        it = 0
+        npm = 0
+        for b in range(begin_req, end_req + 1):
+            seqlen, tok_lo, tok_hi, _ = request_span(seqlens_ptr, b, begin_req, begin_blk, end_req, end_blk,
+                                                     CAPACITY, mla._BN)
+            if tok_lo < tok_hi:
+                o = gl.zeros([mla._BM, 256], dtype=gl.float32, layout=o_layout)
+                for n0 in range(tok_lo, tok_hi, mla._BN):
+                    o = mla.value_tile(o, it, npm, n0, seqlen, kv_ring, p_smem, scale_smem, kv_ready, kv_empty,
+                                       p_ready, p_free, o_layout)
+                    npm += 1
+                    it += 1
+                # 1 / l from warpgroup 0: NaN for a request it found bad.
+                inv_l = mla.value_finish(npm, scale_smem, p_ready, p_free, o_layout)
+                npm += 1
+                is_direct, piece = _piece(splits_ptr, b, begin_req, begin_split, PIECES)
+                _store_half(o, inv_l, inv_l, 256, is_direct, out_ptr, lse_ptr, partials_ptr, PIECES, b, piece,
+                            pid_m, H, Q_LEN, ROWS, stride_ob, stride_ot, stride_oh, False, o_layout)
+
+    @gluon.jit
+    def _decode_sm90_kernel(
+        q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, seqlens_ptr, meta_ptr, splits_ptr,
+        out_ptr, lse_ptr, partials_ptr, err_ptr,
+        B, PARTS, H, Q_LEN, ROWS, qk_scale, stride_btb, PIECES, CAPACITY, num_pages, stride_ob, stride_ot, stride_oh,
+        CAUSAL: gl.constexpr, PAGE: gl.constexpr, META_W: gl.constexpr, PDL: gl.constexpr,
+    ):
+        if PDL:
+            # One program per SM part, all resident at once: let the combine kernel's programs be scheduled
+            # now (they wait for this grid's end before reading partials).
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+        (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, p_ready, p_free, kv_ready,
+         kv_empty, page_flags) = mla.mla_buffers(q_desc, q_pe_desc, kv_desc, kv_pe_desc)
+        gl.warp_specialize(
+            [(_softmax_warpgroup, (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free,
+                                   kv_ready, kv_empty, p_ready, p_free, page_flags, PIECES, CAPACITY,
+                                   seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr, partials_ptr, err_ptr, B,
+                                   PARTS, H, Q_LEN, ROWS, qk_scale, stride_ob, stride_ot, stride_oh, CAUSAL, PAGE,
+                                   META_W)),
+             (_value_warpgroup, (kv_ring, p_smem, scale_smem, kv_ready, kv_empty, p_ready, p_free, PIECES, CAPACITY,
+                                 seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr, partials_ptr, B, PARTS, H,
+                                 Q_LEN,
+                                 ROWS, stride_ob, stride_ot, stride_oh, PAGE, META_W)),
+             (_loader, (q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, PIECES, CAPACITY, num_pages,
+                        seqlens_ptr, meta_ptr, splits_ptr, partials_ptr, err_ptr, B, PARTS, ROWS, q_smem, q_pe_smem,
+                        kv_ring, kv_pe_ring, q_ready, q_free, kv_ready, kv_empty, page_flags, PAGE, META_W))],
+            worker_num_warps=[4, 1],
+            worker_num_regs=[232, 32],
+        )
+
+
+_MAIN = CachedKernel(_decode_sm90_kernel) if HAVE_GLUON else None
+
+
+def sm90_main_args(q_rows, k_cache, block_table, cache_seqlens, metadata, num_splits, softmax_scale, causal,
+                   out, lse, partials, err, pdl: bool = False):
+    """(kernel, grid, args, options) of the main kernel over ``q_rows`` (q as [b * rows, 576] from
+    ``tma_rows``): results of one-piece requests into out / lse, the rest into ``partials`` (decode.py's
+    ``partials_size`` layout; the portable launcher allocates it and runs the combine kernel afterwards).
+    softmax_scale > 0 (the softmax keeps unscaled row maxima; the public ops check it). ``pdl``: the combine
+    kernel follows as a programmatic dependent launch."""
+    b, q_len, h, _ = out.shape
+    rows = q_len * h
+    parts = metadata.shape[0]
+    args = (*mla_descriptors(q_rows, k_cache.view(-1, D_QK)),
+            block_table, cache_seqlens, metadata, num_splits, out, lse, partials, err,
+            b, parts, h, q_len, rows, softmax_scale * LOG2E, block_table.stride(0), b + parts,
+            block_table.shape[1] * k_cache.shape[1], k_cache.shape[0],
+            out.stride(0), out.stride(1), out.stride(2))
+    options = dict(CAUSAL=bool(causal), PAGE=k_cache.shape[1], META_W=METADATA_WIDTH, PDL=pdl, num_warps=4)
+    return _MAIN, (-(-rows // BLOCK_M), metadata.shape[0], 1), args, options

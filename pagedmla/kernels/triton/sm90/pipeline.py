@@ -1,0 +1,115 @@
+"""What the Hopper (sm_90a) Gluon kernels share: the Gluon imports, TMA descriptors, the shared-memory
+rings' barrier phases, the persistent kernels' tile claim and hand-off, and zeroing a value tile's tail.
+
+A ring of ``STAGES`` slots is filled in order: use i of the ring takes slot ``i % STAGES``; its ``ready``
+barrier completes once per fill and its ``empty`` barrier once per release, so use i waits for ready
+phase ``phase(i, STAGES)`` and the producer of use i for empty phase ``free_phase(i, STAGES)`` (which passes
+at once on the first round). One barrier (a one-slot ring) is ``STAGES`` = 1.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from pagedmla.device import gluon_available
+
+HAVE_GLUON = gluon_available()
+if HAVE_GLUON:  # an older or newer Triton without this Gluon API: the portable kernels run instead
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+# The persistent kernels' tile counters and tile ids are int32, and the programs' last claims run past the
+# tile count by up to the number of programs: 2**20 of headroom.
+MAX_TILES = 2 ** 31 - 2 ** 20
+
+
+def gl_dtype(dtype: torch.dtype):
+    """The Gluon element type of a bf16 / fp16 torch dtype."""
+    return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+
+
+@functools.cache
+def shared_layout(rows: int, width: int, dtype: torch.dtype):
+    """The NVMMA shared-memory layout of a [rows, width] TMA tile of ``dtype``."""
+    return gl.NVMMASharedLayout.get_default_for([rows, width], gl_dtype(dtype))
+
+
+def tma_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a 2-D row-major tensor with a 16-byte aligned base, copied only when it is not one already."""
+    if x.data_ptr() % 16 or x.stride() != (x.shape[1], 1):
+        return x.clone(memory_format=torch.contiguous_format)
+    return x
+
+
+def descriptor(x: torch.Tensor, block_shape: list[int], layout) -> TensorDescriptor:
+    """``TensorDescriptor.from_tensor`` without its per-call validation, which was a third of the decode
+    launcher's host time: ``x`` comes from ``tma_rows`` or a cache the caller's support check accepted
+    (aligned base, 16-byte row stride, unit last stride); block shapes are the kernels' constants."""
+    desc = object.__new__(TensorDescriptor)
+    desc.base, desc.shape, desc.strides = x, x.shape, x.stride()
+    desc.block_shape, desc.layout, desc.padding = block_shape, layout, "zero"
+    return desc
+
+
+if HAVE_GLUON:
+    ONE_WARP = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
+    WARPGROUP = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
+
+    @gluon.jit
+    def phase(i, STAGES: gl.constexpr):
+        """The ready-barrier phase use i of a ``STAGES``-slot ring waits for."""
+        return (i // STAGES) & 1
+
+    @gluon.jit
+    def free_phase(i, STAGES: gl.constexpr):
+        """The empty-barrier phase the producer of use i waits for (passes at once on the first round)."""
+        return phase(i, STAGES) ^ 1
+
+    @gluon.jit
+    def claim_tile(counter, slots, s):
+        """Loader warp: take the next work tile from the global ``counter``; one lane's atomic result goes
+        through word 0 of hand-off slot ``s`` of ``slots`` (int32 [2, words] in shared memory) so that every
+        lane returns it."""
+        fetched = gl.atomic_add(counter + gl.zeros([1], gl.int32, ONE_WARP), gl.full([1], 1, gl.int32, ONE_WARP))
+        slot = slots.index(s).slice(0, 1)
+        slot.store(fetched)
+        # One lane holds the claimed index: every lane reads it back from shared memory.
+        gl.thread_barrier()
+        return gl.max(slot.load(ONE_WARP), axis=0)
+
+    @gluon.jit
+    def receive_slot(i, slots, ready, free, layout: gl.constexpr):
+        """Consumer side of a two-slot hand-off: the i-th published slot of ``slots`` loaded in ``layout``,
+        the slot handed back to the loader once every warp has read it."""
+        s = i % 2
+        mbarrier.wait(ready.index(s), phase(i, 2))
+        info = slots.index(s).load(layout)
+        # Every warp has read the slot before it is handed back (the arrive is one thread's).
+        gl.thread_barrier()
+        mbarrier.arrive(free.index(s), count=1)
+        return info
+
+    @gluon.jit
+    def slot_fields(info, layout: gl.constexpr):
+        """Words 0 .. 6 of a hand-off slot ``receive_slot`` loaded (every thread holding the whole slot, or
+        a lane each: the sums reduce across threads where needed)."""
+        k = gl.arange(0, 8, layout=layout)
+        return (gl.sum(gl.where(k == 0, info, 0), axis=0), gl.sum(gl.where(k == 1, info, 0), axis=0),
+                gl.sum(gl.where(k == 2, info, 0), axis=0), gl.sum(gl.where(k == 3, info, 0), axis=0),
+                gl.sum(gl.where(k == 4, info, 0), axis=0), gl.sum(gl.where(k == 5, info, 0), axis=0),
+                gl.sum(gl.where(k == 6, info, 0), axis=0))
+
+    @gluon.jit
+    def zero_tail_rows(kv, col0, valid, CHUNKS: gl.constexpr, num_warps: gl.constexpr):
+        """Zero rows valid .. of columns col0 .. col0 + 64 * CHUNKS - 1 of a value tile in shared memory."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        rows = gl.arange(0, kv.shape[0], layout=gl.SliceLayout(1, layout))
+        for c in gl.static_range(CHUNKS):
+            part = kv.slice(col0 + 64 * c, 64, dim=1)
+            x = part.load(layout)
+            part.store(gl.where(rows[:, None] < valid, x, gl.zeros_like(x)))
+        fence_async_shared()
