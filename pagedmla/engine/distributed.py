@@ -29,7 +29,7 @@ import contextlib
 import os
 import socket
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -129,10 +129,12 @@ def _env_int(name: str) -> int:
     return int(value)
 
 
-def start(tp_size: int, dcp_size: int, device_type: str, settings: dict[str, Any]) -> Parallel:
-    """Join (or spawn) the ``tp_size`` ranks of an engine and set up its groups; ``settings`` are the
-    ``LLM`` arguments spawned ranks build their engine from (they must pickle). ValueError naming
-    tensor_parallel_size when the launcher's world or the devices do not fit."""
+def start(tp_size: int, dcp_size: int, device_type: str, settings: dict[str, Any],
+          build: Callable[[dict[str, Any]], object]) -> Parallel:
+    """Join (or spawn) the ``tp_size`` ranks of an engine and set up its groups; a spawned rank calls
+    ``build(settings)`` (a module-level function, so that it pickles; ``settings`` must pickle too) to build
+    its engine, which serves rank 0's steps. ValueError naming tensor_parallel_size when the launcher's
+    world or the devices do not fit."""
     global _spawned
     workers = []
     if _spawned is not None:
@@ -166,7 +168,8 @@ def start(tp_size: int, dcp_size: int, device_type: str, settings: dict[str, Any
         ctx = mp.get_context("spawn")
         worker_settings = dict(settings, tokenizer=None)  # only rank 0 detokenizes
         for r in range(1, world):
-            proc = ctx.Process(target=_worker_main, args=(r, world, init_method, worker_settings), daemon=True)
+            proc = ctx.Process(target=_worker_main, args=(r, world, init_method, worker_settings, build),
+                               daemon=True)
             proc.start()
             workers.append(proc)
     owns = not dist.is_initialized()
@@ -189,14 +192,13 @@ def start(tp_size: int, dcp_size: int, device_type: str, settings: dict[str, Any
     return Parallel(tp=Group.of(None), dcp=dcp, cpu=cpu, device=device, workers=workers, owns_default_group=owns)
 
 
-def _worker_main(rank: int, world: int, init_method: str, settings: dict[str, Any]) -> None:
+def _worker_main(rank: int, world: int, init_method: str, settings: dict[str, Any],
+                 build: Callable[[dict[str, Any]], object]) -> None:
     """A spawned rank: build the same engine (which serves rank 0's steps until it shuts down)."""
     global _spawned
-    from pagedmla.engine.llm import LLM
-
     torch.set_num_threads(max(1, torch.get_num_threads() // world))
     _spawned = (rank, world, init_method)
-    LLM(**settings)
+    build(settings)
 
 
 class StepChannel:

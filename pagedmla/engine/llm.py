@@ -445,7 +445,7 @@ class LLM:
                                  f"tensor_parallel_size={tensor_parallel_size} yet")
             device_type = _check_parallel_model(model, device, tensor_parallel_size)
             self._parallel = distributed.start(tensor_parallel_size, decode_context_parallel_size, device_type,
-                                               settings)
+                                               settings, _build_rank)
             device, tp, dcp = self._parallel.device, self._parallel.tp, self._parallel.dcp
         # Building is collective in a tensor-parallel engine: every rank fails if one does.
         with distributed.building(self._parallel):
@@ -997,3 +997,8 @@ class LLM:
                 sent_ids = len(ids)
             if output is not None:
                 return
+
+
+def _build_rank(settings: dict[str, Any]) -> LLM:
+    """A spawned tensor-parallel rank's engine (``distributed.start`` calls it in the new process)."""
+    return LLM(**settings)
