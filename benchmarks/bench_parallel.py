@@ -31,7 +31,7 @@ from pagedmla import MLAConfig, MLAKVCache, PageAllocator, RequestTable
 from pagedmla.backend import ForwardMode, MLABackend
 from pagedmla.bench.decode import cos_diff
 from pagedmla.bench.options import PRESETS
-from pagedmla.engine.cuda_graph import CudaGraph, GraphRunner
+from pagedmla.engine.cuda_graph import CudaGraph
 from pagedmla.engine.model_runner import ModelRunner, StepPlan
 from pagedmla.model.build import build_empty
 from pagedmla.model.config import DeepseekConfig
@@ -72,7 +72,7 @@ def _tp_run(tp: Group, args) -> tuple[list[float], list[torch.Tensor], list[list
         last.append(runner.execute(StepPlan(ForwardMode.EXTEND, len(part), part, [0] * len(part),
                                             prompts[i:i + chunk])))
     logits = [torch.cat(last)]
-    runner.graphs = GraphRunner(runner, [args.batch])
+    runner.capture_cuda_graphs([args.batch])
     tokens = [logits[0].argmax(-1).tolist()]
     times = []
     for step in range(args.steps):

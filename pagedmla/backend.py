@@ -128,8 +128,9 @@ class ForwardMetadata:
 
     @property
     def uniform(self) -> bool:
-        """Planned for the split-KV decode kernel: ``q_len`` tokens per request (see the module docstring)."""
-        return self.tile_scheduler_metadata is not None
+        """Planned as ``q_len`` tokens per request (see the module docstring): for the split-KV decode kernel,
+        or under decode context parallelism a per-row plan without ``qo_indptr``."""
+        return self.tile_scheduler_metadata is not None or (self.dcp is not None and self.qo_indptr is None)
 
 
 @dataclass

@@ -100,7 +100,11 @@ class Pair:
         if ref_backend.attention_form == "absorbed":
             q = self.rand(t, HEADS, KV)
             ref = ref_backend.forward(q, latent[:, None], None, 0, ref_loc, self.ref_cache)
-            got = dcp_backend.forward(q[:, self.heads].contiguous(), latent[:, None], None, 0, dcp_loc, self.dcp_cache)
+            q_rank = q[:, self.heads].contiguous()
+            if mode.is_decode_like():  # forward_decode directly, as the SGLang adapter calls it
+                got = dcp_backend.forward_decode(q_rank, latent[:, None], None, 0, dcp_loc, self.dcp_cache, len(reqs))
+            else:
+                got = dcp_backend.forward(q_rank, latent[:, None], None, 0, dcp_loc, self.dcp_cache)
             width = LORA
         else:
             q, k = self.rand(t, HEADS, NOPE + ROPE), self.rand(t, HEADS, NOPE + ROPE)

@@ -197,6 +197,23 @@ def test_mtp_checkpoint_errors(checkpoint, tmp_path):
         load_mtp(target, str(tmp_path))
 
 
+def test_mtp_refuses_a_split_target(monkeypatch):
+    """MTP layers are built whole for a single-rank target; a tensor-parallel one is a ValueError, both when
+    the layers are built and when a drafter is made for such a runner."""
+    from pagedmla.engine.model_runner import ModelRunner
+    from pagedmla.parallel import Group
+
+    target = load_model("tiny", dtype=torch.float32)
+    mtp = load_mtp(target)
+    runner = ModelRunner(target, page_size=4, num_pages=16, max_batch_size=2, max_context_len=32,
+                         num_speculative_tokens=2)
+    monkeypatch.setattr(target, "tp", Group(None, 0, 2))
+    with pytest.raises(ValueError, match="target: MTP layers are built whole"):
+        load_mtp(target)
+    with pytest.raises(ValueError, match="draft_model: MTP drafts on one rank"):
+        MTPDrafter(runner, mtp, 2)
+
+
 def test_cache_bytes_cover_the_draft_cache():
     """The draft's cache layer shares the pages: a cache_bytes budget holds fewer of them with MTP on."""
     budget = 1 << 22

@@ -7,7 +7,7 @@ backend's fill seq_len over block-table rows of page 0, so they touch no live da
 eagerly. A replay reads nothing back from the device and reuses its static buffers: the inputs are
 copied into them, the backend refills its own graph buffers (``init_forward_metadata_replay_cuda_graph``),
 and the logits (and the final hidden states, which an MTP draft model reads) are read from the graph's
-static outputs. Building the inputs (``ModelRunner.prepare``) allocates small temporaries, which the
+static outputs. Building the inputs (``ModelRunner.inputs``) allocates small temporaries, which the
 caching allocator serves without new device allocations once the sizes have been seen; on CUDA the
 backend's schedule for the replay is written straight into its buffers.
 

@@ -61,6 +61,9 @@ class MTPDrafter:
             raise ValueError(f"num_speculative_tokens: MTP drafts 1..{MAX_DRAFT_TOKENS} tokens, got {k!r}")
         if not isinstance(mtp, DeepseekMTP):
             raise TypeError(f"draft_model: expected a DeepseekMTP, got {type(mtp).__name__}")
+        if runner.model.tp.size > 1 or runner.dcp.size > 1:
+            raise ValueError(f"draft_model: MTP drafts on one rank; the model runner is tensor-parallel over "
+                             f"{runner.model.tp.size} and context-parallel over {runner.dcp.size}")
         target = runner.model.config
         if (mtp.config.hidden_size, mtp.config.vocab_size) != (target.hidden_size, target.vocab_size):
             raise ValueError(f"draft_model: its hidden size / vocabulary {mtp.config.hidden_size} / "

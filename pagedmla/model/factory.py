@@ -52,6 +52,9 @@ def load_mtp(target: DeepseekForCausalLM, model: str | os.PathLike = TINY, *, se
     device in its dtype, sharing its embedding and LM head (CheckpointError when the checkpoint has none)."""
     if not isinstance(target, DeepseekForCausalLM):
         raise TypeError(f"target: expected a DeepseekForCausalLM, got {type(target).__name__}")
+    if target.tp.size > 1:
+        raise ValueError(f"target: MTP layers are built whole, for a single-rank target; this one is split over "
+                         f"{target.tp.size} tensor-parallel ranks")
     weight = target.model.embed_tokens.weight
     if isinstance(model, str) and model == TINY:
         mtp = build_empty_mtp(target.config, weight.device, weight.dtype)

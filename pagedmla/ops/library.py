@@ -199,7 +199,10 @@ def backend_forward_decode(backend, q, k, v, layer, out_cache_loc, cache, bs: in
     meta = backend._meta()
     if meta.bs == 0:
         return q.new_empty(0, backend.heads * backend.v_dim)
-    if meta.mode == ForwardMode.DRAFT_EXTEND:
+    if meta.dcp is not None:
+        raise NotImplementedError("torch.compile: decode context parallelism (MLAConfig.dcp_size > 1) runs eagerly "
+                                  "or as CUDA graphs, not traced")
+    if meta.mode == ForwardMode.DRAFT_EXTEND or not meta.uniform:  # a ragged verify runs the varlen kernel
         return backend_forward_extend(backend, q, k, v, layer, out_cache_loc, cache, save_kv_cache=save_kv_cache)
     _save(backend, k, layer, out_cache_loc, cache, save_kv_cache)
     out, _ = flash_mla_with_kvcache(q.view(bs, meta.q_len, backend.heads, backend.kv_dim),
@@ -217,6 +220,9 @@ def backend_forward_extend(backend, q, k, v, layer, out_cache_loc, cache, *, sav
     meta = backend._meta()
     if meta.bs == 0:
         return q.new_empty(0, backend.heads * backend.v_dim)
+    if meta.dcp is not None:
+        raise NotImplementedError("torch.compile: decode context parallelism (MLAConfig.dcp_size > 1) runs eagerly "
+                                  "or as CUDA graphs, not traced")
     lid = _layer_id(layer)
     if meta.form == "absorbed":
         _save(backend, k, layer, out_cache_loc, cache, save_kv_cache)

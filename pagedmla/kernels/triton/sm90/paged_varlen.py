@@ -3,9 +3,9 @@ prefill over a cached prefix.
 
 Work tiles as in ``paged_varlen.py``: 64 (token, head) rows of one request over all the keys its rows may
 see (request b's tiles start at ``qo_indptr[b] * H // 64 + b``, found by binary search). Each tile runs the
-decode kernel's partitions and steps (``decode_sm90.py``): a TMA loader warp, warpgroup 0 computing S once
-per 64-key tile and the online softmax, both warpgroups accumulating half of the 512 value columns from the
-shared P. No split of the keys, so no partials: each tile writes its rows' output and LSE directly.
+decode kernel's partitions and steps (``sm90/decode.py``, ``sm90/mla.py``): a TMA loader warp, warpgroup 0
+computing S once per 64-key tile and the online softmax, both warpgroups accumulating half of the 512 value
+columns from the shared P. No split of the keys, so no partials: each tile writes its rows' output and LSE directly.
 
 The kernel is persistent: one program per SM, whose loader claims tiles from a global counter (last tile
 first: requests from the last, and within a request the heaviest causal tiles first; the tiles in flight
