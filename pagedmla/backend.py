@@ -286,7 +286,7 @@ class MLABackend:
         # Counts of num_draft_tokens each are the uniform verify: the decode kernel runs it.
         ragged_verify = verify_lens is not None and any(e != self.config.num_draft_tokens for e in verify_lens)
         if mode.is_decode_like() and not ragged_verify:
-            q_len = self._decode_q_len(mode)
+            q_len = self.q_len(mode)
             if self._dcp is not None:
                 self.metadata = ForwardMetadata(mode=mode, bs=bs, form="absorbed", seq_lens=seq_lens,
                                                 block_table=block_table, q_len=q_len, num_tokens=bs * q_len,
@@ -322,7 +322,7 @@ class MLABackend:
                 [s - 1 for s in seq_cpu[n_ext:]]
             self._check_extend(seq_cpu, ext, pre)
         elif ragged_verify:
-            limit = self._decode_q_len(mode)
+            limit = self.q_len(mode)
             ext = verify_lens
             if not all(1 <= e <= limit for e in ext):
                 raise ValueError(f"extend_seq_lens_cpu: a ragged verify runs 1..{limit} tokens per request "
@@ -345,13 +345,16 @@ class MLABackend:
         if self._dcp is not None:
             meta.dcp = self._dcp.plan_ragged(meta.seq_lens, meta.block_table, meta.qo_indptr, meta.num_tokens)
 
-    def _decode_q_len(self, mode: ForwardMode) -> int:
+    def q_len(self, mode: ForwardMode) -> int:
+        """Query tokens per request of a ``mode`` step that runs the same count for every request: the
+        draft tokens of a uniform TARGET_VERIFY (``config.decode_q_len``), else 1. The engine's model and
+        graph runners ask here (one definition). ValueError for a verify on a backend without drafts."""
         if mode == ForwardMode.TARGET_VERIFY:
-            if self.config.is_draft or self.config.num_draft_tokens < 2:
+            if self.config.decode_q_len < 2:
                 raise ValueError("forward_mode: TARGET_VERIFY needs a target backend with num_draft_tokens >= 2 "
                                  f"(config has num_draft_tokens={self.config.num_draft_tokens}, "
                                  f"is_draft={self.config.is_draft})")
-            return self.config.num_draft_tokens
+            return self.config.decode_q_len
         return 1
 
     def _check_batch_tensors(self, batch: ForwardBatch) -> None:
@@ -653,7 +656,7 @@ class MLABackend:
         if mode in (ForwardMode.DECODE, ForwardMode.IDLE):
             return 1
         if mode == ForwardMode.TARGET_VERIFY:
-            return self._decode_q_len(mode)
+            return self.q_len(mode)
         if mode == ForwardMode.DRAFT_EXTEND:
             if not self.config.is_draft:
                 raise ValueError("forward_mode: DRAFT_EXTEND needs a draft backend (MLAConfig.is_draft=True)")

@@ -118,8 +118,8 @@ class GraphRunner:
                     self._capture(bs, mode, graph_factory())
 
     def q_len(self, mode: ForwardMode) -> int:
-        """Tokens per request of a captured ``mode`` step."""
-        return self.backend.config.decode_q_len if mode == ForwardMode.TARGET_VERIFY else 1
+        """Tokens per request of a captured ``mode`` step (``MLABackend.q_len``)."""
+        return self.backend.q_len(mode)
 
     def _capture(self, bs: int, mode: ForwardMode, graph: Graph) -> None:
         n = bs * self.q_len(mode)

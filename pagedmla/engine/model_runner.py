@@ -111,8 +111,8 @@ class ModelRunner:
         return self._graphs
 
     def q_len(self, mode: ForwardMode) -> int:
-        """Tokens per request of a decode-like step."""
-        return self.mla_config.num_draft_tokens if mode == ForwardMode.TARGET_VERIFY else 1
+        """Tokens per request of a decode-like step (``MLABackend.q_len``)."""
+        return self.backend.q_len(mode)
 
     def plan(self, seqs: list[Sequence], mode: ForwardMode, num_extends: int,
              tokens: list[list[int]] | None = None, *, all_logits: bool = False, eager: bool = False) -> StepPlan:
