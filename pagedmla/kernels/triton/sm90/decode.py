@@ -2,7 +2,7 @@
 
 Same contract, metadata, work split and partial format as the portable kernel in ``decode.py`` (whose
 combine kernel finishes the split requests); this one replaces its main kernel on sm_90 GPUs for 64-row
-tiles, where the portable kernel reaches only 30-38% of the tensor-core peak (benchmarks/NOTES.md).
+tiles, where the portable kernel reaches only 29-38% of the tensor-core peak (benchmarks/NOTES.md).
 
 Structure per program (64 query rows x one SM part), FlashMLA's (the steps are ``mla.py``'s):
 - a loader warp streams each request's Q tile and its [64, 576] KV tiles through a two-stage shared-memory
