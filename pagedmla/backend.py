@@ -50,6 +50,7 @@ from pagedmla import checks, errors
 from pagedmla.cache import MLAKVCache
 from pagedmla.config import MLAConfig
 from pagedmla.context_parallel import ContextParallel, DCPAttention
+from pagedmla.device import to_device
 from pagedmla.ops import library
 from pagedmla.ops.providers import available_providers, resolve
 from pagedmla.ops.schedule import get_mla_metadata, num_sm_parts_for, schedule_into
@@ -150,13 +151,6 @@ def _layer_id(layer) -> int:
     return lid
 
 
-def _to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host integers on ``device`` without a synchronisation: through pinned staging memory (the caching
-    host allocator keeps it until the copy has run) and a non-blocking copy."""
-    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True)
-
-
 def select_requests(table: torch.Tensor, index: torch.Tensor, lens: torch.Tensor, out_table: torch.Tensor,
                     out_lens: torch.Tensor) -> None:
     """out_table[i] = table[index[i], :width] and out_lens[i] = lens[i] for the step's requests; a request
@@ -234,7 +228,7 @@ class MLABackend:
         if (group.size, group.rank) != (cfg.dcp_size, cfg.dcp_rank):
             raise ValueError(f"dcp_group: this process is rank {group.rank} of {group.size} in it, the config says "
                              f"dcp_rank={cfg.dcp_rank} of dcp_size={cfg.dcp_size}")
-        return ContextParallel(cfg, group, self.device, self._decode_impl, self._merge_impl, _to_device)
+        return ContextParallel(cfg, group, self.device, self._decode_impl, self._merge_impl)
 
     def _resolve_or_default(self, op: str, provider: str | None) -> Callable:
         if provider is not None and provider not in available_providers(op):
@@ -420,7 +414,7 @@ class MLABackend:
         indptr = [0]
         for e in ext:
             indptr.append(indptr[-1] + e)
-        meta.qo_indptr = _to_device(indptr, torch.int32, self.device)
+        meta.qo_indptr = to_device(indptr, torch.int32, self.device)
         meta.max_q_len = max(ext) if ext else 0
         meta.num_tokens = indptr[-1]
 
@@ -441,11 +435,11 @@ class MLABackend:
                 cu.append(cu[-1] + length)
             if self._dcp is not None:
                 slots, index = self._dcp.prefix_chunk(block_table, starts, lens)
-                chunks.append(PrefixChunk(slots=slots, cu_seqlens=_to_device(cu, torch.int32, self.device),
+                chunks.append(PrefixChunk(slots=slots, cu_seqlens=to_device(cu, torch.int32, self.device),
                                           max_len=max(lens), gather_index=index))
                 continue
             # One host-to-device copy per loop: [cu (n + 1) | lens (n) | starts (n)].
-            packed = _to_device(cu + lens + starts, torch.int64, self.device)
+            packed = to_device(cu + lens + starts, torch.int64, self.device)
             cu_dev, lens_dev, starts_dev = packed[: n + 1], packed[n + 1: 2 * n + 1], packed[2 * n + 1:]
             req = torch.repeat_interleave(rows, lens_dev, output_size=total)
             pos = torch.arange(total, device=self.device) - cu_dev[:-1][req] + starts_dev[req]

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from pagedmla import checks, errors
+from pagedmla.device import to_device
 
 
 class OutOfPagesError(RuntimeError):
@@ -164,7 +165,7 @@ class RequestTable:
                              f"{len(pages) * self.page_size} allocated token slots")
         pos = torch.arange(start, end, dtype=torch.int64)
         page_ids = torch.tensor(pages, dtype=torch.int64)[pos // self.page_size] if end > start else pos
-        return (page_ids * self.page_size + pos % self.page_size).to(self.block_table.device)
+        return to_device(page_ids * self.page_size + pos % self.page_size, torch.int64, self.block_table.device)
 
     def _pages(self, slot: int) -> list[int]:
         if slot not in self.pages:
@@ -175,7 +176,7 @@ class RequestTable:
         row = torch.zeros(self.max_pages_per_request, dtype=torch.int32)
         pages = self.pages[slot]
         row[: len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        self.block_table[slot].copy_(row)
+        self.block_table[slot].copy_(to_device(row, torch.int32, self.block_table.device))
 
 
 class MLAKVCache:

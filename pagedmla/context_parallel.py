@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedmla.config import MLAConfig
+from pagedmla.device import to_device
 from pagedmla.ops.schedule import get_mla_metadata, num_sm_parts_for, schedule_into
 from pagedmla.parallel import Group
 
@@ -58,11 +59,10 @@ class _GraphBuffers:
 class ContextParallel:
     """The DCP side of one MLABackend: rank ``config.dcp_rank`` of ``group`` (``config.dcp_size`` ranks).
 
-    decode_impl / merge_impl: the backend's providers of the ``paged_decode`` and ``merge`` ops; to_device:
-    the backend's host-to-device staging of host integers (``to_device(values, dtype, device)``)."""
+    decode_impl / merge_impl: the backend's providers of the ``paged_decode`` and ``merge`` ops."""
 
     def __init__(self, config: MLAConfig, group: Group, device: torch.device, decode_impl: Callable,
-                 merge_impl: Callable, to_device: Callable[[list[int], torch.dtype, torch.device], torch.Tensor]):
+                 merge_impl: Callable):
         self.size = config.dcp_size
         self.rank = config.dcp_rank
         self.group = group
@@ -73,7 +73,6 @@ class ContextParallel:
         self.scale = float(config.softmax_scale)
         self._decode_impl = decode_impl
         self._merge_impl = merge_impl
-        self._to_device = to_device
         self._graph: _GraphBuffers | None = None
 
     # ------------------------------------------------------------------ planning
@@ -184,7 +183,7 @@ class ContextParallel:
         # One host-to-device copy: [first (d x n) | offset (d x n) | this rank's count (n) | starts | lens].
         host = [v for r in range(d) for v in first[r]] + [v for r in range(d) for v in offset[r]] + \
             count[self.rank] + starts + lens
-        packed = self._to_device(host, torch.int64, self.device)
+        packed = to_device(host, torch.int64, self.device)
         first_dev, offset_dev = packed[: d * n].view(d, n), packed[d * n: 2 * d * n].view(d, n)
         count_dev = packed[2 * d * n: 2 * d * n + n]
         starts_dev, lens_dev = packed[2 * d * n + n: 2 * d * n + 2 * n], packed[2 * d * n + 2 * n:]

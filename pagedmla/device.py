@@ -1,4 +1,5 @@
-"""What this process can run: the Triton interpreter switch and the Hopper (sm_90) capability probes.
+"""What this process can run (the Triton interpreter switch, the Hopper (sm_90) capability probes) and how
+host values reach it without a synchronisation (``to_device``).
 
 A leaf module (torch and the standard library only), so that the split plan, the kernels and the public ops
 all ask the same questions the same way without importing each other. Triton itself is imported only when
@@ -54,3 +55,17 @@ def sm90_available(device: torch.device) -> bool:
 def sm_count(device: torch.device) -> int:
     """The streaming multiprocessors of CUDA ``device``."""
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def to_device(values: list[int] | torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Host integers (a list or a CPU tensor) on ``device`` without a host synchronisation: on CUDA through
+    pinned staging memory (the caching host allocator keeps it until the copy has run) and a non-blocking
+    copy; a copy from pageable memory would make the host wait for the GPU queue."""
+    device = torch.device(device)
+    if isinstance(values, torch.Tensor):
+        host = values.to(dtype)
+        if device.type == "cuda":
+            host = host.pin_memory()
+    else:
+        host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)

@@ -40,6 +40,7 @@ import torch.multiprocessing as mp
 
 from pagedmla.backend import ForwardMode
 from pagedmla.cache import RequestTable
+from pagedmla.device import to_device
 from pagedmla.engine.model_runner import ModelRunner, StepPlan
 from pagedmla.parallel import Group
 
@@ -266,8 +267,8 @@ class StepChannel:
             host[i, :n] = torch.tensor(pages, dtype=torch.int32)
             slots.append(slot)
             at += 2 + n
-        table.block_table.index_copy_(0, torch.tensor(slots, device=table.block_table.device),
-                                      host.to(table.block_table.device))
+        device = table.block_table.device
+        table.block_table.index_copy_(0, to_device(slots, torch.int64, device), to_device(host, torch.int32, device))
 
 
 def serve(runner: ModelRunner, channel: StepChannel) -> None:

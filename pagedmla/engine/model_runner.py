@@ -27,6 +27,7 @@ import torch
 
 from pagedmla.backend import ForwardBatch, ForwardMode, MLABackend, create_backend
 from pagedmla.cache import MLAKVCache, PageAllocator, RequestTable
+from pagedmla.device import to_device
 from pagedmla.engine.cuda_graph import Graph, GraphRunner
 from pagedmla.engine.sequence import Sequence
 from pagedmla.model.context import StepContext
@@ -169,8 +170,7 @@ class ModelRunner:
         # instead of one per tensor and per request; the fields are views into it.
         t, bs = len(ids), len(plan.slots)
         num_extends = plan.num_extends
-        host = torch.tensor(ids + positions + slots + plan.slots + last + lens, dtype=torch.int64)
-        packed = host.to(self.device)
+        packed = to_device(ids + positions + slots + plan.slots + last + lens, torch.int64, self.device)
         input_ids, pos, loc, req, last_index, seq_lens = packed.split([t, t, t, bs, bs, bs])
         batch = ForwardBatch(
             forward_mode=plan.mode,

@@ -35,7 +35,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from pagedmla.backend import ForwardBatch, ForwardMode, _to_device
+from pagedmla.backend import ForwardBatch, ForwardMode
+from pagedmla.device import to_device
 from pagedmla.draft_backend import MLADraftBackend
 from pagedmla.engine.cuda_graph import Graph, cuda_graph_factory
 from pagedmla.engine.model_runner import ModelRunner
@@ -97,7 +98,7 @@ class MTPDrafter:
 
     def _upload(self, *lists: list[int]) -> list[torch.Tensor]:
         """Host int lists as int64 device tensors, in one pinned non-blocking copy."""
-        packed = _to_device([v for values in lists for v in values], torch.int64, self.runner.device)
+        packed = to_device([v for values in lists for v in values], torch.int64, self.runner.device)
         return list(packed.split([len(values) for values in lists]))
 
     def _keep(self, req: torch.Tensor, hidden: torch.Tensor) -> None:
