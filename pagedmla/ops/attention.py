@@ -41,9 +41,15 @@ def _signature(*tensors: torch.Tensor) -> tuple:
     return tuple((t.shape, t.dtype, t.get_device()) for t in tensors)
 
 
-def _memoised(table: dict[tuple, tuple[Callable, float]], key: tuple | None,
+def _memoised(table: dict[tuple, tuple[Callable, float]], tensors: tuple, scalars: tuple, provider: str | None,
               check: Callable[[], tuple[Callable, float]]) -> tuple[Callable, float]:
-    """The entry of a checked call signature: ``check()`` (which raises for a bad call) the first time."""
+    """The entry of a checked call signature (the tensors' shapes, dtypes and devices, the scalars, the
+    provider asked for and PAGEDMLA_PROVIDER): ``check()`` (which raises for a bad call) the first time.
+    Arguments that are not tensors are never memoised: the full checks say which."""
+    try:
+        key = (_signature(*tensors), _scalars(*scalars), provider, os.environ.get("PAGEDMLA_PROVIDER"))
+    except AttributeError:
+        key = None
     entry = table.get(key)
     if entry is None:
         entry = check()
@@ -87,12 +93,8 @@ def flash_mla_with_kvcache(
     if torch.compiler.is_dynamo_compiling():
         return library.flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v,
                                               tile_scheduler_metadata, num_splits, softmax_scale, causal, provider)
-    try:
-        key = (_signature(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits),
-               _scalars(head_dim_v, softmax_scale), provider, os.environ.get("PAGEDMLA_PROVIDER"))
-    except AttributeError:  # not tensors: the full checks below say which
-        key = None
-    entry = _memoised(_decode_signatures, key, lambda: _check_decode(
+    entry = _memoised(_decode_signatures, (q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata,
+                                           num_splits), (head_dim_v, softmax_scale), provider, lambda: _check_decode(
         q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits, softmax_scale,
         provider))
     impl, scale = entry
@@ -154,12 +156,8 @@ def flash_mla_varlen_with_kvcache(
                                                      softmax_scale, causal, max_q_len, provider)
     if max_q_len is not None and (isinstance(max_q_len, bool) or not isinstance(max_q_len, int) or max_q_len < 0):
         raise ValueError(f"max_q_len: expected an int >= 0, got {max_q_len!r}")
-    try:
-        key = (_signature(q, k_cache, block_table, cache_seqlens, qo_indptr), _scalars(head_dim_v, softmax_scale),
-               provider, os.environ.get("PAGEDMLA_PROVIDER"))
-    except AttributeError:  # not tensors: the full checks below say which
-        key = None
-    entry = _memoised(_paged_varlen_signatures, key, lambda: _check_paged_varlen(
+    entry = _memoised(_paged_varlen_signatures, (q, k_cache, block_table, cache_seqlens, qo_indptr),
+                      (head_dim_v, softmax_scale), provider, lambda: _check_paged_varlen(
         q, k_cache, block_table, cache_seqlens, qo_indptr, head_dim_v, softmax_scale, provider))
     impl, scale = entry
     if errors.host_value_checks(q.device):
@@ -227,12 +225,8 @@ def flash_attn_varlen_func(
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
-    try:
-        key = (_signature(q, k, v, cu_seqlens_q, cu_seqlens_k, *(() if out is None else (out,))),
-               _scalars(softmax_scale), provider, os.environ.get("PAGEDMLA_PROVIDER"))
-    except AttributeError:  # not tensors: the full checks below say which
-        key = None
-    entry = _memoised(_varlen_signatures, key, lambda: _check_varlen(
+    entry = _memoised(_varlen_signatures, (q, k, v, cu_seqlens_q, cu_seqlens_k, *(() if out is None else (out,))),
+                      (softmax_scale,), provider, lambda: _check_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, out, provider))
     impl, scale = entry
     if errors.host_value_checks(q.device):
