@@ -191,17 +191,23 @@ def _save(backend, k, layer, out_cache_loc, cache, save_kv_cache: bool, latent=N
         cache_write(cache.layer(_layer_id(layer)), out_cache_loc, rows.reshape(rows.shape[0], -1))
 
 
+def _traced_meta(backend):
+    """The backend's planned step, for a traced forward (NotImplementedError for what tracing lacks)."""
+    meta = backend._meta()
+    if meta.dcp is not None:
+        raise NotImplementedError("torch.compile: decode context parallelism (MLAConfig.dcp_size > 1) runs eagerly "
+                                  "or as CUDA graphs, not traced")
+    return meta
+
+
 def backend_forward_decode(backend, q, k, v, layer, out_cache_loc, cache, bs: int, *, save_kv_cache: bool = True):
     """The traced form of ``MLABackend.forward_decode`` for DECODE / TARGET_VERIFY steps (DRAFT_EXTEND
     goes through ``backend_forward_extend``)."""
     from pagedmla.backend import ForwardMode, _layer_id
 
-    meta = backend._meta()
+    meta = _traced_meta(backend)
     if meta.bs == 0:
         return q.new_empty(0, backend.heads * backend.v_dim)
-    if meta.dcp is not None:
-        raise NotImplementedError("torch.compile: decode context parallelism (MLAConfig.dcp_size > 1) runs eagerly "
-                                  "or as CUDA graphs, not traced")
     if meta.mode == ForwardMode.DRAFT_EXTEND or not meta.uniform:  # a ragged verify runs the varlen kernel
         return backend_forward_extend(backend, q, k, v, layer, out_cache_loc, cache, save_kv_cache=save_kv_cache)
     _save(backend, k, layer, out_cache_loc, cache, save_kv_cache)
@@ -217,12 +223,9 @@ def backend_forward_extend(backend, q, k, v, layer, out_cache_loc, cache, *, sav
     """The traced form of ``MLABackend.forward_extend`` (absorbed, MHA and chunked-prefix forms)."""
     from pagedmla.backend import _layer_id
 
-    meta = backend._meta()
+    meta = _traced_meta(backend)
     if meta.bs == 0:
         return q.new_empty(0, backend.heads * backend.v_dim)
-    if meta.dcp is not None:
-        raise NotImplementedError("torch.compile: decode context parallelism (MLAConfig.dcp_size > 1) runs eagerly "
-                                  "or as CUDA graphs, not traced")
     lid = _layer_id(layer)
     if meta.form == "absorbed":
         _save(backend, k, layer, out_cache_loc, cache, save_kv_cache)
