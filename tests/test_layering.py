@@ -1,7 +1,7 @@
 """The import graph of ``pagedmla/``, read from the source (ast): the layering the package promises.
 
-Leaf modules (``device``, ``split_plan``, ``checks``, ``errors``) -> kernels -> ops (public API and provider
-registry) -> backend -> model -> engine. Kernels import nothing from ``ops``; the modules imported at import
+Leaf modules (``device``, ``split_plan``, ``checks``, ``errors``, ``kv_format``) -> kernels -> ops (public API and
+provider registry) -> backend -> model -> engine. Kernels import nothing from ``ops``; the modules imported at import
 time form no cycle (imports for annotations only, under ``TYPE_CHECKING``, are not counted); the only imports
 inside function bodies that point back up the graph are the ``torch.library`` registrations'
 (``ops/library.py``), listed here so that a new one fails.
@@ -21,7 +21,7 @@ KNOWN_LATE_UPWARD = {
     ("pagedmla.ops.library", "pagedmla.ops.schedule"),
     ("pagedmla.ops.library", "pagedmla.backend"),
 }
-LEAVES = ("pagedmla.device", "pagedmla.split_plan", "pagedmla.checks", "pagedmla.errors")
+LEAVES = ("pagedmla.device", "pagedmla.split_plan", "pagedmla.checks", "pagedmla.errors", "pagedmla.kv_format")
 
 
 def _module_name(path: Path) -> str:
