@@ -7,6 +7,10 @@ CUDA (the ``gpu`` mark: bf16 / fp16, where the Hopper kernels take the shapes th
 come from ``oracle.make_paged_cache``: pages in permuted order, page 0, spare pages and every slot past a
 request's tokens NaN, so a read outside a request's tokens poisons its rows. Kernel-specific behaviour
 (configs, launch caches, forced Hopper paths, guards) stays in the kernel test files.
+
+FP8 caches (``fp8_e4m3`` with its k_scale, ``fp8_ds_mla`` behind ``is_fp8_kvcache``) come from the same builder
+through ``pagedmla.quantize_latent``; the oracle attends over the rows decoded from their bytes by hand
+(``oracle.decode_fp8_rows``), and the results must also be within a cosine difference of 1e-5 of it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 from oracle import (
     TOLERANCES,
     assert_attention_close,
+    cos_diff,
     dense_merge,
     dense_paged,
     dense_varlen,
@@ -153,3 +158,70 @@ def test_merge(provider, device, dtype, shape):
                                     provider=provider)
     ref_out, ref_lse = dense_merge(v_a, s_a.float(), v_b, s_b.float())
     assert_attention_close(out, lse, ref_out, ref_lse, TOLERANCES[dtype], f"shape={shape}")
+
+
+# FP8 caches: lengths at the page and 64-token edges, page sizes 1 / 16 / 64, every provider on both formats;
+# the torch provider also with bf16 queries (the oracle's rows are the dequantised ones, so the tolerance is the
+# query dtype's).
+FP8_LENS = [0, 1, 63, 64, 65]
+FP8_FORMATS = ["fp8_e4m3", "fp8_ds_mla"]
+FP8_TARGETS = [t for t in TARGETS if t.values[0] == "torch"] + [pytest.param("torch", "cpu", BF16,
+                                                                            id="torch-cpu-bfloat16")]
+# The fp8_e4m3 layer scale: not a power of two, so the kernels' fp8 x k_scale rounds as the oracle's does not.
+FP8_K_SCALE = 1.3 / 448
+
+
+def _fp8_cache(lens, page, kv_format, g, device):
+    """(cache, keyword arguments of the paged calls) for ``kv_format``."""
+    k_scale = torch.tensor([FP8_K_SCALE])
+    ks = k_scale if kv_format == "fp8_e4m3" else None
+    cache = make_paged_cache(lens, page, 576, generator=g, scale=0.25, kv_format=kv_format, k_scale=FP8_K_SCALE,
+                             encode=lambda rows: pagedmla.quantize_latent(rows, kv_format, k_scale=ks))
+    kw = dict(k_scale=k_scale.to(device)) if kv_format == "fp8_e4m3" else dict(is_fp8_kvcache=True)
+    return cache, kw
+
+
+def _assert_fp8_close(out, lse, ref_out, ref_lse, dtype, what):
+    assert_attention_close(out, lse, ref_out, ref_lse, TOLERANCES[dtype], what)
+    diff = cos_diff(out, ref_out)
+    assert diff < 1e-5, f"cos diff {diff:.2e} [{what}]"
+
+
+@pytest.mark.parametrize("page", [1, 16, 64])
+@pytest.mark.parametrize("kv_format", FP8_FORMATS)
+@pytest.mark.parametrize("provider,device,dtype", FP8_TARGETS)
+def test_paged_decode_fp8(provider, device, dtype, kv_format, page):
+    _skip_unavailable("paged_decode", provider)
+    q_len, heads = 2, 4
+    g = gen("conformance-decode-fp8", kv_format, page, str(dtype))
+    cache, kw = _fp8_cache(FP8_LENS, page, kv_format, g, device)
+    b = len(FP8_LENS)
+    q = (torch.randn(b, q_len, heads, 576, generator=g, dtype=torch.float64) * 0.25).to(dtype)
+    seqlens = torch.tensor(FP8_LENS, dtype=torch.int32, device=device)
+    meta, splits = pagedmla.get_mla_metadata(seqlens, q_len * heads, 1, num_sm_parts=3)
+    out, lse = pagedmla.flash_mla_with_kvcache(q.to(device), cache.k_cache.to(device), cache.block_table.to(device),
+                                               seqlens, 512, meta, splits, causal=True, provider=provider, **kw)
+    ref_out, ref_lse = dense_paged(q.reshape(b * q_len, heads, 576), [i * q_len for i in range(b + 1)], cache.rows,
+                                   576 ** -0.5, True, 512)
+    _assert_fp8_close(out, lse, ref_out.reshape(b, q_len, heads, 512),
+                      ref_lse.reshape(b, q_len, heads).transpose(1, 2), dtype, f"{kv_format} page={page}")
+
+
+@pytest.mark.parametrize("page", [1, 16, 64])
+@pytest.mark.parametrize("kv_format", FP8_FORMATS)
+@pytest.mark.parametrize("provider,device,dtype", FP8_TARGETS)
+def test_paged_varlen_fp8(provider, device, dtype, kv_format, page):
+    _skip_unavailable("paged_varlen", provider)
+    q_lens, heads = [0, 1, 5, 64, 3], 2
+    g = gen("conformance-paged-varlen-fp8", kv_format, page, str(dtype))
+    cache, kw = _fp8_cache(FP8_LENS, page, kv_format, g, device)
+    qo = [0]
+    for n in q_lens:
+        qo.append(qo[-1] + n)
+    q = (torch.randn(qo[-1], heads, 576, generator=g, dtype=torch.float64) * 0.25).to(dtype)
+    out, lse = pagedmla.flash_mla_varlen_with_kvcache(
+        q.to(device), cache.k_cache.to(device), cache.block_table.to(device),
+        torch.tensor(FP8_LENS, dtype=torch.int32, device=device), torch.tensor(qo, dtype=torch.int32, device=device),
+        512, causal=True, provider=provider, **kw)
+    ref_out, ref_lse = dense_paged(q, qo, cache.rows, 576 ** -0.5, True, 512)
+    _assert_fp8_close(out, lse, ref_out, ref_lse, dtype, f"{kv_format} page={page}")

@@ -582,6 +582,8 @@ def paged_decode_triton(
     config: DecodeConfig | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    kv_format: str | None = None,
+    k_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode with the split-KV Triton kernels (the ``triton`` provider's ``paged_decode``).
 
@@ -598,6 +600,8 @@ def paged_decode_triton(
     sweep it). On sm_90 GPUs, bf16/fp16 with pages a multiple of 64, requests of more than 16 query rows run
     the Hopper main kernel (``sm90/decode.py``). No host synchronisation: capturable in a CUDA graph.
     """
+    if kv_format is not None:
+        raise ValueError(f"k_cache: the triton kernels do not read {kv_format} caches yet; use provider='torch'")
     key = (q.shape, q.stride(), q.dtype, q.get_device(), k_cache.shape, k_cache.stride(), k_cache.dtype,
            block_table.shape, block_table.stride(), cache_seqlens.is_contiguous(), tile_scheduler_metadata.shape,
            tile_scheduler_metadata.is_contiguous(), num_splits.is_contiguous(), head_dim_v, softmax_scale, causal,

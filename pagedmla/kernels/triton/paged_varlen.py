@@ -207,6 +207,8 @@ def paged_varlen_attention(
     max_q_len: int | None = None,
     *,
     config: PrefillConfig | None = None,
+    kv_format: str | None = None,
+    k_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA attention with per-request q lengths over a paged latent cache (``paged_varlen`` op).
 
@@ -222,6 +224,8 @@ def paged_varlen_attention(
     Returns out [T, H, head_dim_v] q.dtype and lse [T, H] float32 (natural log; rows that see no key give 0
     and -inf). Long for its checks, one per argument with its own message, ahead of the dispatch.
     """
+    if kv_format is not None:
+        raise ValueError(f"k_cache: the triton kernels do not read {kv_format} caches yet; use provider='torch'")
     softmax_scale = checks.positive_scale(softmax_scale)
     config = PrefillConfig.checked(config)
     check_dtype(q, "q")
