@@ -538,10 +538,11 @@ class MLABackend:
             self.save_kv(k, lid, out_cache_loc, cache)
         self._check_pages(meta, cache)
         if meta.dcp is not None:
-            return self._dcp.attend(q, cache.paged_view(lid), meta.dcp)
+            return self._dcp.attend(q, cache.paged_view(lid), meta.dcp, cache.kv_format, cache.k_scale(lid))
         out, _ = self._decode_impl(q.view(bs, meta.q_len, self.heads, self.kv_dim), cache.paged_view(lid),
                                    meta.block_table, meta.seq_lens, self.v_dim, meta.tile_scheduler_metadata,
-                                   meta.num_splits, self.scale, True)
+                                   meta.num_splits, self.scale, True, kv_format=cache.kv_format,
+                                   k_scale=cache.k_scale(lid))
         return out.reshape(meta.num_tokens, self.heads * self.v_dim)
 
     def forward_extend(self, q, k, v, layer, out_cache_loc, cache: MLAKVCache, *, save_kv_cache: bool = True,
@@ -572,9 +573,10 @@ class MLABackend:
                 self.save_kv(k, lid, out_cache_loc, cache)
             self._check_pages(meta, cache)
             if meta.dcp is not None:
-                return self._dcp.attend(q, cache.paged_view(lid), meta.dcp)
+                return self._dcp.attend(q, cache.paged_view(lid), meta.dcp, cache.kv_format, cache.k_scale(lid))
             out, _ = self._varlen_paged_impl(q, cache.paged_view(lid), meta.block_table, meta.seq_lens,
-                                             meta.qo_indptr, self.v_dim, self.scale, True, meta.max_q_len)
+                                             meta.qo_indptr, self.v_dim, self.scale, True, meta.max_q_len,
+                                             kv_format=cache.kv_format, k_scale=cache.k_scale(lid))
             return out.reshape(meta.num_tokens, self.heads * self.v_dim)
         self._check_q(q, meta.num_tokens, self.config.qk_head_dim)
         self._check_q(k, meta.num_tokens, self.config.qk_head_dim, "k")
@@ -591,8 +593,9 @@ class MLABackend:
                 raise ValueError("kv_decompress: the chunked-prefix form needs it to expand prefix rows")
             self._check_pages(meta, cache)
             for chunk in meta.prefix_chunks:
-                # A bad page id gives a slot outside the cache: NaN rows, so the request's output is NaN.
-                rows = cache.gather(lid, chunk.slots, validate=False)
+                # A bad page id gives a slot outside the cache: NaN rows, so the request's output is NaN. FP8 rows
+                # are dequantised to the queries' dtype as gathered (only the chunk's).
+                rows = cache.gather(lid, chunk.slots, validate=False, dtype=q.dtype)
                 if chunk.gather_index is not None:
                     rows = self._dcp.gather_rows(rows, chunk.gather_index)
                 kc, vc = kv_decompress(rows)

@@ -72,6 +72,27 @@ def resolve_format(value, name: str = "kv_format") -> str:
     return _ALIASES[key]
 
 
+def fp8_storage(value) -> tuple[torch.dtype, str] | None:
+    """(storage dtype, format) when ``value`` names an FP8 cache format (a name or alias of ``resolve_format``,
+    torch.float8_e4m3fn for fp8_e4m3, torch.uint8 for fp8_ds_mla's bytes); None for anything else (plain
+    dtypes, unknown names: the caller's own checks name those)."""
+    if value is torch.uint8:
+        return torch.uint8, "fp8_ds_mla"
+    if not isinstance(value, (str, torch.dtype)):
+        return None
+    try:
+        fmt = resolve_format(value)
+    except ValueError:
+        return None
+    return (storage(fmt)[0], fmt) if fmt in FP8_FORMATS else None
+
+
+def format_of(storage_dtype: torch.dtype) -> str | None:
+    """The FP8 format a cache of ``storage_dtype`` holds (float8_e4m3fn: fp8_e4m3, uint8: fp8_ds_mla); None
+    for the float dtypes (values as stored)."""
+    return {FP8_DTYPE: "fp8_e4m3", torch.uint8: "fp8_ds_mla"}.get(storage_dtype)
+
+
 def is_fp8(fmt: str) -> bool:
     """Whether ``fmt`` (a name from ``FORMATS``) is one of the FP8 formats."""
     return fmt in FP8_FORMATS

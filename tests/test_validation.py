@@ -473,7 +473,11 @@ def small_cache():
     (dict(page_size=512), "page_size"),
     (dict(page_size=0), "page_size"),
     (dict(dtype=torch.int8), "dtype"),
-    (dict(dtype=torch.float8_e4m3fn), "dtype"),
+    (dict(dtype=torch.float8_e5m2), "dtype"),
+    (dict(dtype="fp8_ds_mla"), "kv_dim"),  # 656-byte rows hold 576 columns
+    (dict(k_scale=0.5), "k_scale"),  # only an fp8_e4m3 cache has one
+    (dict(dtype="fp8_e4m3", k_scale=-1.0), "k_scale"),
+    (dict(dtype="fp8_e4m3", k_scale=True), "k_scale"),
 ])
 def test_kv_cache_constructor_rejects(kwargs, name):
     base = dict(num_layers=2, num_pages=4, page_size=4, kv_dim=24, dtype=F32)
@@ -657,9 +661,12 @@ def test_request_table_rejects():
     (dict(dtype=42), "dtype"),
     (dict(kv_cache_dtype="int8"), "kv_cache_dtype"),
     (dict(dtype="fp8"), "dtype"),
-    (dict(kv_cache_dtype="fp8_e4m3"), "kv_cache_dtype"),
-    (dict(kv_cache_dtype=torch.float8_e4m3fn), "kv_cache_dtype"),
     (dict(kv_cache_dtype=torch.float8_e5m2), "kv_cache_dtype"),
+    (dict(kv_cache_dtype="fp8_ds_mla", kv_lora_rank=256), "kv_cache_dtype"),
+    (dict(kv_cache_scale=0.5), "kv_cache_scale"),
+    (dict(kv_cache_dtype="fp8_ds_mla", kv_cache_scale=0.5), "kv_cache_scale"),
+    (dict(kv_cache_dtype="fp8_e4m3", kv_cache_scale=0.0), "kv_cache_scale"),
+    (dict(kv_cache_dtype="fp8", kv_cache_scale=float("inf")), "kv_cache_scale"),
     (dict(page_size=48), "page_size"),
     (dict(page_size=512), "page_size"),
     (dict(page_size=0), "page_size"),
@@ -690,6 +697,21 @@ def test_mla_config_accepts_power_of_two_page_sizes(page_size):
 def test_mla_config_dtype_spellings(spelling, dtype):
     cfg = MLAConfig(dtype=spelling)
     assert cfg.dtype == dtype and cfg.kv_cache_dtype == dtype
+
+
+@pytest.mark.parametrize("spelling,storage,fmt", [("fp8", torch.float8_e4m3fn, "fp8_e4m3"),
+                                                  ("fp8_e4m3", torch.float8_e4m3fn, "fp8_e4m3"),
+                                                  (torch.float8_e4m3fn, torch.float8_e4m3fn, "fp8_e4m3"),
+                                                  ("fp8_ds_mla", torch.uint8, "fp8_ds_mla"),
+                                                  (torch.uint8, torch.uint8, "fp8_ds_mla"),
+                                                  ("bf16", torch.bfloat16, None)])
+def test_mla_config_kv_cache_formats(spelling, storage, fmt):
+    import dataclasses
+
+    cfg = MLAConfig(kv_cache_dtype=spelling)
+    assert (cfg.kv_cache_dtype, cfg.kv_format, cfg.dtype) == (storage, fmt, torch.bfloat16)
+    again = dataclasses.replace(cfg)  # a checked config checks again to the same fields
+    assert (again.kv_cache_dtype, again.kv_format) == (storage, fmt)
 
 
 def test_mla_config_defaults_and_derived_fields():

@@ -194,12 +194,15 @@ def _save(backend, k, layer, out_cache_loc, cache, save_kv_cache: bool, latent=N
         cache_write(cache.layer(_layer_id(layer)), out_cache_loc, rows.reshape(rows.shape[0], -1))
 
 
-def _traced_meta(backend):
+def _traced_meta(backend, cache):
     """The backend's planned step, for a traced forward (NotImplementedError for what tracing lacks)."""
     meta = backend._meta()
     if meta.dcp is not None:
         raise NotImplementedError("torch.compile: decode context parallelism (MLAConfig.dcp_size > 1) runs eagerly "
                                   "or as CUDA graphs, not traced")
+    if cache.kv_format is not None:
+        raise NotImplementedError(f"torch.compile: FP8 caches ({cache.kv_format}) run eagerly or as CUDA graphs, "
+                                  "not traced")
     return meta
 
 
@@ -208,7 +211,7 @@ def backend_forward_decode(backend, q, k, v, layer, out_cache_loc, cache, bs: in
     goes through ``backend_forward_extend``)."""
     from pagedmla.backend import ForwardMode, _layer_id
 
-    meta = _traced_meta(backend)
+    meta = _traced_meta(backend, cache)
     if meta.bs == 0:
         return q.new_empty(0, backend.heads * backend.v_dim)
     if meta.mode == ForwardMode.DRAFT_EXTEND or not meta.uniform:  # a ragged verify runs the varlen kernel
@@ -226,7 +229,7 @@ def backend_forward_extend(backend, q, k, v, layer, out_cache_loc, cache, *, sav
     """The traced form of ``MLABackend.forward_extend`` (absorbed, MHA and chunked-prefix forms)."""
     from pagedmla.backend import _layer_id
 
-    meta = _traced_meta(backend)
+    meta = _traced_meta(backend, cache)
     if meta.bs == 0:
         return q.new_empty(0, backend.heads * backend.v_dim)
     lid = _layer_id(layer)
