@@ -101,6 +101,14 @@ def test_paged_varlen(provider, device, dtype, case, causal):
     q_lens, kv_lens, heads, page = PAGED_VARLEN_CASES[case]
     g = gen("conformance-paged-varlen", case, causal, str(dtype))
     cache = make_paged_cache(kv_lens, page, 576, dtype, generator=g, scale=0.25)
+    out, lse, ref_out, ref_lse = _paged_varlen_against_oracle(q_lens, kv_lens, heads, cache, g, provider, device,
+                                                              dtype, causal)
+    assert_attention_close(out, lse, ref_out, ref_lse, TOLERANCES[dtype], f"q={q_lens} kv={kv_lens}")
+
+
+def _paged_varlen_against_oracle(q_lens, kv_lens, heads, cache, g, provider, device, dtype, causal, **kw):
+    """flash_mla_varlen_with_kvcache of random queries (q_lens per request) over ``cache`` and the oracle's
+    result over its rows: (out, lse, ref_out, ref_lse)."""
     qo = [0]
     for n in q_lens:
         qo.append(qo[-1] + n)
@@ -108,9 +116,9 @@ def test_paged_varlen(provider, device, dtype, case, causal):
     out, lse = pagedmla.flash_mla_varlen_with_kvcache(
         q.to(device), cache.k_cache.to(device), cache.block_table.to(device),
         torch.tensor(kv_lens, dtype=torch.int32, device=device), torch.tensor(qo, dtype=torch.int32, device=device),
-        512, causal=causal, provider=provider)
+        512, causal=causal, provider=provider, **kw)
     ref_out, ref_lse = dense_paged(q, qo, cache.rows, 576 ** -0.5, causal, 512)
-    assert_attention_close(out, lse, ref_out, ref_lse, TOLERANCES[dtype], f"q={q_lens} kv={kv_lens}")
+    return out, lse, ref_out, ref_lse
 
 
 # (q lengths, k lengths or None for the same, heads, KV heads, Dqk, Dv)
@@ -211,16 +219,8 @@ def test_paged_decode_fp8(provider, device, dtype, kv_format, page):
 @pytest.mark.parametrize("provider,device,dtype", FP8_TARGETS)
 def test_paged_varlen_fp8(provider, device, dtype, kv_format, page):
     _skip_unavailable("paged_varlen", provider)
-    q_lens, heads = [0, 1, 5, 64, 3], 2
     g = gen("conformance-paged-varlen-fp8", kv_format, page, str(dtype))
     cache, kw = _fp8_cache(FP8_LENS, page, kv_format, g, device)
-    qo = [0]
-    for n in q_lens:
-        qo.append(qo[-1] + n)
-    q = (torch.randn(qo[-1], heads, 576, generator=g, dtype=torch.float64) * 0.25).to(dtype)
-    out, lse = pagedmla.flash_mla_varlen_with_kvcache(
-        q.to(device), cache.k_cache.to(device), cache.block_table.to(device),
-        torch.tensor(FP8_LENS, dtype=torch.int32, device=device), torch.tensor(qo, dtype=torch.int32, device=device),
-        512, causal=True, provider=provider, **kw)
-    ref_out, ref_lse = dense_paged(q, qo, cache.rows, 576 ** -0.5, True, 512)
+    out, lse, ref_out, ref_lse = _paged_varlen_against_oracle([0, 1, 5, 64, 3], FP8_LENS, 2, cache, g, provider,
+                                                              device, dtype, True, **kw)
     _assert_fp8_close(out, lse, ref_out, ref_lse, dtype, f"{kv_format} page={page}")
