@@ -52,6 +52,7 @@ from pagedmla.config import MLAConfig
 from pagedmla.context_parallel import ContextParallel, DCPAttention
 from pagedmla.device import to_device
 from pagedmla.ops import library
+from pagedmla.ops.attention import merge_state
 from pagedmla.ops.providers import available_providers, resolve
 from pagedmla.ops.schedule import get_mla_metadata, num_sm_parts_for, schedule_into
 from pagedmla.parallel import Group
@@ -521,8 +522,7 @@ class MLABackend:
         are the latent rows' first 512 columns). Returns [T, H * 512].
         """
         if torch.compiler.is_dynamo_compiling():
-            return library.backend_forward_decode(self, q, k, v, layer, out_cache_loc, cache, bs,
-                                                  save_kv_cache=save_kv_cache)
+            return self._traced_decode(q, k, v, layer, out_cache_loc, cache, bs, save_kv_cache)
         meta = self._meta()
         if meta.bs == 0:
             return q.new_empty(0, self.heads * self.v_dim)
@@ -555,9 +555,7 @@ class MLABackend:
         (k [n, H, 192], v [n, H, 128])`` for the prefix chunks. Returns [T, H * 128].
         """
         if torch.compiler.is_dynamo_compiling():
-            return library.backend_forward_extend(self, q, k, v, layer, out_cache_loc, cache,
-                                                  save_kv_cache=save_kv_cache, latent=latent,
-                                                  kv_decompress=kv_decompress)
+            return self._traced_extend(q, k, v, layer, out_cache_loc, cache, save_kv_cache, latent, kv_decompress)
         meta = self._meta()
         if meta.bs == 0:
             # IDLE and empty batches are planned in the absorbed form: no tokens, no cache writes.
@@ -612,6 +610,72 @@ class MLABackend:
         """
         return self._varlen_impl(q, k, v, cum_seq_lens_q, cum_seq_lens_kv, max_q_len, max_kv_len, scaling,
                                  causal, out)
+
+    # ------------------------------------------------------------------ traced forms (torch.compile)
+    # One planned step expressed with the pagedmla:: custom ops (ops/library.py), for Dynamo: the eager paths
+    # above call the kernels through the memoised entry points, which Dynamo cannot trace.
+    def _traced_meta(self) -> ForwardMetadata:
+        """The planned step, for a traced forward (NotImplementedError for what tracing lacks)."""
+        meta = self._meta()
+        if meta.dcp is not None:
+            raise NotImplementedError("torch.compile: decode context parallelism (MLAConfig.dcp_size > 1) runs "
+                                      "eagerly or as CUDA graphs, not traced")
+        return meta
+
+    def _traced_provider(self, op: str) -> str | None:
+        return self.provider if self.provider in available_providers(op) else None
+
+    def _traced_save(self, rows: torch.Tensor, layer, out_cache_loc, cache: MLAKVCache, save_kv_cache: bool) -> None:
+        # The backend's own slots, unchecked as in MLAKVCache.write(validate=False).
+        if save_kv_cache:
+            library.cache_write(cache.layer(_layer_id(layer)), out_cache_loc, rows.reshape(rows.shape[0], -1))
+
+    def _traced_decode(self, q, k, v, layer, out_cache_loc, cache: MLAKVCache, bs: int, save_kv_cache: bool):
+        """``forward_decode`` while Dynamo traces (DECODE / TARGET_VERIFY; DRAFT_EXTEND and a ragged verify go
+        through ``_traced_extend``, the varlen kernel)."""
+        meta = self._traced_meta()
+        if meta.bs == 0:
+            return q.new_empty(0, self.heads * self.v_dim)
+        if meta.mode == ForwardMode.DRAFT_EXTEND or not meta.uniform:
+            return self._traced_extend(q, k, v, layer, out_cache_loc, cache, save_kv_cache, None, None)
+        self._traced_save(k, layer, out_cache_loc, cache, save_kv_cache)
+        out, _ = library.flash_mla_with_kvcache(q.view(bs, meta.q_len, self.heads, self.kv_dim),
+                                                cache.paged_view(_layer_id(layer)), meta.block_table, meta.seq_lens,
+                                                self.v_dim, meta.tile_scheduler_metadata, meta.num_splits, self.scale,
+                                                True, self.provider)
+        return out.reshape(meta.num_tokens, self.heads * self.v_dim)
+
+    def _traced_extend(self, q, k, v, layer, out_cache_loc, cache: MLAKVCache, save_kv_cache: bool,
+                       latent: torch.Tensor | None, kv_decompress):
+        """``forward_extend`` while Dynamo traces (absorbed, MHA and chunked-prefix forms)."""
+        meta = self._traced_meta()
+        if meta.bs == 0:
+            return q.new_empty(0, self.heads * self.v_dim)
+        lid = _layer_id(layer)
+        if meta.form == "absorbed":
+            self._traced_save(k, layer, out_cache_loc, cache, save_kv_cache)
+            out, _ = library.flash_mla_varlen_with_kvcache(q, cache.paged_view(lid), meta.block_table, meta.seq_lens,
+                                                           meta.qo_indptr, self.v_dim, self.scale, True,
+                                                           meta.max_q_len, self._traced_provider("paged_varlen"))
+            return out.reshape(meta.num_tokens, self.heads * self.v_dim)
+        if save_kv_cache and latent is None:
+            raise ValueError("latent: the MHA forms need the latent rows to store")
+        self._traced_save(latent, layer, out_cache_loc, cache, save_kv_cache)
+        varlen_provider = self._traced_provider("varlen")
+        out, lse_ht = library.varlen_attention(q, k, v, meta.qo_indptr, meta.qo_indptr, meta.max_q_len,
+                                               meta.max_q_len, self.scale, True, varlen_provider)
+        lse = lse_ht.transpose(0, 1)
+        if meta.form == "chunked":
+            if kv_decompress is None:
+                raise ValueError("kv_decompress: the chunked-prefix form needs it to expand prefix rows")
+            merge_provider = self._traced_provider("merge")
+            for chunk in meta.prefix_chunks:
+                rows = cache.layer(lid).view(-1, self.kv_dim).index_select(0, chunk.slots)
+                kc, vc = kv_decompress(rows)
+                o2, l2 = library.varlen_attention(q, kc, vc, meta.qo_indptr, chunk.cu_seqlens, meta.max_q_len,
+                                                  chunk.max_len, self.scale, False, varlen_provider)
+                out, lse = merge_state(out, lse, o2, l2.transpose(0, 1), provider=merge_provider)
+        return out.reshape(meta.num_tokens, -1)
 
     # ------------------------------------------------------------------ CUDA graphs
     def get_cuda_graph_seq_len_fill_value(self) -> int:
