@@ -4,7 +4,7 @@ Nothing here imports ``pagedmla``: the functions are deliberately naive (a Pytho
 explicit max / exp / sum softmax in float64) so that they share no code and no vectorisation trick with
 ``pagedmla.reference`` or the kernels they judge.
 
-Conventions (DESIGN §2), mirrored exactly:
+Conventions (those of pagedmla.reference), mirrored exactly:
   * LSE is the natural log of the softmax denominator over *scaled* scores;
   * a query row that sees no key has output 0 and LSE ``-inf``;
   * causal masking is bottom-right aligned: with ``n`` queries over ``L`` keys, query ``i`` is the
