@@ -35,7 +35,7 @@ from pagedmla.kernels.triton.common import (
 )
 from pagedmla.kernels.triton.sm90.mla import sm90_supported
 from pagedmla.kernels.triton.sm90.paged_varlen import paged_varlen_sm90
-from pagedmla.kernels.triton.steps import key_scores, load_split, softmax_step, store_rows
+from pagedmla.kernels.triton.steps import key_scores, load_split, paged_tile, softmax_step, store_rows
 from pagedmla.kernels.triton.varlen import check_dtype, last_dim_contiguous, split_head_dim
 
 
@@ -94,19 +94,7 @@ def _paged_varlen_kernel(
         if pid == 0:
             report(err_ptr, QUERY_INDPTR)
         return
-    # Largest b with tile_start(b) = qo_indptr[b] * H // BLOCK_M + b <= pid (tile_start is increasing).
-    lo = 0
-    hi = batch - 1
-    for _ in range(SEARCH_STEPS):
-        mid = (lo + hi + 1) // 2
-        start_mid = (tl.load(qo_indptr + mid).to(tl.int64) * num_heads) // BLOCK_M + mid
-        go_up = start_mid <= pid
-        lo = tl.where(go_up, mid, lo)
-        hi = tl.where(go_up, hi, mid - 1)
-    b = lo
-    q_start = tl.load(qo_indptr + b)
-    q_len = tl.load(qo_indptr + b + 1) - q_start
-    r0 = (pid - ((q_start.to(tl.int64) * num_heads) // BLOCK_M + b)).to(tl.int32) * BLOCK_M
+    b, q_start, q_len, r0 = paged_tile(pid, qo_indptr, num_heads, batch, BLOCK_M, SEARCH_STEPS)
     n_rows = q_len * num_heads
     if r0 >= n_rows:
         return

@@ -1,6 +1,7 @@
 """The steps the portable prefill kernels (``varlen.py``, ``paged_varlen.py``) share: a row block's columns
 loaded in the two power-of-two parts of the head dim, the scores of one key tile, the online-softmax update
-in the log2 domain, and the store of a row block's result.
+in the log2 domain, the store of a row block's result, and the work-tile search of the paged kernels (the
+Hopper ``sm90/paged_varlen.py`` calls it too).
 """
 
 from __future__ import annotations
@@ -80,3 +81,25 @@ def store_rows(o_rows, acc, inv_l, lse2, LSE, q_start, tok, heads, head, row_ok,
     tl.store(o_rows + cols[None, :], (acc * inv_l[:, None]).to(o_rows.dtype.element_ty),
              mask=row_ok[:, None] & (cols[None, :] < DV))
     tl.store(LSE + (q_start.to(tl.int64) + tok) * heads + head, lse2 * _LN2, mask=row_ok)
+
+
+@triton.jit
+def paged_tile(tile, qo_indptr, heads, batch, BLOCK_M: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    """(request b, its first q token, its q_len, the tile's first row r0 among b's q_len * heads (token,
+    head) rows) of work tile ``tile``: request b's tiles start at tile_start(b) = qo_indptr[b] * heads //
+    BLOCK_M + b, an increasing function of b (binary search in SEARCH_STEPS >= log2(batch) steps). Needs
+    qo_indptr to be a partition of the rows (the caller checks); r0 >= q_len * heads marks an idle tile."""
+    # Largest b with tile_start(b) <= tile.
+    lo = tile * 0
+    hi = lo + batch - 1
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi + 1) // 2
+        start_mid = (tl.load(qo_indptr + mid).to(tl.int64) * heads) // BLOCK_M + mid
+        go_up = start_mid <= tile
+        lo = tl.where(go_up, mid, lo)
+        hi = tl.where(go_up, hi, mid - 1)
+    b = lo
+    q_start = tl.load(qo_indptr + b)
+    q_len = tl.load(qo_indptr + b + 1) - q_start
+    r0 = (tile - ((q_start.to(tl.int64) * heads) // BLOCK_M + b)).to(tl.int32) * BLOCK_M
+    return b, q_start, q_len, r0

@@ -37,6 +37,7 @@ from pagedmla.kernels.triton.launch import CachedKernel
 from pagedmla.kernels.triton.sm90 import mla
 from pagedmla.kernels.triton.sm90.mla import BLOCK_M, D_V, mla_descriptors, sm90_supported
 from pagedmla.kernels.triton.sm90.pipeline import HAVE_GLUON, MAX_TILES, tma_rows
+from pagedmla.kernels.triton.steps import paged_tile
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -60,19 +61,7 @@ if HAVE_GLUON:
         """Work tile ``tile`` (request-major numbering): (request, its first flat q row, rows r0 .. r0 + 63 of
         its q_len * H, q_len, kv_len clamped to 0 .. capacity, the error bits of its length, end of the keys any
         row of the tile sees). Needs qo_indptr to be a partition of the rows (the caller checks)."""
-        # Largest b with tile_start(b) = qo_indptr[b] * H // 64 + b <= tile (tile_start is increasing).
-        lo = tile * 0
-        hi = lo + batch - 1
-        for _ in gl.static_range(SEARCH_STEPS):
-            mid = (lo + hi + 1) // 2
-            start_mid = (gl.load(qo_ptr + mid).to(gl.int64) * H) // mla._BM + mid
-            go_up = start_mid <= tile
-            lo = gl.where(go_up, mid, lo)
-            hi = gl.where(go_up, hi, mid - 1)
-        b = lo
-        q_start = gl.load(qo_ptr + b)
-        q_len = gl.load(qo_ptr + b + 1) - q_start
-        r0 = (tile - ((q_start.to(gl.int64) * H) // mla._BM + b)).to(gl.int32) * mla._BM
+        b, q_start, q_len, r0 = paged_tile(tile, qo_ptr, H, batch, mla._BM, SEARCH_STEPS)
         n_rows = q_len * H
         kv_len, bits = checked_length(gl.load(seqlens_ptr + b), capacity)
         if CAUSAL:
