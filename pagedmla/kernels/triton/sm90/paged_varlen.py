@@ -14,8 +14,8 @@ tile's loads are issued. The next tile's search, Q and first KV tiles then load 
 finish the current one, instead of each tile paying a program's start (search, Q and first KV round
 trips) with the tensor cores idle.
 
-The default for ``paged_varlen_attention`` on sm_90 where it applies (measured on the H200: benchmarks/NOTES.md,
-Prefill); ``PrefillConfig(use_sm90=False)`` runs the portable kernel instead.
+``paged_varlen_attention`` picks it on sm_90 wherever ``sm90_supported`` holds, the H200 measurements in
+benchmarks/NOTES.md (Prefill) having put it ahead of the portable kernel there.
 """
 
 from __future__ import annotations
@@ -44,15 +44,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-    from pagedmla.kernels.triton.sm90.pipeline import (
-        ONE_WARP,
-        WARPGROUP,
-        claim_tile,
-        free_phase,
-        phase,
-        receive_slot,
-        slot_fields,
-    )
+    from pagedmla.kernels.triton.sm90.pipeline import ONE_WARP, WARPGROUP, claim_tile, free_phase, phase, receive_fields
 
 if HAVE_GLUON:
 
@@ -105,7 +97,7 @@ if HAVE_GLUON:
         """A warpgroup's i-th tile as the loader published it (``_publish_tile``'s seven fields)."""
         # Every thread holds the whole slot: the fields come out without cross-thread reductions.
         layout: gl.constexpr = gl.BlockedLayout([8], [32], [4], [0])
-        return slot_fields(receive_slot(i, tile_info, tile_ready, tile_free, layout), layout)
+        return receive_fields(i, tile_info, tile_ready, tile_free, layout)
 
     @gluon.jit
     def _store_rows(o, scale, lse2, col0, out_ptr, lse_ptr, row0, r0, n_rows, WRITE_LSE: gl.constexpr,
