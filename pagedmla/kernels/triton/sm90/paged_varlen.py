@@ -181,20 +181,13 @@ if HAVE_GLUON:
                         first_masked = gl.minimum(gl.maximum(kv_len - q_len + r0 // H + 1, 0), kv_len)
                     else:
                         lim = gl.zeros([mla._BM], dtype=gl.int32, layout=row_l) + kv_len
-                    m_i = gl.full([mla._BM], float("-inf"), dtype=gl.float32, layout=row_l)
-                    l_i = gl.zeros([mla._BM], dtype=gl.float32, layout=row_l)
-                    o = gl.zeros([mla._BM, 256], dtype=gl.float32, layout=o_layout)
                     if end > 0:
                         mbarrier.wait(q_ready, phase(nq, 1))
                         nq += 1
-                    for n0 in range(0, end, mla._BN):
-                        # The last S of the tile hands Q back to the loader for the next one.
-                        o, m_i, l_i = mla.softmax_tile(o, m_i, l_i, it, npm, n0, first_masked, lim, kv_len,
-                                                       n0 + mla._BN >= end, qk_scale, q_smem, q_pe_smem, kv_ring,
-                                                       kv_pe_ring, p_smem, scale_smem, q_free, kv_ready, kv_empty,
-                                                       p_ready, p_free, s_layout, o_layout)
-                        it += 1
-                        npm += 1
+                    o, m_i, l_i, it, npm = mla.softmax_tiles(it, npm, 0, end, first_masked, lim, kv_len, qk_scale,
+                                                             q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem,
+                                                             scale_smem, q_free, kv_ready, kv_empty, p_ready, p_free,
+                                                             s_layout, o_layout)
                     if end > 0:  # the loader's page check of this tile's keys (nq counted its Q load)
                         bits = bits | gl.where(mla.pages_ok(page_flags.index((nq - 1) % 2)), 0, BLOCK_TABLE)
                     if r0 == 0:
@@ -220,15 +213,8 @@ if HAVE_GLUON:
                 claim, row0, r0, q_len, kv_len, _, end = _receive_tile(i, tile_info, tile_ready, tile_free)
                 i += 1
                 if (claim < T) & (r0 < q_len * H):
-                    o = gl.zeros([mla._BM, 256], dtype=gl.float32, layout=o_layout)
-                    for n0 in range(0, end, mla._BN):
-                        o = mla.value_tile(o, it, npm, n0, kv_len, kv_ring, p_smem, scale_smem, kv_ready, kv_empty,
-                                           p_ready, p_free, o_layout)
-                        it += 1
-                        npm += 1
-                    # 1 / l from warpgroup 0: NaN for a request it found bad.
-                    inv_l = mla.value_finish(npm, scale_smem, p_ready, p_free, o_layout)
-                    npm += 1
+                    o, inv_l, it, npm = mla.value_tiles(it, npm, 0, end, kv_len, kv_ring, p_smem, scale_smem, kv_ready,
+                                                        kv_empty, p_ready, p_free, o_layout)
                     _store_rows(o, inv_l, inv_l, 256, out_ptr, lse_ptr, row0, r0, q_len * H, False, o_layout)
 
     @gluon.jit
