@@ -258,22 +258,7 @@ class MLABackend:
             return
         self._check_batch_tensors(batch)
         seq_cpu = None if batch.seq_lens_cpu is None else _host_lens(batch.seq_lens_cpu, "seq_lens_cpu", bs)
-        width = batch.block_table.shape[1]
-        if seq_cpu is not None:
-            # Host lengths bound the pages any request reads: narrower rows, less work for providers
-            # whose cost follows the table width (the reference pads every row to it). A device length
-            # beyond them reads as beyond the table: that request's rows are NaN.
-            self._check_capacity(seq_cpu, width)
-            width = max(1, -(-max(seq_cpu) // self.config.tokens_per_page))
-        # The backend reads device values back only when asked to (PAGEDMLA_VALIDATE=all), on every device:
-        # a step never synchronises otherwise, the kernels guard the values.
-        self._host_checks = errors.validate_mode() == "all"
-        if self._host_checks:
-            self._check_batch_values(batch, width)
-        # The backend owns the step's lengths and rows: the engine may update its tensors before the layers run.
-        block_table = torch.empty(bs, width, dtype=torch.int32, device=self.device)
-        seq_lens = torch.empty(bs, dtype=torch.int32, device=self.device)
-        select_requests(batch.block_table, batch.req_pool_indices, batch.seq_lens, block_table, seq_lens)
+        block_table, seq_lens = self._step_rows(batch, seq_cpu)
         verify_lens = None
         if mode == ForwardMode.TARGET_VERIFY and batch.extend_seq_lens_cpu is not None \
                 and len(batch.extend_seq_lens_cpu):
@@ -281,17 +266,7 @@ class MLABackend:
         # Counts of num_draft_tokens each are the uniform verify: the decode kernel runs it.
         ragged_verify = verify_lens is not None and any(e != self.config.num_draft_tokens for e in verify_lens)
         if mode.is_decode_like() and not ragged_verify:
-            q_len = self.q_len(mode)
-            if self._dcp is not None:
-                self.metadata = ForwardMetadata(mode=mode, bs=bs, form="absorbed", seq_lens=seq_lens,
-                                                block_table=block_table, q_len=q_len, num_tokens=bs * q_len,
-                                                max_q_len=q_len, dcp=self._dcp.plan_uniform(seq_lens, block_table,
-                                                                                            q_len))
-                return
-            md, ns = get_mla_metadata(seq_lens, q_len * self.heads, 1)
-            self.metadata = ForwardMetadata(mode=mode, bs=bs, form="absorbed", seq_lens=seq_lens,
-                                            block_table=block_table, q_len=q_len, tile_scheduler_metadata=md,
-                                            num_splits=ns, num_tokens=bs * q_len, max_q_len=q_len)
+            self.metadata = self._uniform_metadata(mode, seq_lens, block_table)
             return
         if seq_cpu is None:
             raise ValueError(f"seq_lens_cpu: required on the host for {mode.value} steps")
@@ -308,6 +283,55 @@ class MLABackend:
                 self._plan_dcp_ragged(meta)
             self.metadata = meta
             return
+        ext = self._ragged_query_lens(batch, seq_cpu, verify_lens if ragged_verify else None)
+        meta = ForwardMetadata(mode=mode, bs=bs, form="absorbed", seq_lens=seq_lens, block_table=block_table)
+        self._plan_varlen(meta, ext)
+        self._plan_dcp_ragged(meta)
+        self.metadata = meta
+
+    def _step_rows(self, batch: ForwardBatch, seq_cpu: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block table [bs, width] int32, lengths [bs] int32) of the step's requests, gathered by request slot
+        into tensors the backend owns (the engine may update its own before the layers run); width is the
+        table's, or with host lengths the pages the longest request reads."""
+        bs = batch.batch_size
+        width = batch.block_table.shape[1]
+        if seq_cpu is not None:
+            # Host lengths bound the pages any request reads: narrower rows, less work for providers
+            # whose cost follows the table width (the reference pads every row to it). A device length
+            # beyond them reads as beyond the table: that request's rows are NaN.
+            self._check_capacity(seq_cpu, width)
+            width = max(1, -(-max(seq_cpu) // self.config.tokens_per_page))
+        # The backend reads device values back only when asked to (PAGEDMLA_VALIDATE=all), on every device:
+        # a step never synchronises otherwise, the kernels guard the values.
+        self._host_checks = errors.validate_mode() == "all"
+        if self._host_checks:
+            self._check_batch_values(batch, width)
+        block_table = torch.empty(bs, width, dtype=torch.int32, device=self.device)
+        seq_lens = torch.empty(bs, dtype=torch.int32, device=self.device)
+        select_requests(batch.block_table, batch.req_pool_indices, batch.seq_lens, block_table, seq_lens)
+        return block_table, seq_lens
+
+    def _uniform_metadata(self, mode: ForwardMode, seq_lens: torch.Tensor,
+                          block_table: torch.Tensor) -> ForwardMetadata:
+        """The plan of a step whose requests all run q_len(mode) query tokens (decode, uniform verify, draft
+        decode): the split schedule, or the decode-context-parallel plan."""
+        bs = seq_lens.shape[0]
+        q_len = self.q_len(mode)
+        if self._dcp is not None:
+            return ForwardMetadata(mode=mode, bs=bs, form="absorbed", seq_lens=seq_lens, block_table=block_table,
+                                   q_len=q_len, num_tokens=bs * q_len, max_q_len=q_len,
+                                   dcp=self._dcp.plan_uniform(seq_lens, block_table, q_len))
+        md, ns = get_mla_metadata(seq_lens, q_len * self.heads, 1)
+        return ForwardMetadata(mode=mode, bs=bs, form="absorbed", seq_lens=seq_lens, block_table=block_table,
+                               q_len=q_len, tile_scheduler_metadata=md, num_splits=ns, num_tokens=bs * q_len,
+                               max_q_len=q_len)
+
+    def _ragged_query_lens(self, batch: ForwardBatch, seq_cpu: list[int],
+                           verify_lens: list[int] | None) -> list[int]:
+        """Query tokens per request of an absorbed step with per-request counts (checked against the host
+        lengths): a mixed batch's extends then decodes, a ragged verify's ``verify_lens``, a draft extend."""
+        mode = batch.forward_mode
+        bs = batch.batch_size
         if mode == ForwardMode.MIXED:
             n_ext = self._num_extends_override if self._num_extends_override is not None else batch.num_extends
             if not 0 <= n_ext <= bs:
@@ -316,7 +340,7 @@ class MLABackend:
             pre = _host_lens(batch.extend_prefix_lens_cpu, "extend_prefix_lens_cpu", n_ext) + \
                 [s - 1 for s in seq_cpu[n_ext:]]
             self._check_extend(seq_cpu, ext, pre)
-        elif ragged_verify:
+        elif verify_lens is not None:
             limit = self.q_len(mode)
             ext = verify_lens
             if not all(1 <= e <= limit for e in ext):
@@ -330,10 +354,7 @@ class MLABackend:
             self._check_extend(seq_cpu, ext, [s - e for s, e in zip(seq_cpu, ext)])
         else:
             raise ValueError(f"forward_mode: unsupported mode {mode!r}")
-        meta = ForwardMetadata(mode=mode, bs=bs, form="absorbed", seq_lens=seq_lens, block_table=block_table)
-        self._plan_varlen(meta, ext)
-        self._plan_dcp_ragged(meta)
-        self.metadata = meta
+        return ext
 
     def _plan_dcp_ragged(self, meta: ForwardMetadata) -> None:
         """Decode context parallelism: the per-row plan of an absorbed step with per-request query counts."""

@@ -60,6 +60,11 @@ class PrefillConfig:
         return config
 
 
+# Both portable prefill kernels' tiles under the interpreter: small enough that the tests' small shapes run
+# several tiles and the masked paths.
+INTERPRETER_TILES = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+
+
 @triton.jit
 def checked_page(page, num_pages):
     """(page id, or 0 where it lies outside 0 .. num_pages - 1; whether it did): page 0 is reserved, so a
