@@ -20,6 +20,7 @@ Public API
   dense_merge(v_a, s_a, v_b, s_b)                         combine two attention states
   make_paged_cache(seq_lens, page_size, D, dtype, ...)    random paged latent cache poisoned with NaN
   gather_rows(k_cache, block_table, seq_lens)             read a request's rows back through its pages
+  merge_inputs(g, T, H, D, dtype, lse_dtype, ...)         two random attention states with empty entries
   assert_attention_close(out, lse, ref_out, ref_lse, ...) the comparison every test uses
 """
 
@@ -248,6 +249,34 @@ def gather_rows(k_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: Sequ
         rows = [k_cache[table[b][pos // page_size], pos % page_size, 0] for pos in range(L)]
         out.append(_cpu64(torch.stack(rows)) if rows else torch.zeros(0, k_cache.shape[-1], dtype=F64))
     return out
+
+
+def merge_inputs(g: torch.Generator, T: int, H: int, D: int, dtype: torch.dtype, lse_dtype: torch.dtype, *,
+                 strided_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two random attention states (v_a [T, H, D], s_a [T, H], v_b, s_b) for merge_state.
+
+    Entries are, in random places: a empty, b empty, both empty (LSE -inf), far apart (one side dominates
+    completely) or ordinary; an empty state's values are garbage (large, inf or NaN: never-written memory)
+    that must not leak into the result. ``strided_lse`` makes s_a a transposed (non-contiguous) view.
+    """
+    v_a = torch.randn(T, H, D, generator=g, dtype=F64).to(dtype)
+    v_b = torch.randn(T, H, D, generator=g, dtype=F64).to(dtype)
+    s_a = torch.randn(H, T, generator=g, dtype=F64).T * 4
+    s_a = (s_a if strided_lse else s_a.contiguous()).to(lse_dtype)
+    s_b = (torch.randn(T, H, generator=g, dtype=F64) * 4).to(lse_dtype)
+    kind = (torch.randperm(T * H, generator=g) % 6).reshape(T, H)
+    s_a[kind == 0] = NEG_INF
+    s_b[kind == 1] = NEG_INF
+    s_a[kind == 2] = NEG_INF
+    s_b[kind == 2] = NEG_INF
+    s_a[kind == 3] += 70.0
+    s_b[kind == 4] += 70.0
+    for v, s in ((v_a, s_a), (v_b, s_b)):
+        junk = torch.randn(int((s == NEG_INF).sum()), D, generator=g, dtype=F64) * 1e3
+        junk[::3, 0] = float("nan")
+        junk[1::3, -1] = float("inf")
+        v[s == NEG_INF] = junk.to(dtype)
+    return v_a, s_a, v_b, s_b
 
 
 # ----------------------------------------------------------------------------------------------------
