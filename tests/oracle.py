@@ -10,7 +10,10 @@ Conventions (those of pagedmla.reference), mirrored exactly:
   * causal masking is bottom-right aligned: with ``n`` queries over ``L`` keys, query ``i`` is the
     token at position ``L - n + i`` and sees keys ``0 .. L - n + i`` (none when that is negative).
 
-All functions accept tensors on any device and compute (and return) float64 on the CPU.
+All functions accept tensors on any device and return float64 CPU tensors. They compute on the CPU, except that
+a large problem (``_LARGE`` score elements or more, such as FlashMLA's batch-128 test sizes) is computed in
+float64 on a CUDA device when one is present: IEEE float64 arithmetic there too, the same naive loop, and a
+machine of a few cores would otherwise spend minutes per case.
 
 Public API
   dense_absorbed(q, kv_rows, scale, causal, dv)           one request, absorbed MLA (single latent head)
@@ -49,9 +52,19 @@ def gen(*key) -> torch.Generator:
     return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
 
 
+_LARGE = 1 << 24
+
+
 def _cpu64(t: torch.Tensor) -> torch.Tensor:
-    """Any tensor (any device, any float dtype) as a float64 CPU tensor: the oracle always runs there."""
+    """Any tensor (any device, any float dtype) as a float64 CPU tensor."""
     return t.detach().to(device="cpu", dtype=F64)
+
+
+def _compute_device(score_elements: int) -> torch.device:
+    """Where a problem with this many score elements is computed (the module docstring's rule)."""
+    if score_elements >= _LARGE and torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")
 
 
 def _attend(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,9 +97,10 @@ def dense_absorbed(q: torch.Tensor, kv_rows: torch.Tensor, scale: float, causal:
     n, H, D = q.shape
     L = kv_rows.shape[0]
     assert kv_rows.dim() == 2 and kv_rows.shape[1] == D, (tuple(kv_rows.shape), D)
-    q64, kv64 = _cpu64(q), _cpu64(kv_rows)
-    out = torch.zeros(n, H, dv, dtype=F64)
-    lse = torch.full((n, H), NEG_INF, dtype=F64)
+    dev = _compute_device(n * H * L)
+    q64, kv64 = q.detach().to(dev, F64), kv_rows.detach().to(dev, F64)
+    out = torch.zeros(n, H, dv, dtype=F64, device=dev)
+    lse = torch.full((n, H), NEG_INF, dtype=F64, device=dev)
     for i in range(n):
         m = _visible(L, n, i, causal)
         if m == 0:
@@ -94,7 +108,7 @@ def dense_absorbed(q: torch.Tensor, kv_rows: torch.Tensor, scale: float, causal:
         keys = kv64[:m]
         scores = (q64[i] @ keys.T) * scale  # [H, m]
         out[i], lse[i] = _attend(scores, keys[:, :dv])
-    return out, lse
+    return out.cpu(), lse.cpu()
 
 
 def dense_paged(q: torch.Tensor, qo_indptr: Sequence[int], rows: Sequence[torch.Tensor], scale: float,
@@ -121,18 +135,20 @@ def dense_mha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, c
     n, H, _ = q.shape
     L, Hk, _ = k.shape
     assert H % Hk == 0
-    kv_head = torch.arange(H) // (H // Hk)
-    k64 = _cpu64(k)[:, kv_head].transpose(0, 1)  # [H, L, Dqk]
-    v64 = _cpu64(v)[:, kv_head].transpose(0, 1)  # [H, L, Dv]
-    out = torch.zeros(n, H, v.shape[2], dtype=F64)
-    lse = torch.full((n, H), NEG_INF, dtype=F64)
+    dev = _compute_device(n * H * L)
+    kv_head = torch.arange(H, device=dev) // (H // Hk)
+    k64 = k.detach().to(dev, F64)[:, kv_head].transpose(0, 1)  # [H, L, Dqk]
+    v64 = v.detach().to(dev, F64)[:, kv_head].transpose(0, 1)  # [H, L, Dv]
+    q64 = q.detach().to(dev, F64)
+    out = torch.zeros(n, H, v.shape[2], dtype=F64, device=dev)
+    lse = torch.full((n, H), NEG_INF, dtype=F64, device=dev)
     for i in range(n):
         m = _visible(L, n, i, causal)
         if m == 0:
             continue
-        scores = torch.einsum("hd,hmd->hm", _cpu64(q[i]), k64[:, :m]) * scale
+        scores = torch.einsum("hd,hmd->hm", q64[i], k64[:, :m]) * scale
         out[i], lse[i] = _attend(scores, v64[:, :m])
-    return out, lse
+    return out.cpu(), lse.cpu()
 
 
 def dense_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Sequence[int], cu_k: Sequence[int],
@@ -223,11 +239,14 @@ def make_paged_cache(seq_lens: Sequence[int], page_size: int, D: int, dtype: tor
 
     k_cache = torch.full((num_pages, page_size, 1, D), float("nan"), dtype=dtype)
     rows, block_table = [], torch.zeros(len(lens), width, dtype=torch.int32)
+    slots_of = k_cache.view(-1, D)
     for b, (L, pages) in enumerate(zip(lens, owned)):
         data = (torch.randn(L, D, generator=generator, dtype=F64) * scale).to(dtype)
-        for j, page in enumerate(pages):
-            chunk = data[j * page_size:(j + 1) * page_size]
-            k_cache[page, : chunk.shape[0], 0] = chunk
+        if L:
+            # Token t of the request sits at slot pages[t // page_size] * page_size + t % page_size (one scatter:
+            # a copy per page costs seconds on FlashMLA's batch-128 test sizes).
+            t = torch.arange(L)
+            slots_of[torch.tensor(pages)[t // page_size] * page_size + t % page_size] = data
         rows.append(data.to(F64))
         fill = torch.randint(0, len(poison), (width,), generator=generator)
         block_table[b] = torch.tensor([poison[i] for i in fill.tolist()], dtype=torch.int32)
