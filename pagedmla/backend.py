@@ -52,6 +52,7 @@ from pagedmla.config import MLAConfig
 from pagedmla.context_parallel import ContextParallel, DCPAttention
 from pagedmla.device import to_device
 from pagedmla.ops import library
+from pagedmla.ops.attention import merge_state
 from pagedmla.ops.providers import available_providers, resolve
 from pagedmla.ops.schedule import get_mla_metadata, num_sm_parts_for, schedule_into
 from pagedmla.parallel import Group
@@ -257,22 +258,7 @@ class MLABackend:
             return
         self._check_batch_tensors(batch)
         seq_cpu = None if batch.seq_lens_cpu is None else _host_lens(batch.seq_lens_cpu, "seq_lens_cpu", bs)
-        width = batch.block_table.shape[1]
-        if seq_cpu is not None:
-            # Host lengths bound the pages any request reads: narrower rows, less work for providers
-            # whose cost follows the table width (the reference pads every row to it). A device length
-            # beyond them reads as beyond the table: that request's rows are NaN.
-            self._check_capacity(seq_cpu, width)
-            width = max(1, -(-max(seq_cpu) // self.config.tokens_per_page))
-        # The backend reads device values back only when asked to (PAGEDMLA_VALIDATE=all), on every device:
-        # a step never synchronises otherwise, the kernels guard the values.
-        self._host_checks = errors.validate_mode() == "all"
-        if self._host_checks:
-            self._check_batch_values(batch, width)
-        # The backend owns the step's lengths and rows: the engine may update its tensors before the layers run.
-        block_table = torch.empty(bs, width, dtype=torch.int32, device=self.device)
-        seq_lens = torch.empty(bs, dtype=torch.int32, device=self.device)
-        select_requests(batch.block_table, batch.req_pool_indices, batch.seq_lens, block_table, seq_lens)
+        block_table, seq_lens = self._step_rows(batch, seq_cpu)
         verify_lens = None
         if mode == ForwardMode.TARGET_VERIFY and batch.extend_seq_lens_cpu is not None \
                 and len(batch.extend_seq_lens_cpu):
@@ -280,17 +266,7 @@ class MLABackend:
         # Counts of num_draft_tokens each are the uniform verify: the decode kernel runs it.
         ragged_verify = verify_lens is not None and any(e != self.config.num_draft_tokens for e in verify_lens)
         if mode.is_decode_like() and not ragged_verify:
-            q_len = self.q_len(mode)
-            if self._dcp is not None:
-                self.metadata = ForwardMetadata(mode=mode, bs=bs, form="absorbed", seq_lens=seq_lens,
-                                                block_table=block_table, q_len=q_len, num_tokens=bs * q_len,
-                                                max_q_len=q_len, dcp=self._dcp.plan_uniform(seq_lens, block_table,
-                                                                                            q_len))
-                return
-            md, ns = get_mla_metadata(seq_lens, q_len * self.heads, 1)
-            self.metadata = ForwardMetadata(mode=mode, bs=bs, form="absorbed", seq_lens=seq_lens,
-                                            block_table=block_table, q_len=q_len, tile_scheduler_metadata=md,
-                                            num_splits=ns, num_tokens=bs * q_len, max_q_len=q_len)
+            self.metadata = self._uniform_metadata(mode, seq_lens, block_table)
             return
         if seq_cpu is None:
             raise ValueError(f"seq_lens_cpu: required on the host for {mode.value} steps")
@@ -307,6 +283,55 @@ class MLABackend:
                 self._plan_dcp_ragged(meta)
             self.metadata = meta
             return
+        ext = self._ragged_query_lens(batch, seq_cpu, verify_lens if ragged_verify else None)
+        meta = ForwardMetadata(mode=mode, bs=bs, form="absorbed", seq_lens=seq_lens, block_table=block_table)
+        self._plan_varlen(meta, ext)
+        self._plan_dcp_ragged(meta)
+        self.metadata = meta
+
+    def _step_rows(self, batch: ForwardBatch, seq_cpu: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block table [bs, width] int32, lengths [bs] int32) of the step's requests, gathered by request slot
+        into tensors the backend owns (the engine may update its own before the layers run); width is the
+        table's, or with host lengths the pages the longest request reads."""
+        bs = batch.batch_size
+        width = batch.block_table.shape[1]
+        if seq_cpu is not None:
+            # Host lengths bound the pages any request reads: narrower rows, less work for providers
+            # whose cost follows the table width (the reference pads every row to it). A device length
+            # beyond them reads as beyond the table: that request's rows are NaN.
+            self._check_capacity(seq_cpu, width)
+            width = max(1, -(-max(seq_cpu) // self.config.tokens_per_page))
+        # The backend reads device values back only when asked to (PAGEDMLA_VALIDATE=all), on every device:
+        # a step never synchronises otherwise, the kernels guard the values.
+        self._host_checks = errors.validate_mode() == "all"
+        if self._host_checks:
+            self._check_batch_values(batch, width)
+        block_table = torch.empty(bs, width, dtype=torch.int32, device=self.device)
+        seq_lens = torch.empty(bs, dtype=torch.int32, device=self.device)
+        select_requests(batch.block_table, batch.req_pool_indices, batch.seq_lens, block_table, seq_lens)
+        return block_table, seq_lens
+
+    def _uniform_metadata(self, mode: ForwardMode, seq_lens: torch.Tensor,
+                          block_table: torch.Tensor) -> ForwardMetadata:
+        """The plan of a step whose requests all run q_len(mode) query tokens (decode, uniform verify, draft
+        decode): the split schedule, or the decode-context-parallel plan."""
+        bs = seq_lens.shape[0]
+        q_len = self.q_len(mode)
+        if self._dcp is not None:
+            return ForwardMetadata(mode=mode, bs=bs, form="absorbed", seq_lens=seq_lens, block_table=block_table,
+                                   q_len=q_len, num_tokens=bs * q_len, max_q_len=q_len,
+                                   dcp=self._dcp.plan_uniform(seq_lens, block_table, q_len))
+        md, ns = get_mla_metadata(seq_lens, q_len * self.heads, 1)
+        return ForwardMetadata(mode=mode, bs=bs, form="absorbed", seq_lens=seq_lens, block_table=block_table,
+                               q_len=q_len, tile_scheduler_metadata=md, num_splits=ns, num_tokens=bs * q_len,
+                               max_q_len=q_len)
+
+    def _ragged_query_lens(self, batch: ForwardBatch, seq_cpu: list[int],
+                           verify_lens: list[int] | None) -> list[int]:
+        """Query tokens per request of an absorbed step with per-request counts (checked against the host
+        lengths): a mixed batch's extends then decodes, a ragged verify's ``verify_lens``, a draft extend."""
+        mode = batch.forward_mode
+        bs = batch.batch_size
         if mode == ForwardMode.MIXED:
             n_ext = self._num_extends_override if self._num_extends_override is not None else batch.num_extends
             if not 0 <= n_ext <= bs:
@@ -315,7 +340,7 @@ class MLABackend:
             pre = _host_lens(batch.extend_prefix_lens_cpu, "extend_prefix_lens_cpu", n_ext) + \
                 [s - 1 for s in seq_cpu[n_ext:]]
             self._check_extend(seq_cpu, ext, pre)
-        elif ragged_verify:
+        elif verify_lens is not None:
             limit = self.q_len(mode)
             ext = verify_lens
             if not all(1 <= e <= limit for e in ext):
@@ -329,10 +354,7 @@ class MLABackend:
             self._check_extend(seq_cpu, ext, [s - e for s, e in zip(seq_cpu, ext)])
         else:
             raise ValueError(f"forward_mode: unsupported mode {mode!r}")
-        meta = ForwardMetadata(mode=mode, bs=bs, form="absorbed", seq_lens=seq_lens, block_table=block_table)
-        self._plan_varlen(meta, ext)
-        self._plan_dcp_ragged(meta)
-        self.metadata = meta
+        return ext
 
     def _plan_dcp_ragged(self, meta: ForwardMetadata) -> None:
         """Decode context parallelism: the per-row plan of an absorbed step with per-request query counts."""
@@ -521,8 +543,7 @@ class MLABackend:
         are the latent rows' first 512 columns). Returns [T, H * 512].
         """
         if torch.compiler.is_dynamo_compiling():
-            return library.backend_forward_decode(self, q, k, v, layer, out_cache_loc, cache, bs,
-                                                  save_kv_cache=save_kv_cache)
+            return self._traced_decode(q, k, v, layer, out_cache_loc, cache, bs, save_kv_cache)
         meta = self._meta()
         if meta.bs == 0:
             return q.new_empty(0, self.heads * self.v_dim)
@@ -556,9 +577,7 @@ class MLABackend:
         (k [n, H, 192], v [n, H, 128])`` for the prefix chunks. Returns [T, H * 128].
         """
         if torch.compiler.is_dynamo_compiling():
-            return library.backend_forward_extend(self, q, k, v, layer, out_cache_loc, cache,
-                                                  save_kv_cache=save_kv_cache, latent=latent,
-                                                  kv_decompress=kv_decompress)
+            return self._traced_extend(q, k, v, layer, out_cache_loc, cache, save_kv_cache, latent, kv_decompress)
         meta = self._meta()
         if meta.bs == 0:
             # IDLE and empty batches are planned in the absorbed form: no tokens, no cache writes.
@@ -615,6 +634,75 @@ class MLABackend:
         """
         return self._varlen_impl(q, k, v, cum_seq_lens_q, cum_seq_lens_kv, max_q_len, max_kv_len, scaling,
                                  causal, out)
+
+    # ------------------------------------------------------------------ traced forms (torch.compile)
+    # One planned step expressed with the pagedmla:: custom ops (ops/library.py), for Dynamo: the eager paths
+    # above call the kernels through the memoised entry points, which Dynamo cannot trace.
+    def _traced_meta(self, cache: MLAKVCache) -> ForwardMetadata:
+        """The planned step, for a traced forward over ``cache`` (NotImplementedError for what tracing lacks)."""
+        meta = self._meta()
+        if meta.dcp is not None:
+            raise NotImplementedError("torch.compile: decode context parallelism (MLAConfig.dcp_size > 1) runs "
+                                      "eagerly or as CUDA graphs, not traced")
+        if cache.kv_format is not None:
+            raise NotImplementedError(f"torch.compile: FP8 caches ({cache.kv_format}) run eagerly or as CUDA graphs, "
+                                      "not traced")
+        return meta
+
+    def _traced_provider(self, op: str) -> str | None:
+        return self.provider if self.provider in available_providers(op) else None
+
+    def _traced_save(self, rows: torch.Tensor, layer, out_cache_loc, cache: MLAKVCache, save_kv_cache: bool) -> None:
+        # The backend's own slots, unchecked as in MLAKVCache.write(validate=False).
+        if save_kv_cache:
+            library.cache_write(cache.layer(_layer_id(layer)), out_cache_loc, rows.reshape(rows.shape[0], -1))
+
+    def _traced_decode(self, q, k, v, layer, out_cache_loc, cache: MLAKVCache, bs: int, save_kv_cache: bool):
+        """``forward_decode`` while Dynamo traces (DECODE / TARGET_VERIFY; DRAFT_EXTEND and a ragged verify go
+        through ``_traced_extend``, the varlen kernel)."""
+        meta = self._traced_meta(cache)
+        if meta.bs == 0:
+            return q.new_empty(0, self.heads * self.v_dim)
+        if meta.mode == ForwardMode.DRAFT_EXTEND or not meta.uniform:
+            return self._traced_extend(q, k, v, layer, out_cache_loc, cache, save_kv_cache, None, None)
+        self._traced_save(k, layer, out_cache_loc, cache, save_kv_cache)
+        out, _ = library.flash_mla_with_kvcache(q.view(bs, meta.q_len, self.heads, self.kv_dim),
+                                                cache.paged_view(_layer_id(layer)), meta.block_table, meta.seq_lens,
+                                                self.v_dim, meta.tile_scheduler_metadata, meta.num_splits, self.scale,
+                                                True, self.provider)
+        return out.reshape(meta.num_tokens, self.heads * self.v_dim)
+
+    def _traced_extend(self, q, k, v, layer, out_cache_loc, cache: MLAKVCache, save_kv_cache: bool,
+                       latent: torch.Tensor | None, kv_decompress):
+        """``forward_extend`` while Dynamo traces (absorbed, MHA and chunked-prefix forms)."""
+        meta = self._traced_meta(cache)
+        if meta.bs == 0:
+            return q.new_empty(0, self.heads * self.v_dim)
+        lid = _layer_id(layer)
+        if meta.form == "absorbed":
+            self._traced_save(k, layer, out_cache_loc, cache, save_kv_cache)
+            out, _ = library.flash_mla_varlen_with_kvcache(q, cache.paged_view(lid), meta.block_table, meta.seq_lens,
+                                                           meta.qo_indptr, self.v_dim, self.scale, True,
+                                                           meta.max_q_len, self._traced_provider("paged_varlen"))
+            return out.reshape(meta.num_tokens, self.heads * self.v_dim)
+        if save_kv_cache and latent is None:
+            raise ValueError("latent: the MHA forms need the latent rows to store")
+        self._traced_save(latent, layer, out_cache_loc, cache, save_kv_cache)
+        varlen_provider = self._traced_provider("varlen")
+        out, lse_ht = library.varlen_attention(q, k, v, meta.qo_indptr, meta.qo_indptr, meta.max_q_len,
+                                               meta.max_q_len, self.scale, True, varlen_provider)
+        lse = lse_ht.transpose(0, 1)
+        if meta.form == "chunked":
+            if kv_decompress is None:
+                raise ValueError("kv_decompress: the chunked-prefix form needs it to expand prefix rows")
+            merge_provider = self._traced_provider("merge")
+            for chunk in meta.prefix_chunks:
+                rows = cache.layer(lid).view(-1, self.kv_dim).index_select(0, chunk.slots)
+                kc, vc = kv_decompress(rows)
+                o2, l2 = library.varlen_attention(q, kc, vc, meta.qo_indptr, chunk.cu_seqlens, meta.max_q_len,
+                                                  chunk.max_len, self.scale, False, varlen_provider)
+                out, lse = merge_state(out, lse, o2, l2.transpose(0, 1), provider=merge_provider)
+        return out.reshape(meta.num_tokens, -1)
 
     # ------------------------------------------------------------------ CUDA graphs
     def get_cuda_graph_seq_len_fill_value(self) -> int:

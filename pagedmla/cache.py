@@ -1,6 +1,6 @@
 """Paged latent KV cache: page allocator, request block tables, per-layer latent buffers.
 
-Layout (DESIGN §2): each layer's buffer is ``[num_pages * page_size, 1, width]``; token slot
+Layout: each layer's buffer is ``[num_pages * page_size, 1, width]``; token slot
 ``page_id * page_size + offset``. Page 0 is reserved: it is never handed out, and padded tokens (CUDA
 graph padding, idle rows) write there, so it may hold garbage but never a live request's data.
 

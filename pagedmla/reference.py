@@ -2,7 +2,7 @@
 
 These functions are the `torch` provider and the yardstick every kernel is tested against. The paged
 one is written with static shapes only (no host synchronisation), so it also runs inside a captured
-CUDA graph. Conventions (DESIGN §2): LSE is the natural log of the softmax denominator (scaled scores);
+CUDA graph. Conventions: LSE is the natural log of the softmax denominator (scaled scores);
 a query row that sees no key returns output 0 and LSE -inf; causal masks are bottom-right aligned; a NaN
 score makes its row's output and LSE NaN. Bad index values get the kernels' defined results
 (``pagedmla.errors``): nothing is read outside the tensors, and the requests they belong to get NaN rows
@@ -19,7 +19,8 @@ from pagedmla.kv_format import dequantize_latent
 _SCORE_BUDGET = 1 << 26
 
 
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+def lse_dtype(t: torch.Tensor) -> torch.dtype:
+    """The compute and LSE dtype for inputs of ``t``'s dtype: float64 for float64, else float32."""
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
@@ -70,7 +71,7 @@ def paged_mla_attention(
     block_table: int [bs, max_pages]; seq_lens: int [bs], KV length including this step's tokens;
     qo_indptr: int [bs + 1]. Returns out [T, H, head_dim_v] and lse [T, H] in the compute dtype.
     """
-    cdt = _compute_dtype(q)
+    cdt = lse_dtype(q)
     T, H, D = q.shape
     bs, max_pages = block_table.shape
     dev = q.device
@@ -153,7 +154,7 @@ def varlen_attention(
     of the rows makes every row NaN; a sequence whose key range lies outside k, or longer than
     ``max_seqlen_q`` when given, gets NaN rows.
     """
-    cdt = _compute_dtype(q)
+    cdt = lse_dtype(q)
     Tq, H, _ = q.shape
     Hk, Dv = k.shape[1], v.shape[2]
     group = H // Hk
@@ -197,7 +198,7 @@ def merge_state(
     NaN value in a non-empty state, is corruption and never read as empty: that row's output (and, for a
     NaN LSE, its LSE) is NaN. Returns (v, s) in float32 (float64 for float64 inputs).
     """
-    cdt = _compute_dtype(v_a)
+    cdt = lse_dtype(v_a)
     s_a = _empty_as_neg_inf(s_a.to(cdt))
     s_b = _empty_as_neg_inf(s_b.to(cdt))
     m = torch.maximum(s_a, s_b)  # NaN if either is NaN

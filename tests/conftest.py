@@ -1,4 +1,5 @@
-"""Test setup: on machines without CUDA, Triton kernels run under the interpreter (set before import)."""
+"""Test setup: on machines without CUDA, Triton kernels run under the interpreter (set before import); the
+trained MTP checkpoint that several test files serve."""
 
 import os
 
@@ -19,3 +20,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def mtp_checkpoint(tmp_path_factory):
+    """A directory holding the tiny model with a trained MTP layer (``trained_tiny.write_trained_mtp_checkpoint``),
+    trained once per test process: the test files that serve it share the training's minute on a CPU."""
+    from trained_tiny import write_trained_mtp_checkpoint
+
+    directory = tmp_path_factory.mktemp("mtp")
+    figures = write_trained_mtp_checkpoint(directory)
+    print(f"trained MTP checkpoint: {figures}")
+    return directory

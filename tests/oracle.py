@@ -4,13 +4,16 @@ Nothing here imports ``pagedmla``: the functions are deliberately naive (a Pytho
 explicit max / exp / sum softmax in float64) so that they share no code and no vectorisation trick with
 ``pagedmla.reference`` or the kernels they judge.
 
-Conventions (DESIGN §2), mirrored exactly:
+Conventions (those of pagedmla.reference), mirrored exactly:
   * LSE is the natural log of the softmax denominator over *scaled* scores;
   * a query row that sees no key has output 0 and LSE ``-inf``;
   * causal masking is bottom-right aligned: with ``n`` queries over ``L`` keys, query ``i`` is the
     token at position ``L - n + i`` and sees keys ``0 .. L - n + i`` (none when that is negative).
 
-All functions accept tensors on any device and compute (and return) float64 on the CPU.
+All functions accept tensors on any device and return float64 CPU tensors. They compute on the CPU, except that
+a large problem (``_LARGE`` score elements or more, such as FlashMLA's batch-128 test sizes) is computed in
+float64 on a CUDA device when one is present: IEEE float64 arithmetic there too, the same naive loop, and a
+machine of a few cores would otherwise spend minutes per case.
 
 Public API
   dense_absorbed(q, kv_rows, scale, causal, dv)           one request, absorbed MLA (single latent head)
@@ -23,6 +26,7 @@ Public API
   decode_e4m3(codes)                                      float8_e4m3fn bit patterns to float64, by hand
   decode_fp8_rows(stored, kv_format, k_scale)             stored FP8 cache rows to float64, by hand
   gather_rows(k_cache, block_table, seq_lens)             read a request's rows back through its pages
+  merge_inputs(g, T, H, D, dtype, lse_dtype, ...)         two random attention states with empty entries
   assert_attention_close(out, lse, ref_out, ref_lse, ...) the comparison every test uses
   cos_diff(actual, expected)                              FlashMLA's cosine difference (FP8 acceptance)
 """
@@ -52,9 +56,19 @@ def gen(*key) -> torch.Generator:
     return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
 
 
+_LARGE = 1 << 24
+
+
 def _cpu64(t: torch.Tensor) -> torch.Tensor:
-    """Any tensor (any device, any float dtype) as a float64 CPU tensor: the oracle always runs there."""
+    """Any tensor (any device, any float dtype) as a float64 CPU tensor."""
     return t.detach().to(device="cpu", dtype=F64)
+
+
+def _compute_device(score_elements: int) -> torch.device:
+    """Where a problem with this many score elements is computed (the module docstring's rule)."""
+    if score_elements >= _LARGE and torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")
 
 
 def _attend(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,9 +101,10 @@ def dense_absorbed(q: torch.Tensor, kv_rows: torch.Tensor, scale: float, causal:
     n, H, D = q.shape
     L = kv_rows.shape[0]
     assert kv_rows.dim() == 2 and kv_rows.shape[1] == D, (tuple(kv_rows.shape), D)
-    q64, kv64 = _cpu64(q), _cpu64(kv_rows)
-    out = torch.zeros(n, H, dv, dtype=F64)
-    lse = torch.full((n, H), NEG_INF, dtype=F64)
+    dev = _compute_device(n * H * L)
+    q64, kv64 = q.detach().to(dev, F64), kv_rows.detach().to(dev, F64)
+    out = torch.zeros(n, H, dv, dtype=F64, device=dev)
+    lse = torch.full((n, H), NEG_INF, dtype=F64, device=dev)
     for i in range(n):
         m = _visible(L, n, i, causal)
         if m == 0:
@@ -97,7 +112,7 @@ def dense_absorbed(q: torch.Tensor, kv_rows: torch.Tensor, scale: float, causal:
         keys = kv64[:m]
         scores = (q64[i] @ keys.T) * scale  # [H, m]
         out[i], lse[i] = _attend(scores, keys[:, :dv])
-    return out, lse
+    return out.cpu(), lse.cpu()
 
 
 def dense_paged(q: torch.Tensor, qo_indptr: Sequence[int], rows: Sequence[torch.Tensor], scale: float,
@@ -124,18 +139,20 @@ def dense_mha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, c
     n, H, _ = q.shape
     L, Hk, _ = k.shape
     assert H % Hk == 0
-    kv_head = torch.arange(H) // (H // Hk)
-    k64 = _cpu64(k)[:, kv_head].transpose(0, 1)  # [H, L, Dqk]
-    v64 = _cpu64(v)[:, kv_head].transpose(0, 1)  # [H, L, Dv]
-    out = torch.zeros(n, H, v.shape[2], dtype=F64)
-    lse = torch.full((n, H), NEG_INF, dtype=F64)
+    dev = _compute_device(n * H * L)
+    kv_head = torch.arange(H, device=dev) // (H // Hk)
+    k64 = k.detach().to(dev, F64)[:, kv_head].transpose(0, 1)  # [H, L, Dqk]
+    v64 = v.detach().to(dev, F64)[:, kv_head].transpose(0, 1)  # [H, L, Dv]
+    q64 = q.detach().to(dev, F64)
+    out = torch.zeros(n, H, v.shape[2], dtype=F64, device=dev)
+    lse = torch.full((n, H), NEG_INF, dtype=F64, device=dev)
     for i in range(n):
         m = _visible(L, n, i, causal)
         if m == 0:
             continue
-        scores = torch.einsum("hd,hmd->hm", _cpu64(q[i]), k64[:, :m]) * scale
+        scores = torch.einsum("hd,hmd->hm", q64[i], k64[:, :m]) * scale
         out[i], lse[i] = _attend(scores, v64[:, :m])
-    return out, lse
+    return out.cpu(), lse.cpu()
 
 
 def dense_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Sequence[int], cu_k: Sequence[int],
@@ -269,12 +286,15 @@ def make_paged_cache(seq_lens: Sequence[int], page_size: int, D: int, dtype: tor
         k_cache = torch.empty((num_pages, page_size, 1, probe.shape[-1]), dtype=probe.dtype)
         k_cache.view(torch.uint8).fill_(0xFF)
     rows, block_table = [], torch.zeros(len(lens), width, dtype=torch.int32)
+    slots_of = k_cache.view(-1, k_cache.shape[-1])
     for b, (L, pages) in enumerate(zip(lens, owned)):
         values = torch.randn(L, D, generator=generator, dtype=F64) * scale
         data = values.to(dtype) if kv_format is None else encode(values)
-        for j, page in enumerate(pages):
-            chunk = data[j * page_size:(j + 1) * page_size]
-            k_cache[page, : chunk.shape[0], 0] = chunk
+        if L:
+            # Token t of the request sits at slot pages[t // page_size] * page_size + t % page_size (one scatter:
+            # a copy per page costs seconds on FlashMLA's batch-128 test sizes).
+            t = torch.arange(L)
+            slots_of[torch.tensor(pages)[t // page_size] * page_size + t % page_size] = data
         rows.append(data.to(F64) if kv_format is None else decode_fp8_rows(data, kv_format, k_scale))
         fill = torch.randint(0, len(poison), (width,), generator=generator)
         block_table[b] = torch.tensor([poison[i] for i in fill.tolist()], dtype=torch.int32)
@@ -296,6 +316,34 @@ def gather_rows(k_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: Sequ
         rows = [k_cache[table[b][pos // page_size], pos % page_size, 0] for pos in range(L)]
         out.append(_cpu64(torch.stack(rows)) if rows else torch.zeros(0, k_cache.shape[-1], dtype=F64))
     return out
+
+
+def merge_inputs(g: torch.Generator, T: int, H: int, D: int, dtype: torch.dtype, lse_dtype: torch.dtype, *,
+                 strided_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two random attention states (v_a [T, H, D], s_a [T, H], v_b, s_b) for merge_state.
+
+    Entries are, in random places: a empty, b empty, both empty (LSE -inf), far apart (one side dominates
+    completely) or ordinary; an empty state's values are garbage (large, inf or NaN: never-written memory)
+    that must not leak into the result. ``strided_lse`` makes s_a a transposed (non-contiguous) view.
+    """
+    v_a = torch.randn(T, H, D, generator=g, dtype=F64).to(dtype)
+    v_b = torch.randn(T, H, D, generator=g, dtype=F64).to(dtype)
+    s_a = torch.randn(H, T, generator=g, dtype=F64).T * 4
+    s_a = (s_a if strided_lse else s_a.contiguous()).to(lse_dtype)
+    s_b = (torch.randn(T, H, generator=g, dtype=F64) * 4).to(lse_dtype)
+    kind = (torch.randperm(T * H, generator=g) % 6).reshape(T, H)
+    s_a[kind == 0] = NEG_INF
+    s_b[kind == 1] = NEG_INF
+    s_a[kind == 2] = NEG_INF
+    s_b[kind == 2] = NEG_INF
+    s_a[kind == 3] += 70.0
+    s_b[kind == 4] += 70.0
+    for v, s in ((v_a, s_a), (v_b, s_b)):
+        junk = torch.randn(int((s == NEG_INF).sum()), D, generator=g, dtype=F64) * 1e3
+        junk[::3, 0] = float("nan")
+        junk[1::3, -1] = float("inf")
+        v[s == NEG_INF] = junk.to(dtype)
+    return v_a, s_a, v_b, s_b
 
 
 # ----------------------------------------------------------------------------------------------------

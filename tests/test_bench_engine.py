@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
+from benchmark_script import load
 
 pytest.importorskip("transformers")
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_engine.py"
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_engine", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("bench_engine")
 
 
 def test_tiny_preset_runs_on_cpu_and_matches_transformers(capsys):

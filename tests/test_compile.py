@@ -120,14 +120,18 @@ def test_backend_block_compiles_fullgraph_and_matches_eager(device, dtype, provi
 
 def test_eager_calls_do_not_enter_the_dispatcher(monkeypatch):
     """Outside tracing the public ops never call the custom ops (their dispatch costs microseconds)."""
-    from pagedmla.ops import library
+    from pagedmla.backend import MLABackend
+    from pagedmla.ops import attention
 
     def boom(*args, **kwargs):
         raise AssertionError("custom op reached from an eager call")
 
-    for name in ("flash_mla_with_kvcache", "flash_mla_varlen_with_kvcache", "flash_attn_varlen_func",
-                 "merge_state", "get_mla_metadata", "backend_forward_decode", "backend_forward_extend"):
-        monkeypatch.setattr(library, name, boom)
+    for name in ("flash_mla_with_kvcache", "flash_mla_varlen_with_kvcache", "varlen_attention",
+                 "varlen_attention_out", "merge_state_out", "get_mla_metadata", "cache_write"):
+        monkeypatch.setattr(torch.ops.pagedmla, name, boom)
+    for owner, name in ((attention, "_traced_varlen"), (attention, "_traced_merge"), (MLABackend, "_traced_decode"),
+                        (MLABackend, "_traced_extend")):
+        monkeypatch.setattr(owner, name, boom)
     g = torch.Generator().manual_seed(8)
     q = torch.randn(1, 1, 2, D, generator=g)
     lens = torch.tensor([3], dtype=torch.int32)

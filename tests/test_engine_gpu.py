@@ -128,3 +128,32 @@ def test_trained_tiny_model_greedy_tokens_identical_across_providers(tmp_path):
     print(f"trained tiny model (accuracy {accuracy:.3f}): {right}/{len(prompts) * NEW_TOKENS} generated tokens "
           "continue the pattern; torch, triton and triton + CUDA graphs identical")
     assert right >= 0.9 * len(prompts) * NEW_TOKENS, streams[("torch", False)]
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_engine_step_forwards_do_not_synchronise(graphs):
+    """Every step's forward (its host-built indices reaching the device, the backend's planning, the model,
+    the graph replay) runs inside ``torch.cuda.set_sync_debug_mode("error")``: only the read-back of the
+    sampled tokens after it waits for the device. Chunked prefill (16 tokens a step), MIXED steps, prefix-cache
+    hits (the second burst shares the first's prompts' pages) and shrinking decode batches."""
+    model = load_model("tiny", device="cuda", dtype=torch.bfloat16)
+    llm = LLM(model, page_size=16, max_batch_size=4, max_context_len=512, provider="triton",
+              max_num_batched_tokens=16, mixed_batching=True, enable_prefix_caching=True,
+              enable_cuda_graph=graphs)
+    run, modes = llm.runner.run, []
+
+    def checked(seqs, mode, num_extends, **kwargs):
+        modes.append(mode)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return run(seqs, mode, num_extends, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    llm.runner.run = checked
+    prompts = _prompts()[:4]
+    for _ in range(2):
+        outs = llm.generate(prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 9, 5, 12)])
+        assert [len(o.token_ids) for o in outs] == [3, 9, 5, 12]
+    assert {m.value for m in modes} >= {"extend", "decode", "mixed"}, {m.value for m in modes}
+    assert llm.stats.prefix_cache_hits > 0

@@ -11,7 +11,7 @@ import pytest
 import torch
 from graph_standin import ReRunGraph
 from safetensors.torch import load_file, save_file
-from trained_tiny import chain_prompt, hf_mtp_forward, hf_mtp_layer, successor_map, write_trained_mtp_checkpoint
+from trained_tiny import chain_prompt, hf_mtp_forward, hf_mtp_layer, successor_map
 
 from pagedmla.backend import ForwardBatch, ForwardMode
 from pagedmla.engine import LLM, SamplingParams
@@ -19,14 +19,6 @@ from pagedmla.engine.mtp_drafter import MTPDrafter
 from pagedmla.model import CheckpointError, load_model, load_mtp
 from pagedmla.model.context import StepContext
 from pagedmla.model.mtp import DeepseekMTP
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("mtp")
-    figures = write_trained_mtp_checkpoint(directory)
-    print(f"trained MTP checkpoint: {figures}")
-    return directory
 
 
 def _prompts(n: int = 6, seed: int = 3) -> list[list[int]]:
@@ -95,18 +87,18 @@ def _poison_unaccepted_rows(llm: LLM) -> int:
 
 
 @pytest.fixture(scope="module")
-def plain(checkpoint):
-    llm = _llm(checkpoint)
+def plain(mtp_checkpoint):
+    llm = _llm(mtp_checkpoint)
     out, _ = _run(llm)
     assert llm.stats.preemptions > 0 and llm.stats.cached_prefix_tokens > 0
     return out
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
-def test_mtp_greedy_equals_plain_decoding(checkpoint, plain, k):
+def test_mtp_greedy_equals_plain_decoding(mtp_checkpoint, plain, k):
     """Chunked prefill, prefix caching and preemption on; the audit poisons every unaccepted row after each
     step, so a step that read a rejected draft's row (in either cache) would produce NaN logits and fail."""
-    llm = _llm(checkpoint, k)
+    llm = _llm(mtp_checkpoint, k)
     assert isinstance(llm.drafter, MTPDrafter) and llm.drafter.k == k
     out, poisoned = _run(llm, audit=True)
     s = llm.stats
@@ -122,11 +114,11 @@ def test_mtp_greedy_equals_plain_decoding(checkpoint, plain, k):
 
 
 @pytest.mark.parametrize("k,draft_graph", [(1, "fused"), (3, "fused"), (3, "per_step")])
-def test_draft_graphs_replay_equal_to_eager(checkpoint, plain, k, draft_graph):
+def test_draft_graphs_replay_equal_to_eager(mtp_checkpoint, plain, k, draft_graph):
     """The target's DECODE / TARGET_VERIFY graphs and the draft's DRAFT_EXTEND and draft-decode graphs
     (CPU stand-in: re-runs over the static buffers, with the padding and replay planning of a real
     replay) give the eager tokens; batches past the largest captured size run eagerly."""
-    llm = _llm(checkpoint, k)
+    llm = _llm(mtp_checkpoint, k)
     llm.runner.capture_cuda_graphs([1, 2], graph_factory=ReRunGraph)
     llm.drafter.capture_graphs([1, 2], ReRunGraph, mode=draft_graph)
     graphs = llm.drafter.graphs
@@ -146,11 +138,11 @@ def test_draft_graphs_replay_equal_to_eager(checkpoint, plain, k, draft_graph):
     assert llm.stats.acceptance_rate > 0.8
 
 
-def test_mtp_layer_loads_from_the_checkpoint_and_matches_transformers(checkpoint):
+def test_mtp_layer_loads_from_the_checkpoint_and_matches_transformers(mtp_checkpoint):
     """The MTP layer read from the safetensors shard (``model.layers.3.*``) shares the target's embedding and
     head, and one draft extend through pagedmla's backend equals transformers' MtpLayer on the same rows."""
-    target = load_model(str(checkpoint), dtype=torch.float32)
-    mtp = load_mtp(target, str(checkpoint))
+    target = load_model(str(mtp_checkpoint), dtype=torch.float32)
+    mtp = load_mtp(target, str(mtp_checkpoint))
     assert isinstance(mtp, DeepseekMTP) and len(mtp.layers) == 1
     assert mtp.layers[0].embed_tokens is target.model.embed_tokens
     assert mtp.layers[0].shared_head.head is target.lm_head
@@ -160,7 +152,7 @@ def test_mtp_layer_loads_from_the_checkpoint_and_matches_transformers(checkpoint
     hidden = torch.randn(1, length, target.config.hidden_size, generator=gen)
     tokens = torch.randint(2, 60, (length,), generator=gen)
     want = hf_mtp_forward(layer, rotary, target.model.embed_tokens(tokens)[None], hidden)[0]
-    llm = _llm(checkpoint, 1)
+    llm = _llm(mtp_checkpoint, 1)
     drafter = llm.drafter
     table = llm.runner.table
     slot = table.add_request()
@@ -176,11 +168,11 @@ def test_mtp_layer_loads_from_the_checkpoint_and_matches_transformers(checkpoint
     assert ((got - want).norm() / want.norm()) < 1e-5
 
 
-def test_mtp_checkpoint_errors(checkpoint, tmp_path):
+def test_mtp_checkpoint_errors(mtp_checkpoint, tmp_path):
     """No MTP layers, a missing tensor, an unexpected one: CheckpointError naming the field or tensor."""
-    target = load_model(str(checkpoint), dtype=torch.float32)
-    config = json.loads((checkpoint / "config.json").read_text())
-    tensors = load_file(str(checkpoint / "model.safetensors"))
+    target = load_model(str(mtp_checkpoint), dtype=torch.float32)
+    config = json.loads((mtp_checkpoint / "config.json").read_text())
+    tensors = load_file(str(mtp_checkpoint / "model.safetensors"))
 
     def write(cfg, ts):
         (tmp_path / "config.json").write_text(json.dumps(cfg))
@@ -227,19 +219,19 @@ def test_cache_bytes_cover_the_draft_cache():
     assert mtp.drafter.backend.cache.num_pages == mtp.runner.cache.num_pages
 
 
-def test_speculative_arguments(checkpoint):
+def test_speculative_arguments(mtp_checkpoint):
     with pytest.raises(ValueError, match="speculative"):
-        _llm(checkpoint, speculative="medusa", num_speculative_tokens=2)
+        _llm(mtp_checkpoint, speculative="medusa", num_speculative_tokens=2)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
-        _llm(checkpoint, speculative="mtp")
+        _llm(mtp_checkpoint, speculative="mtp")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
-        _llm(checkpoint, 5)
+        _llm(mtp_checkpoint, 5)
     with pytest.raises(ValueError, match="draft_graph"):
-        _llm(checkpoint, 2, draft_graph="one")
+        _llm(mtp_checkpoint, 2, draft_graph="one")
     with pytest.raises(TypeError, match="draft_model"):
-        _llm(checkpoint, 2, draft_model=object())
+        _llm(mtp_checkpoint, 2, draft_model=object())
     with pytest.raises(ValueError, match="draft_model"):
-        _llm(checkpoint, draft_model=object(), speculative="ngram", num_speculative_tokens=2)
+        _llm(mtp_checkpoint, draft_model=object(), speculative="ngram", num_speculative_tokens=2)
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -257,15 +249,15 @@ def _timed_run(llm: LLM) -> tuple[dict[int, list[int]], float]:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
-def test_mtp_with_cuda_graphs_in_bf16_equals_plain_decoding(checkpoint, k):
+def test_mtp_with_cuda_graphs_in_bf16_equals_plain_decoding(mtp_checkpoint, k):
     """Real CUDA graphs (target DECODE / TARGET_VERIFY, draft DRAFT_EXTEND and draft decodes, fused and per
     step), bf16, the default (fastest) provider, chunked prefill, prefix caching and preemption on: the
     plain engine's greedy tokens, acceptance > 0.8. Prints tokens/s against plain decoding (no timing
     assert: the figures are for the report)."""
     gpu = dict(device="cuda", dtype=torch.bfloat16, provider=None, enable_cuda_graph=True)
-    plain, plain_tps = _timed_run(_llm(checkpoint, **gpu))
+    plain, plain_tps = _timed_run(_llm(mtp_checkpoint, **gpu))
     for draft_graph in ("fused", "per_step") if k > 1 else ("fused",):
-        llm = _llm(checkpoint, k, draft_graph=draft_graph, **gpu)
+        llm = _llm(mtp_checkpoint, k, draft_graph=draft_graph, **gpu)
         assert llm.runner.graphs is not None and llm.drafter.graphs is not None
         out, tps = _timed_run(llm)
         s = llm.stats
@@ -278,9 +270,9 @@ def test_mtp_with_cuda_graphs_in_bf16_equals_plain_decoding(checkpoint, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", [2, 4])
-def test_mtp_cuda_graphs_equal_eager_float32(checkpoint, k):
+def test_mtp_cuda_graphs_equal_eager_float32(mtp_checkpoint, k):
     """Same provider (torch), float32, on the GPU: replayed graphs give the eager MTP engine's tokens."""
     gpu = dict(device="cuda", dtype=torch.float32, provider="torch")
-    eager, _ = _run(_llm(checkpoint, k, enable_cuda_graph=False, **gpu))
-    graphed, _ = _run(_llm(checkpoint, k, enable_cuda_graph=True, **gpu))
+    eager, _ = _run(_llm(mtp_checkpoint, k, enable_cuda_graph=False, **gpu))
+    graphed, _ = _run(_llm(mtp_checkpoint, k, enable_cuda_graph=True, **gpu))
     assert graphed == eager

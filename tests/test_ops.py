@@ -7,7 +7,9 @@ set to NaN, so a read outside a request's tokens shows up as NaN in the result.
 
 from __future__ import annotations
 
+import itertools
 import math
+import random
 
 import pytest
 import torch
@@ -26,9 +28,9 @@ from oracle import (
 import pagedmla
 from pagedmla import split_plan
 from pagedmla.ops import providers
+from pagedmla.ops import schedule as ops_schedule
 
 F32, F64 = torch.float32, torch.float64
-NEG_INF = float("-inf")
 
 
 def randint(g: torch.Generator, lo: int, hi: int) -> int:
@@ -293,56 +295,6 @@ def test_flash_attn_varlen_gqa_maps_head_to_group():
 # merge_state
 # ----------------------------------------------------------------------------------------------------
 
-def merge_inputs(g, T, H, D, dtype, lse_dt):
-    v_a = torch.randn(T, H, D, generator=g, dtype=F64).to(dtype)
-    v_b = torch.randn(T, H, D, generator=g, dtype=F64).to(dtype)
-    s_a = (torch.randn(T, H, generator=g, dtype=F64) * 4).to(lse_dt)
-    s_b = (torch.randn(T, H, generator=g, dtype=F64) * 4).to(lse_dt)
-    kind = (torch.randperm(T * H, generator=g) % 6).reshape(T, H)
-    s_a[kind == 0] = NEG_INF          # a empty
-    s_b[kind == 1] = NEG_INF          # b empty
-    s_a[kind == 2] = NEG_INF          # both empty
-    s_b[kind == 2] = NEG_INF
-    s_a[kind == 3] += 70.0            # far apart: one side dominates completely
-    s_b[kind == 4] += 70.0
-    # An empty state's values are garbage (large, inf or NaN: never-written memory) and must not leak.
-    for v, s in ((v_a, s_a), (v_b, s_b)):
-        junk = torch.randn(int((s == NEG_INF).sum()), D, generator=g, dtype=F64) * 1e3
-        junk[::3, 0] = float("nan")
-        junk[1::3, -1] = float("inf")
-        v[s == NEG_INF] = junk.to(dtype)
-    return v_a, s_a, v_b, s_b
-
-
-@pytest.mark.parametrize("mode", ["plain", "out", "in_place"])
-@pytest.mark.parametrize("shape", [(17, 3, 128), (64, 16, 512), (7, 1, 8)])
-@pytest.mark.parametrize("dtype,lse_dt", [(F32, F32), (F64, F64), (F64, F32)], ids=["fp32", "fp64", "fp64_lse32"])
-def test_merge_state(dtype, lse_dt, shape, mode):
-    g = gen("merge", dtype, lse_dt, shape, mode)
-    T, H, D = shape
-    v_a, s_a, v_b, s_b = merge_inputs(g, T, H, D, dtype, lse_dt)
-    ref_v, ref_s = dense_merge(v_a, s_a, v_b, s_b)
-    tol = TOLERANCES[dtype]
-    if mode == "plain":
-        a0, sa0, b0, sb0 = v_a.clone(), s_a.clone(), v_b.clone(), s_b.clone()
-        v, s = pagedmla.merge_state(v_a, s_a, v_b, s_b, provider="torch")
-        assert all(same(x, y) for x, y in ((v_a, a0), (s_a, sa0), (v_b, b0), (s_b, sb0)))  # inputs untouched
-    elif mode == "out":
-        out = torch.randn(T, H, D, generator=g, dtype=F64).to(dtype)
-        out_lse = torch.randn(T, H, generator=g, dtype=F64).to(lse_dt)
-        v, s = pagedmla.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=out_lse, provider="torch")
-        assert v.data_ptr() == out.data_ptr() and s.data_ptr() == out_lse.data_ptr()
-    else:
-        v, s = pagedmla.merge_state(v_a, s_a, v_b, s_b, out=v_a, out_lse=s_a, provider="torch")
-        assert v.data_ptr() == v_a.data_ptr() and s.data_ptr() == s_a.data_ptr()
-        v, s = v_a, s_a
-    assert v.dtype == dtype
-    # Returned LSEs are computed in v's precision; an LSE written into a float32 buffer is rounded to it.
-    assert s.dtype == (lse_dt if mode != "plain" else lse_dtype(dtype))
-    assert_attention_close(v, None, ref_v, None, tol)
-    assert_attention_close(v, s, ref_v, ref_s, max(tol, TOLERANCES[s.dtype]))
-
-
 def test_merge_state_equals_attention_over_the_union():
     """Splitting a request's keys in two, attending to each part and merging must equal attending to all."""
     g = gen("merge_union")
@@ -455,6 +407,7 @@ def check_metadata(lens: list[int], parts: int | None, q_tokens: int = 16):
     assert tuple(splits.shape) == (len(lens) + 1,) and int(splits[0]) == 0
     counts = (splits[1:] - splits[:-1]).tolist()
     assert all(c >= 0 for c in counts)
+    assert int(splits[-1]) <= len(lens) + meta.shape[0] - 1, "more pieces than requests + parts - 1"
     _, pieces = enumerate_schedule(meta, splits, lens)
     for r, got in pieces.items():
         # Request r's pieces are numbered 0, 1, ... in part order and there are num_splits[r+1]-num_splits[r].
@@ -476,6 +429,17 @@ def test_get_mla_metadata_covers_every_block_once(seed):
         check_metadata(lens, parts)
     check_metadata(lens, None)
     check_metadata(lens, None, q_tokens=128 * 4)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_get_mla_metadata_covers_every_block_once_wide_batches(seed):
+    """Up to 40 requests, 16 or 128 q rows, part counts from 1 to beyond the SM count."""
+    rng = random.Random(seed)
+    for _ in range(8):
+        b = rng.randint(1, 40)
+        lens = [rng.choice([0, 1, 63, 64, 65, rng.randint(0, 5000)]) for _ in range(b)]
+        for parts, rows in itertools.product((1, 2, 3, 7, 33, 66, 132, 200), (16, 128)):
+            check_metadata(lens, parts, q_tokens=rows)
 
 
 @pytest.mark.parametrize("lens", [[0], [0, 0, 0], [1], [64], [65], [64 * 37], [0, 5000, 0], [1] * 40])
@@ -503,6 +467,36 @@ def test_get_mla_metadata_splits_long_request_across_parts():
         overhead = split_plan.overhead_blocks(rows)
         share = -(-(100 + overhead) // 10)
         assert sum(per_part) == 100 and max(per_part[0] + overhead, *per_part[1:]) <= share, per_part
+
+
+def test_min_part_units_is_an_exact_integer_square_root():
+    n = torch.arange(0, 20000, dtype=torch.int64)
+    k = split_plan.min_part_units(n)
+    assert (k >= 1).all() and (k * k * split_plan.PIECE_COST_RATIO >= n).all()
+    assert ((k - 1) * (k - 1) * split_plan.PIECE_COST_RATIO < n)[1:].all(), "not the smallest such k"
+    assert split_plan.min_part_units(torch.tensor(100)).item() == 4
+
+
+def test_default_schedule_gives_parts_a_minimum_length():
+    """The default plan's parts are at least min_part_units(longest request's blocks) long, so one request
+    over many parts has few pieces; an explicit part count cuts the work as finely as asked; both cover every
+    block once."""
+    lens = torch.tensor([6400], dtype=torch.int32)  # 100 KV blocks after 3 units of fixed cost: units 3 .. 102
+    parts, rows = 132, 128
+    for default_plan, per_part in ((True, 4), (False, 1)):
+        meta = torch.empty(parts, 8, dtype=torch.int32)
+        splits = torch.empty(2, dtype=torch.int32)
+        ops_schedule.schedule_into(lens, meta, splits, rows, default_plan=default_plan)
+        seen, _ = enumerate_schedule(meta, splits, lens.tolist())
+        assert len(seen) == 100
+        assert splits.tolist() == [0, 102 // per_part - 3 // per_part + 1], default_plan
+    # get_mla_metadata: the default plan unless num_sm_parts is given.
+    md, ns = pagedmla.get_mla_metadata(lens, rows, 1)
+    want_md = torch.empty_like(md)
+    want_ns = torch.empty_like(ns)
+    ops_schedule.schedule_into(lens, want_md, want_ns, rows, default_plan=True)
+    assert torch.equal(md, want_md) and torch.equal(ns, want_ns)
+    assert pagedmla.get_mla_metadata(lens, rows, 1, num_sm_parts=132)[1].tolist() == [0, 100]
 
 
 # ----------------------------------------------------------------------------------------------------

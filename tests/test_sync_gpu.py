@@ -1,4 +1,4 @@
-"""No host synchronisation on any CUDA path (pagedmla.errors, DESIGN section 8): every public op and every
+"""No host synchronisation on any CUDA path (the contract in pagedmla.errors and the README): every public op and every
 backend mode, eager and as CUDA graphs, inside ``torch.cuda.set_sync_debug_mode("error")``; the compiled
 kernels' value guards in bf16 (the CPU file test_guards.py runs them under the interpreter); the lean
 decode launch (second call of a shape) equal to the first, JIT-launched call."""

@@ -185,14 +185,14 @@ def hf_mtp_layer(mtp):
 def hf_mtp_forward(layer, rotary, embeddings: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
     """transformers' MTP layer over [b, l] rows: embeddings [b, l, h] of tokens i + 1, hidden [b, l, h] of
     the target at i (positions 0 .. l - 1, causal) -> [b, l, h] after its post norm (``shared_head.norm``)."""
-    length = embeddings.shape[1]
-    positions = torch.arange(length)[None]
-    mask = torch.full((length, length), float("-inf")).triu(1)[None, None]
+    length, device = embeddings.shape[1], embeddings.device
+    positions = torch.arange(length, device=device)[None]
+    mask = torch.full((length, length), float("-inf"), device=device).triu(1)[None, None]
     return layer(embeddings, hidden, rotary(embeddings, positions), mask, positions, None)
 
 
 def write_trained_mtp_checkpoint(directory, seed: int = MTP_SEED, batch: int = 8, length: int = 128,
-                                 head_steps: int = 120, mtp_steps: int = 60) -> dict:
+                                 head_steps: int = 120, mtp_steps: int = 60, device="cpu") -> dict:
     """The ``tiny`` configuration with its MTP layer trained for the successor task, as a checkpoint
     directory (config.json + model.safetensors, float32) that ``LLM(dir, speculative="mtp")`` loads.
 
@@ -202,8 +202,10 @@ def write_trained_mtp_checkpoint(directory, seed: int = MTP_SEED, batch: int = 8
     (98-99% of positions on held-out sequences; the rest depend on the context). The MTP layer, in
     transformers' implementation (``MtpLayer``), learns the target's own argmax at position i + 1 from the
     target's hidden state at i and token i + 1, twice per step: on the target's hidden states, and again
-    on its own outputs shifted by one position (the chained draft steps feed it those). Returns the
-    training figures: probe and MTP accuracies, seconds."""
+    on its own outputs shifted by one position (the chained draft steps feed it those). The target, its
+    hidden states and the probe stay on the CPU (so the weights do not depend on ``device``); the MTP
+    layer trains on ``device`` (most of the time: seconds on a GPU). Returns the training figures: probe
+    and MTP accuracies, seconds."""
     import json
     import time
     from pathlib import Path
@@ -240,11 +242,12 @@ def write_trained_mtp_checkpoint(directory, seed: int = MTP_SEED, batch: int = 8
         wanted = (hidden @ head.t()).argmax(-1)
     mtp = load_mtp(target, "tiny", seed=seed)
     layer, rotary, names = hf_mtp_layer(mtp)
-    layer.requires_grad_(True)
-    embed = target.model.embed_tokens.weight.detach()
-    frozen_head = head.detach()
+    layer.to(device).requires_grad_(True)
+    rotary.to(device)
+    embed = target.model.embed_tokens.weight.detach().to(device)
+    frozen_head = head.detach().to(device)
+    ids, hidden, wanted = ids.to(device), hidden.to(device), wanted.to(device)
     opt = torch.optim.Adam(layer.parameters(), lr=3e-3)
-    mtp_accuracy = 0.0
     for step in range(mtp_steps):
         rows = slice(step * 4 % batch, step * 4 % batch + 4)
         e = F.embedding(ids[rows, 1:], embed)
@@ -258,9 +261,10 @@ def write_trained_mtp_checkpoint(directory, seed: int = MTP_SEED, batch: int = 8
         opt.zero_grad()
         loss.backward()
         opt.step()
-        mtp_accuracy = (logits.argmax(-1) == wanted[rows, 1:-1]).float().mean().item()
+    # The last step's batch, read once: a read per step would wait for the device every step.
+    mtp_accuracy = (logits.argmax(-1) == wanted[rows, 1:-1]).float().mean().item()
     tensors = {k: v.contiguous() for k, v in target.state_dict().items()}
-    tensors.update({names[k]: v.detach().contiguous() for k, v in layer.state_dict().items()})
+    tensors.update({names[k]: v.detach().cpu().contiguous() for k, v in layer.state_dict().items()})
     save_file(tensors, str(directory / "model.safetensors"))
     (directory / "config.json").write_text(json.dumps(TINY_CONFIG))
     return {"probe_accuracy": probe_accuracy, "mtp_accuracy": mtp_accuracy,

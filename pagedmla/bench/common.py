@@ -1,7 +1,9 @@
-"""What the benchmark grids share: the CPU wall-clock timer, baseline detection and the PNG plots."""
+"""What the benchmark grids share: the CPU wall-clock timer, baseline detection, the PNG plots and the
+command-line entry point whose bad flags end in one line."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import statistics
 import time
@@ -62,3 +64,17 @@ def bar_plot(path: str, labels: Sequence[str], series: dict[str, Sequence[float 
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def command(prog: str, doc: str, add_arguments: Callable[[argparse.ArgumentParser], None],
+            run: Callable[[argparse.Namespace], int], argv: Sequence[str] | None) -> int:
+    """Parse ``argv`` (None: sys.argv) with the options ``add_arguments`` defines (description: the first
+    paragraph of ``doc``) and return ``run(args)``; a ValueError from it (a bad flag, named) ends the process
+    with ``prog: error: ...`` and exit status 2."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except ValueError as exc:
+        parser.exit(2, f"{prog}: error: {exc}\n")

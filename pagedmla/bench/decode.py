@@ -1,6 +1,6 @@
 """Paged MLA decode on the GPU: pagedmla's Triton kernels beside FlashMLA and FlashInfer, same inputs, one run.
 
-The ANCHORS grid (batch 128 x q_len {1, 2} x heads {16, 32, 64, 128} x mean seq {1024, 4096, 8192}) plus
+The decode grid (batch 128 x q_len {1, 2} x heads {16, 32, 64, 128} x mean seq {1024, 4096, 8192}) plus
 batch 1 and 8 at 128 heads / 4096, batch 32 at 16 heads / 32768 and batch 64 x q_len 4 x 16 heads / 4096.
 Inputs: varlen lengths from N(mean, mean/2) clamped to >= q_len, randomly permuted block tables, page 64,
 bf16, causal, random data (randn/10, clamped). Formulas (FlashMLA's):

@@ -8,7 +8,7 @@ comparison). ``--speculative mtp`` serves each configuration a second time with 
 (``--num-speculative-tokens`` drafts per step from one MTP layer with random weights, sharing the
 target's embedding and head) and reports its acceptance rate and tokens per request and verify step
 beside plain decoding; random weights draft poorly, so this measures the cost of the draft and verify
-path rather than a speed-up (the trained test model's figures come from ``make test-gpu``).
+path rather than a speed-up (``benchmarks/bench_mtp.py`` measures the trained test model's).
 transformers then generates the same prompts greedily in left-padded batches of ``--batch-size`` (its
 tokens/s counts the requested output tokens only, although it runs every row of a batch to the longest
 output). ``match`` counts requests whose greedy tokens equal transformers'
@@ -39,7 +39,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedmla.bench.common import bar_plot, check_plotting
+from pagedmla.bench.common import bar_plot, check_plotting, command
 from pagedmla.bench.options import PRESETS, engine_arguments
 from pagedmla.config import resolve_dtype
 from pagedmla.engine import LLM, SamplingParams
@@ -55,7 +55,9 @@ WORKLOADS = {("cuda", False): (64, "128:512", "64:256", 64), ("cuda", True): (16
              ("cpu", False): (8, "16:64", "8:16", 8), ("cpu", True): (4, "8:24", "4:8", 4)}
 
 
-def _range(text: str, name: str) -> tuple[int, int]:
+def length_range(text: str, name: str) -> tuple[int, int]:
+    """A ``MIN:MAX`` (or ``N``) option of token counts as (MIN, MAX); ValueError naming the option ``name``
+    unless 1 <= MIN <= MAX."""
     try:
         lo, _, hi = text.partition(":")
         lo, hi = int(lo), int(hi or lo)
@@ -93,8 +95,8 @@ def build_models(preset: str, device: torch.device, dtype: torch.dtype, seed: in
 def workload(args) -> tuple[list[list[int]], list[int]]:
     rng = random.Random(args.seed)
     vocab = PRESETS[args.preset]["vocab_size"]
-    p_lo, p_hi = _range(args.prompt_len, "--prompt-len")
-    o_lo, o_hi = _range(args.output_len, "--output-len")
+    p_lo, p_hi = length_range(args.prompt_len, "--prompt-len")
+    o_lo, o_hi = length_range(args.output_len, "--output-len")
     prompts = [[rng.randrange(2, vocab) for _ in range(rng.randint(p_lo, p_hi))] for _ in range(args.num_requests)]
     return prompts, [rng.randint(o_lo, o_hi) for _ in range(args.num_requests)]
 
@@ -125,11 +127,14 @@ def run_engine(model, prompts, out_lens, args, provider: str, graphs: bool, prof
               max_num_batched_tokens=args.max_num_batched_tokens, mixed_batching=args.mixed,
               profile_attention=profile, **(dict(speculative="mtp", num_speculative_tokens=args.num_speculative_tokens,
                                                  draft_model=mtp, draft_graph=args.draft_graph) if mtp else {}))
-    # Warm-up on other tokens of the same lengths (no prefix-cache hits later), so every kernel
-    # specialisation the burst needs is compiled before the clock starts.
+    # Warm-up: the same burst on other tokens (no prefix-cache hits later), prompt and output lengths alike, so
+    # that every kernel specialisation the burst reaches (the shrinking decode batches and their context
+    # lengths included) is compiled before the clock starts. A warm-up of 3 output tokens let the first row of
+    # a V2-Lite run (plain decoding, 26.0 ms a step) look slower than the MTP row after it (22.9 ms).
     rng = random.Random(-1)
     vocab = model.config.vocab_size
-    llm.generate([[rng.randrange(2, vocab) for _ in p] for p in prompts], SamplingParams(max_tokens=3, ignore_eos=True))
+    llm.generate([[rng.randrange(2, vocab) for _ in p] for p in prompts],
+                 [SamplingParams(max_tokens=n, ignore_eos=True) for n in out_lens])
     llm.stats = type(llm.stats)()
     _sync(device)
     start = time.perf_counter()
@@ -195,13 +200,7 @@ def _fmt(values) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse arguments, run every configuration, print the table; returns the exit status."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    engine_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except ValueError as exc:
-        parser.exit(2, f"bench_engine: error: {exc}\n")
+    return command("bench_engine", __doc__, engine_arguments, run, argv)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,6 +1,6 @@
 """Prefill benchmarks: ragged MHA (192/128), paged absorbed prefill, merge_state, with baselines in one run.
 
-Ragged grid (ANCHORS, plus the short-prompt batches): causal, q/k 192, v 128, bf16; pagedmla's public call
+Ragged grid (the long-prompt cells plus the short-prompt batches): causal, q/k 192, v 128, bf16; pagedmla's public call
 with its defaults, eager, as a user makes it (``triton``: checks, output allocation and the default kernel
 choice, the Hopper kernel on sm_90) and the portable Triton kernel (``triton_portable``; several tile
 variants with --variants) against torch SDPA and, with --flashinfer, FlashInfer fa3 ragged prefill

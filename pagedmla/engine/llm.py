@@ -378,6 +378,64 @@ def _decode_error(exc: Exception) -> str:
     return f"tokenizer: decoding the output raised {type(exc).__name__}: {exc}"
 
 
+def _cache_size(model: DeepseekForCausalLM, page_size: int, num_pages: int | None, cache_bytes: int,
+                max_batch_size: int, max_context_len: int | None, k: int, dcp_size: int,
+                draft_layers: int, cache_dtype: Any) -> tuple[int, int]:
+    """(tokens per request at most, cache pages) of an engine: ``max_context_len`` or the model's max
+    positions; ``num_pages`` or as many as ``cache_bytes`` holds (``_default_num_pages``), checked to hold
+    ``max_batch_size`` requests of that many tokens plus k draft tokens (pages of page_size tokens on each
+    of ``dcp_size`` decode-context-parallel ranks; ``draft_layers`` more cache layers for an MTP drafter;
+    rows of ``cache_dtype``, ``_kv_cache_dtype``'s value: None for the model's dtype)."""
+    context = model.config.max_position_embeddings if max_context_len is None else max_context_len
+    pages_field = "num_pages" if num_pages is not None else "cache_bytes"
+    per_page = page_size * dcp_size
+    row_dtype = model.model.embed_tokens.weight.dtype if cache_dtype is None else cache_dtype
+    if num_pages is None:
+        num_pages = _default_num_pages(model, page_size, row_dtype, cache_bytes, max_batch_size, context, per_page,
+                                       draft_layers)
+    _check_cache_fits(model, page_size, num_pages, max_batch_size, context + k, pages_field,
+                      "max_context_len" if max_context_len is not None else "max_position_embeddings", per_page,
+                      row_dtype, draft_layers)
+    return context, num_pages
+
+
+def _checked_settings(*, enable_prefix_caching: Any, mixed_batching: Any, enable_cuda_graph: Any,
+                      num_speculative_tokens: Any, max_context_len: Any, cache_bytes: Any, ngram_max_n: Any,
+                      speculative: Any, draft_model: Any, draft_graph: Any, page_size: Any, max_batch_size: Any,
+                      num_pages: Any, tensor_parallel_size: Any, decode_context_parallel_size: Any,
+                      kv_cache_dtype: Any, **others: Any) -> tuple[str | None, Any]:
+    """Check ``LLM``'s scalar arguments (all of them by name: ``others`` are checked where they are used),
+    a ValueError / TypeError naming the first bad one; returns the drafter ``_speculative_method`` names and
+    the cache dtype ``_kv_cache_dtype`` makes of ``kv_cache_dtype``."""
+    for name, value in (("enable_prefix_caching", enable_prefix_caching), ("mixed_batching", mixed_batching)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}: expected a bool, got {value!r}")
+    if enable_cuda_graph is not None and not isinstance(enable_cuda_graph, bool):
+        raise ValueError(f"enable_cuda_graph: expected a bool or None, got {enable_cuda_graph!r}")
+    # The model runner sizes the backend for k draft tokens before the scheduler exists: checked here only.
+    if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
+            or num_speculative_tokens < 0:
+        raise ValueError(f"num_speculative_tokens: expected an int >= 0, got {num_speculative_tokens!r}")
+    # The default num_pages is sized from max_context_len, before the scheduler (which checks it too) exists.
+    if max_context_len is not None:
+        _check_positive_int("max_context_len", max_context_len)
+    _check_positive_int("cache_bytes", cache_bytes)
+    _check_positive_int("ngram_max_n", ngram_max_n)
+    method = _speculative_method(speculative, num_speculative_tokens, draft_model, draft_graph)
+    cache_dtype = _kv_cache_dtype(kv_cache_dtype)
+    _check_positive_int("page_size", page_size)  # the default num_pages divides by it
+    _check_positive_int("max_batch_size", max_batch_size)
+    if num_pages is not None:
+        _check_positive_int("num_pages", num_pages)
+    _check_positive_int("tensor_parallel_size", tensor_parallel_size)
+    _check_positive_int("decode_context_parallel_size", decode_context_parallel_size)
+    if tensor_parallel_size % decode_context_parallel_size:
+        raise ValueError(f"decode_context_parallel_size: {decode_context_parallel_size} does not divide "
+                         f"tensor_parallel_size={tensor_parallel_size} (the DCP ranks are ranks of the "
+                         "tensor-parallel group)")
+    return method, cache_dtype
+
+
 class LLM:
     """Generate with a DeepSeek-V2/V3 model on pagedmla.
 
@@ -425,32 +483,7 @@ class LLM:
         # The arguments as given: the other ranks of a tensor-parallel engine build theirs from them.
         settings = {name: value for name, value in locals().items() if name != "self"}
         # Arguments are checked before any model is loaded or cache allocated.
-        for name, value in (("enable_prefix_caching", enable_prefix_caching), ("mixed_batching", mixed_batching)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name}: expected a bool, got {value!r}")
-        if enable_cuda_graph is not None and not isinstance(enable_cuda_graph, bool):
-            raise ValueError(f"enable_cuda_graph: expected a bool or None, got {enable_cuda_graph!r}")
-        # The model runner sizes the backend for k draft tokens before the scheduler exists: checked here only.
-        if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
-                or num_speculative_tokens < 0:
-            raise ValueError(f"num_speculative_tokens: expected an int >= 0, got {num_speculative_tokens!r}")
-        # The default num_pages is sized from max_context_len, before the scheduler (which checks it too) exists.
-        if max_context_len is not None:
-            _check_positive_int("max_context_len", max_context_len)
-        _check_positive_int("cache_bytes", cache_bytes)
-        _check_positive_int("ngram_max_n", ngram_max_n)
-        method = _speculative_method(speculative, num_speculative_tokens, draft_model, draft_graph)
-        cache_dtype = _kv_cache_dtype(kv_cache_dtype)
-        _check_positive_int("page_size", page_size)  # the default num_pages divides by it
-        _check_positive_int("max_batch_size", max_batch_size)
-        if num_pages is not None:
-            _check_positive_int("num_pages", num_pages)
-        _check_positive_int("tensor_parallel_size", tensor_parallel_size)
-        _check_positive_int("decode_context_parallel_size", decode_context_parallel_size)
-        if tensor_parallel_size % decode_context_parallel_size:
-            raise ValueError(f"decode_context_parallel_size: {decode_context_parallel_size} does not divide "
-                             f"tensor_parallel_size={tensor_parallel_size} (the DCP ranks are ranks of the "
-                             "tensor-parallel group)")
+        method, cache_dtype = _checked_settings(**settings)
         self.tokenizer = resolve_tokenizer(tokenizer, model)
         self._tokenizer_hint = missing_tokenizer_hint(model) if self.tokenizer is None else ""
         self._parallel: distributed.Parallel | None = None
@@ -477,18 +510,9 @@ class LLM:
                                      "pass draft_model=pagedmla.model.load_mtp(model, PATH)")
                 draft_model = load_mtp(self.model, model, seed=0 if seed is None else seed)
             cfg = self.model.config
-            weight = self.model.model.embed_tokens.weight
-            context = cfg.max_position_embeddings if max_context_len is None else max_context_len
-            draft_layers = DRAFT_CACHE_LAYERS if method == "mtp" else 0
-            pages_field = "num_pages" if num_pages is not None else "cache_bytes"
-            per_page = page_size * dcp.size
-            row_dtype = weight.dtype if cache_dtype is None else cache_dtype
-            if num_pages is None:
-                num_pages = _default_num_pages(self.model, page_size, row_dtype, cache_bytes, max_batch_size,
-                                               context, per_page, draft_layers)
-            _check_cache_fits(self.model, page_size, num_pages, max_batch_size, context + num_speculative_tokens,
-                              pages_field, "max_context_len" if max_context_len is not None else
-                              "max_position_embeddings", per_page, row_dtype, draft_layers)
+            context, num_pages = _cache_size(self.model, page_size, num_pages, cache_bytes, max_batch_size,
+                                             max_context_len, num_speculative_tokens, dcp.size,
+                                             DRAFT_CACHE_LAYERS if method == "mtp" else 0, cache_dtype)
             options = dict(backend_options or {})
             if cache_dtype is not None:
                 options["kv_cache_dtype"] = cache_dtype
@@ -524,15 +548,20 @@ class LLM:
         # Held by every public method that reads or changes the requests (the module's thread contract).
         self._lock = threading.RLock()
         if self._parallel is not None:
-            channel = distributed.StepChannel(self._parallel, self.runner.table)
-            self._parallel.channel = channel
-            if not self._parallel.is_driver:
-                distributed.serve(self.runner, channel)
-                self._parallel.close()
-                return
-            self.runner.step_hook = channel.send
-            # Rank 0's exit sends the other ranks home too.
-            weakref.finalize(self, self._parallel.shutdown)
+            self._join_ranks()
+
+    def _join_ranks(self) -> None:
+        """Tensor parallelism, once every rank has built its engine: rank 0 sends each step to the others,
+        which serve them here until rank 0 shuts down."""
+        channel = distributed.StepChannel(self._parallel, self.runner.table)
+        self._parallel.channel = channel
+        if not self._parallel.is_driver:
+            distributed.serve(self.runner, channel)
+            self._parallel.close()
+            return
+        self.runner.step_hook = channel.send
+        # Rank 0's exit sends the other ranks home too.
+        weakref.finalize(self, self._parallel.shutdown)
 
     @property
     def is_driver(self) -> bool:

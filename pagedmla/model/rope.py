@@ -54,10 +54,21 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, cfg: RopeConfig, dim: int):
         super().__init__()
-        # A plain float32 attribute, not a buffer: model-wide dtype casts and meta-device
-        # materialisation must not touch it; it follows the positions' device on first use.
+        # A plain float32 attribute, not a buffer: model-wide dtype casts and meta-device materialisation must
+        # not touch its values. It moves with the module (``_apply``: ``model.to(device)``, ``to_empty``), so that
+        # no step copies it (a host-to-device copy inside a step synchronises); a module never moved still
+        # works, moving it on first use.
         self.inv_freq, self.attention_factor = rope_inv_freq(cfg, dim)
         self.style = cfg.style
+
+    def _apply(self, fn, recurse: bool = True):
+        module = super()._apply(fn, recurse)
+        # Only the device of what fn makes of the table (a dtype cast or an empty copy would lose its values),
+        # and never the meta device, which holds none.
+        device = fn(self.inv_freq.new_empty(0)).device
+        if device.type != "meta":
+            self.inv_freq = self.inv_freq.to(device)
+        return module
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions int [T] -> (cos, sin) float32 [T, dim // 2], already scaled by attention_factor."""

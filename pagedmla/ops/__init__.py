@@ -1,5 +1,6 @@
-"""pagedmla's functional API (DESIGN §3): FlashMLA / FlashAttention compatible calls."""
+"""pagedmla's functional API: FlashMLA / FlashAttention compatible calls, and their torch.library custom ops."""
 
+from pagedmla.ops import library  # noqa: F401  (registers the pagedmla:: custom ops that tracing routes to)
 from pagedmla.ops.attention import (
     flash_attn_varlen_func,
     flash_mla_varlen_with_kvcache,

@@ -21,8 +21,8 @@ from collections.abc import Callable
 import torch
 
 from pagedmla import checks, errors
-from pagedmla.ops import library
 from pagedmla.ops.providers import resolve
+from pagedmla.reference import lse_dtype
 
 _KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -98,9 +98,9 @@ def flash_mla_with_kvcache(
     (``pagedmla.errors``).
     """
     if torch.compiler.is_dynamo_compiling():
-        return library.flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v,
-                                              tile_scheduler_metadata, num_splits, softmax_scale, causal, provider,
-                                              k_scale, is_fp8_kvcache)
+        return torch.ops.pagedmla.flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v,
+                                                         tile_scheduler_metadata, num_splits, softmax_scale, causal,
+                                                         provider, k_scale, is_fp8_kvcache)
     tensors = (q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits)
     entry = _memoised(_decode_signatures, tensors if k_scale is None else (*tensors, k_scale),
                       (head_dim_v, softmax_scale, is_fp8_kvcache), provider, lambda: _check_decode(
@@ -163,9 +163,9 @@ def flash_mla_varlen_with_kvcache(
     makes every row NaN.
     """
     if torch.compiler.is_dynamo_compiling():
-        return library.flash_mla_varlen_with_kvcache(q, k_cache, block_table, cache_seqlens, qo_indptr, head_dim_v,
-                                                     softmax_scale, causal, max_q_len, provider, k_scale,
-                                                     is_fp8_kvcache)
+        return torch.ops.pagedmla.flash_mla_varlen_with_kvcache(q, k_cache, block_table, cache_seqlens, qo_indptr,
+                                                                head_dim_v, softmax_scale, causal, max_q_len, provider,
+                                                                k_scale, is_fp8_kvcache)
     if max_q_len is not None and (isinstance(max_q_len, bool) or not isinstance(max_q_len, int) or max_q_len < 0):
         raise ValueError(f"max_q_len: expected an int >= 0, got {max_q_len!r}")
     tensors = (q, k_cache, block_table, cache_seqlens, qo_indptr)
@@ -235,8 +235,8 @@ def flash_attn_varlen_func(
     NaN; a sequence whose key range lies outside k, or longer than max_seqlen_q, gets NaN rows.
     """
     if torch.compiler.is_dynamo_compiling():
-        return library.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                              softmax_scale, causal, return_attn_probs, out=out, provider=provider)
+        return _traced_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                              return_attn_probs, out, provider)
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
@@ -312,7 +312,7 @@ def merge_state(
     Returns (v [T, H, D], s [T, H] float32).
     """
     if torch.compiler.is_dynamo_compiling():
-        return library.merge_state(v_a, s_a, v_b, s_b, out, out_lse=out_lse, provider=provider)
+        return _traced_merge(v_a, s_a, v_b, s_b, out, out_lse, provider)
     checks.tensor(v_a, "v_a", ndim=3, dtypes=_KV_DTYPES)
     checks.tensor(v_b, "v_b", ndim=3)
     _same_dtype(v_a, "v_b", v_b)
@@ -335,3 +335,31 @@ def merge_state(
     checks.same_device(v_a, s_a=s_a, v_b=v_b, s_b=s_b, out=out, out_lse=out_lse)
     _, impl = resolve("merge", v_a.device, provider)
     return impl(v_a, s_a, v_b, s_b, out, out_lse)
+
+
+# The traced forms (Dynamo only): the calls as the ``pagedmla::`` custom ops that ``ops/library.py`` registers,
+# looked up by name so that this module need not import that one (which imports this one for the real
+# implementations).
+
+def _traced_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                   return_attn_probs, out, provider):
+    """``flash_attn_varlen_func`` while Dynamo traces (same arguments and returns)."""
+    if out is None:
+        o, lse = torch.ops.pagedmla.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                     softmax_scale, causal, provider)
+    else:
+        lse = torch.ops.pagedmla.varlen_attention_out(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                      max_seqlen_k, out, softmax_scale, causal, provider)
+        o = out
+    return (o, lse, None) if return_attn_probs else o
+
+
+def _traced_merge(v_a, s_a, v_b, s_b, out, out_lse, provider):
+    """``merge_state`` while Dynamo traces: the results always land in buffers (fresh ones when not given),
+    declared as mutated."""
+    if out is None:
+        out = torch.empty_like(v_a)
+    if out_lse is None:
+        out_lse = torch.empty(s_a.shape, dtype=lse_dtype(v_a), device=v_a.device)
+    torch.ops.pagedmla.merge_state_out(v_a, s_a, v_b, s_b, out, out_lse, provider)
+    return out, out_lse

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from pagedmla.ops import library
 from pagedmla.split_plan import METADATA_WIDTH, num_sm_parts_for, overhead_blocks, plan_into
 
 
@@ -31,7 +30,8 @@ def get_mla_metadata(
     never has to compile and load the Triton kernel inside it).
     """
     if torch.compiler.is_dynamo_compiling():
-        return library.get_mla_metadata(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_sm_parts)
+        # The custom op ops/library.py registers (by name: that module imports this one).
+        return torch.ops.pagedmla.get_mla_metadata(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_sm_parts)
     if not isinstance(cache_seqlens, torch.Tensor):
         raise TypeError(f"cache_seqlens: expected a torch.Tensor, got {type(cache_seqlens).__name__}")
     if cache_seqlens.dim() != 1 or cache_seqlens.dtype != torch.int32:

@@ -8,10 +8,6 @@ from pagedmla import reference
 from pagedmla.ops.providers import register_impl
 
 
-def _lse_dtype(q: torch.Tensor) -> torch.dtype:
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
 def paged_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
                  softmax_scale, causal, kv_format=None, k_scale=None):
     b, s_q, h, d = q.shape
@@ -20,28 +16,28 @@ def paged_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_schedu
                                              qo_indptr, softmax_scale, causal, head_dim_v, k_cache.shape[1],
                                              kv_format, k_scale)
     return (out.to(q.dtype).reshape(b, s_q, h, head_dim_v),
-            lse.to(_lse_dtype(q)).reshape(b, s_q, h).transpose(1, 2).contiguous())
+            lse.to(reference.lse_dtype(q)).reshape(b, s_q, h).transpose(1, 2).contiguous())
 
 
 def paged_varlen(q, k_cache, block_table, cache_seqlens, qo_indptr, head_dim_v, softmax_scale, causal, max_q_len,
                  kv_format=None, k_scale=None):
     out, lse = reference.paged_mla_attention(q, k_cache, block_table, cache_seqlens, qo_indptr, softmax_scale,
                                              causal, head_dim_v, k_cache.shape[1], kv_format, k_scale)
-    return out.to(q.dtype), lse.to(_lse_dtype(q))
+    return out.to(q.dtype), lse.to(reference.lse_dtype(q))
 
 
 def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, out):
     o, lse = reference.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, max_seqlen_q)
     if out is None:
-        return o.to(q.dtype), lse.to(_lse_dtype(q))
+        return o.to(q.dtype), lse.to(reference.lse_dtype(q))
     out.copy_(o)
-    return out, lse.to(_lse_dtype(q))
+    return out, lse.to(reference.lse_dtype(q))
 
 
 def merge(v_a, s_a, v_b, s_b, out, out_lse):
     v, s = reference.merge_state(v_a, s_a, v_b, s_b)
     v = v.to(v_a.dtype)
-    s = s.to(_lse_dtype(v_a))
+    s = s.to(reference.lse_dtype(v_a))
     if out is not None:
         out.copy_(v)
         v = out

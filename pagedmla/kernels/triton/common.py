@@ -91,6 +91,11 @@ class PrefillConfig:
         return config
 
 
+# Both portable prefill kernels' tiles under the interpreter: small enough that the tests' small shapes run
+# several tiles and the masked paths.
+INTERPRETER_TILES = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+
+
 @triton.jit
 def fp8_cols(rows, col0, mask, scale_ptr, WIDTH: tl.constexpr, KV_FMT: tl.constexpr, ROPE: tl.constexpr,
              MASKED: tl.constexpr, NAN_FIXUP: tl.constexpr):

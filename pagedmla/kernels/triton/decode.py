@@ -230,6 +230,36 @@ def _attend_tile(
 
 
 @triton.jit
+def _attend_range(
+    acc0, acc1, acc2, acc3, m_i, l_i, page_id, bad_page, q0, q1, q2, q3, q_pe,
+    kv_ptr, desc, desc_pe, bt_row, lo, hi, tok_hi, seqlen, lim, stride_page, stride_tok, qk_scale, num_pages,
+    scale_ptr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DC: tl.constexpr, NC: tl.constexpr, DR: tl.constexpr,
+    HAS_PE: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr, CARRY_PAGES: tl.constexpr,
+    PRECISION: tl.constexpr, KV_FMT: tl.constexpr, NAN_FIXUP: tl.constexpr,
+):
+    """``_attend_tile`` over KV tokens lo .. hi - 1, BLOCK_N at a time (all MASKED or none). With CARRY_PAGES
+    ``page_id`` / ``bad_page`` hold the checked page id of the tile at lo, and each step reads the next
+    tile's (up to the range's end ``tok_hi``) before its own loads. Returns the updated state, the carried page
+    id and whether any page id so far was outside the cache."""
+    for n0 in range(lo, hi, BLOCK_N):
+        next_id = page_id
+        next_bad = bad_page
+        if CARRY_PAGES:
+            next_id, next_bad = checked_page(
+                tl.load(bt_row + (n0 + BLOCK_N) // PAGE, mask=n0 + BLOCK_N < tok_hi, other=0), num_pages)
+            next_bad = next_bad | bad_page
+        acc0, acc1, acc2, acc3, m_i, l_i, tile_bad = _attend_tile(
+            acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, q_pe,
+            kv_ptr, desc, desc_pe, bt_row, n0, seqlen, lim, stride_page, stride_tok, qk_scale, page_id,
+            num_pages, scale_ptr, PAGE, BLOCK_N, DC, NC, DR, HAS_PE, MASKED, USE_TMA, CARRY_PAGES, PRECISION, KV_FMT,
+            NAN_FIXUP)
+        page_id = next_id
+        bad_page = next_bad | tile_bad
+    return acc0, acc1, acc2, acc3, m_i, l_i, page_id, bad_page
+
+
+@triton.jit
 def _store_rows(ptrs, acc0, acc1, acc2, acc3, scale, row_ok, DC: tl.constexpr, NC: tl.constexpr):
     """Store the NC accumulator chunks, scaled per row, to the rows ``ptrs`` [BLOCK_M, 1] point at."""
     cols = tl.arange(0, DC)[None, :]
@@ -256,7 +286,7 @@ def _decode_split_kernel(
     PRECISION: tl.constexpr, KV_FMT: tl.constexpr, NAN_FIXUP: tl.constexpr,
 ):
     """One program: a row tile of one split-plan part's requests, every KV step of each and its result.
-    Long (~120 lines) on purpose: the loop-carried state (the accumulator chunks, row max and sum, the
+    Long (~105 lines) on purpose: the loop-carried state (the accumulator chunks, row max and sum, the
     carried page id) stays in one body; Triton inlines helpers anyway, and a helper per stage would take
     and return all of it."""
     DC: tl.constexpr = DV // NC
@@ -319,34 +349,16 @@ def _decode_split_kernel(
             bad_page = page_id != 0
             if carry:
                 page_id, bad_page = checked_page(tl.load(bt_row + tok_lo // PAGE), NUM_PAGES)
-            for n0 in range(tok_lo, tok_mid, BLOCK_N):
-                next_id = page_id
-                next_bad = bad_page
-                if carry:
-                    next_id, next_bad = checked_page(
-                        tl.load(bt_row + (n0 + BLOCK_N) // PAGE, mask=n0 + BLOCK_N < tok_hi, other=0), NUM_PAGES)
-                    next_bad = next_bad | bad_page
-                acc0, acc1, acc2, acc3, m_i, l_i, tile_bad = _attend_tile(
-                    acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, q_pe,
-                    kv_ptr, desc, desc_pe, bt_row, n0, seqlen, lim, stride_page, stride_tok, qk_scale, page_id,
-                    NUM_PAGES, scale_ptr, PAGE, BLOCK_N, DC, NC, DR, HAS_PE, False, USE_TMA, carry, PRECISION,
-                    KV_FMT, NAN_FIXUP)
-                page_id = next_id
-                bad_page = next_bad | tile_bad
-            for n0 in range(tok_mid, tok_hi, BLOCK_N):
-                next_id = page_id
-                next_bad = bad_page
-                if carry:
-                    next_id, next_bad = checked_page(
-                        tl.load(bt_row + (n0 + BLOCK_N) // PAGE, mask=n0 + BLOCK_N < tok_hi, other=0), NUM_PAGES)
-                    next_bad = next_bad | bad_page
-                acc0, acc1, acc2, acc3, m_i, l_i, tile_bad = _attend_tile(
-                    acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, q_pe,
-                    kv_ptr, desc, desc_pe, bt_row, n0, seqlen, lim, stride_page, stride_tok, qk_scale, page_id,
-                    NUM_PAGES, scale_ptr, PAGE, BLOCK_N, DC, NC, DR, HAS_PE, True, USE_TMA, carry, PRECISION,
-                    KV_FMT, NAN_FIXUP)
-                page_id = next_id
-                bad_page = next_bad | tile_bad
+            acc0, acc1, acc2, acc3, m_i, l_i, page_id, bad_page = _attend_range(
+                acc0, acc1, acc2, acc3, m_i, l_i, page_id, bad_page, q0, q1, q2, q3, q_pe,
+                kv_ptr, desc, desc_pe, bt_row, tok_lo, tok_mid, tok_hi, seqlen, lim, stride_page, stride_tok, qk_scale,
+                NUM_PAGES, scale_ptr, PAGE, BLOCK_N, DC, NC, DR, HAS_PE, False, USE_TMA, carry, PRECISION, KV_FMT,
+                NAN_FIXUP)
+            acc0, acc1, acc2, acc3, m_i, l_i, page_id, bad_page = _attend_range(
+                acc0, acc1, acc2, acc3, m_i, l_i, page_id, bad_page, q0, q1, q2, q3, q_pe,
+                kv_ptr, desc, desc_pe, bt_row, tok_mid, tok_hi, tok_hi, seqlen, lim, stride_page, stride_tok, qk_scale,
+                NUM_PAGES, scale_ptr, PAGE, BLOCK_N, DC, NC, DR, HAS_PE, True, USE_TMA, carry, PRECISION, KV_FMT,
+                NAN_FIXUP)
 
             bits = bits | tl.where(bad_page, BLOCK_TABLE, 0)
             report(err_ptr, bits)

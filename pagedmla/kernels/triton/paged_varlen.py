@@ -21,15 +21,14 @@ import triton.language as tl
 from pagedmla import checks, errors
 from pagedmla.device import triton_interpreting
 from pagedmla.kernels.triton.common import (
-    _LN2,
     BLOCK_TABLE,
+    INTERPRETER_TILES,
     LOG2E,
     QUERY_INDPTR,
     PrefillConfig,
     checked_length,
     checked_page,
     finish_rows,
-    fp8_cols,
     fp8_nan_fixup,
     indptr_is_partition,
     kv_format_args,
@@ -39,6 +38,7 @@ from pagedmla.kernels.triton.common import (
 )
 from pagedmla.kernels.triton.sm90.mla import sm90_supported
 from pagedmla.kernels.triton.sm90.paged_varlen import paged_varlen_sm90
+from pagedmla.kernels.triton.steps import key_scores, load_split, paged_tile, softmax_step, store_rows
 from pagedmla.kernels.triton.varlen import check_dtype, last_dim_contiguous, split_head_dim
 
 
@@ -53,9 +53,8 @@ def _paged_tile(
     """Online-softmax update over latent rows [lo, hi) of one request. MASKED tiles apply the length
     and per-row causal limits (row_limit: last visible key per row) and never read slots past kv_len.
     ``bad`` accumulates whether a page id was outside the cache (page 0 is read instead). FP8 rows (KV_FMT >
-    0, ``common.fp8_cols``) are dequantised as loaded and cast to q's dtype for the dots."""
+    0) are dequantised as ``key_scores`` loads them."""
     offs_n = tl.arange(0, BLOCK_N)
-    d1 = tl.arange(0, BLOCK_D1)
     for start_n in tl.range(lo, hi, BLOCK_N):
         n = start_n + offs_n
         n_ok = n < kv_len  # all set on unmasked tiles (read there only by the FP8 rope part's column mask)
@@ -65,40 +64,8 @@ def _paged_tile(
             page, page_bad = checked_page(tl.load(bt_row + n // PAGE_SIZE), num_pages)
         bad = bad | (tl.max(page_bad.to(tl.int32), 0) > 0)
         rows = KV + (page.to(tl.int64) * PAGE_SIZE + n % PAGE_SIZE)[:, None] * stride_slot
-        # Unused slots may hold garbage (NaN): masked loads give 0 there, so no NaN reaches an MMA.
-        if KV_FMT > 0:
-            kv1 = fp8_cols(rows, 0, n_ok[:, None], scale_ptr, BLOCK_D1, KV_FMT, False, MASKED, NAN_FIXUP)
-            kv1 = kv1.to(q1.dtype)
-        elif MASKED:
-            kv1 = tl.load(rows + d1[None, :], mask=n_ok[:, None], other=0.0)
-        else:
-            kv1 = tl.load(rows + d1[None, :])
-        s = tl.dot(q1, tl.trans(kv1), input_precision=DOT_PREC)
-        if BLOCK_D2 > 0:
-            d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
-            if KV_FMT > 0:
-                # The FP8 rope part: the tile's columns past DK (a non-power-of-two remainder) are masked.
-                kv2 = fp8_cols(rows, BLOCK_D1, n_ok[:, None] & (d2[None, :] < DK), scale_ptr, BLOCK_D2, KV_FMT,
-                               True, True, NAN_FIXUP).to(q1.dtype)
-            elif MASKED:
-                kv2 = tl.load(rows + d2[None, :], mask=n_ok[:, None] & (d2[None, :] < DK), other=0.0)
-            elif BLOCK_D1 + BLOCK_D2 > DK:
-                kv2 = tl.load(rows + d2[None, :], mask=d2[None, :] < DK, other=0.0)
-            else:
-                kv2 = tl.load(rows + d2[None, :])
-            s = tl.dot(q2, tl.trans(kv2), s, input_precision=DOT_PREC)
-        if MASKED:
-            valid = n_ok[None, :] & (n[None, :] <= row_limit[:, None])
-            s = tl.where(valid, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # Rows that have seen no key keep m = -inf: shift by 0 so exp2 gives 0 rather than NaN.
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_safe[:, None])
-            alpha = tl.math.exp2(m_i - m_safe)
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            p = tl.math.exp2(s * qk_scale - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
+        s, kv1 = key_scores(q1, q2, rows, n_ok, DK, BLOCK_D1, BLOCK_D2, MASKED, DOT_PREC, scale_ptr, KV_FMT, NAN_FIXUP)
+        p, alpha, m_new = softmax_step(s, m_i, n_ok[None, :] & (n[None, :] <= row_limit[:, None]), qk_scale, MASKED)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         # The value is the key tile's first BLOCK_D1 columns (512 of 576): no second load. Columns past
@@ -118,9 +85,7 @@ def _paged_varlen_kernel(
     CAUSAL: tl.constexpr, SEARCH_STEPS: tl.constexpr, DOT_PREC: tl.constexpr, KV_FMT: tl.constexpr,
     NAN_FIXUP: tl.constexpr,
 ):
-    """One program: 64 (token, head) rows of one request over the keys they see. Long (~80 lines) on
-    purpose, as the decode kernel: the request search, guards and the key loop share the loop-carried
-    state, which a split into helpers would pass through every call."""
+    """One program: BLOCK_M (token, head) rows of one request over the keys they see."""
     # Later tiles hold later tokens, which see more keys: launch them first.
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
     d1 = tl.arange(0, BLOCK_D1)
@@ -135,19 +100,7 @@ def _paged_varlen_kernel(
         if pid == 0:
             report(err_ptr, QUERY_INDPTR)
         return
-    # Largest b with tile_start(b) = qo_indptr[b] * H // BLOCK_M + b <= pid (tile_start is increasing).
-    lo = 0
-    hi = batch - 1
-    for _ in range(SEARCH_STEPS):
-        mid = (lo + hi + 1) // 2
-        start_mid = (tl.load(qo_indptr + mid).to(tl.int64) * num_heads) // BLOCK_M + mid
-        go_up = start_mid <= pid
-        lo = tl.where(go_up, mid, lo)
-        hi = tl.where(go_up, hi, mid - 1)
-    b = lo
-    q_start = tl.load(qo_indptr + b)
-    q_len = tl.load(qo_indptr + b + 1) - q_start
-    r0 = (pid - ((q_start.to(tl.int64) * num_heads) // BLOCK_M + b)).to(tl.int32) * BLOCK_M
+    b, q_start, q_len, r0 = paged_tile(pid, qo_indptr, num_heads, batch, BLOCK_M, SEARCH_STEPS)
     n_rows = q_len * num_heads
     if r0 >= n_rows:
         return
@@ -158,12 +111,7 @@ def _paged_varlen_kernel(
     tok = r // num_heads
     head = r % num_heads
     q_rows = Q + (q_start.to(tl.int64) + tok)[:, None] * stride_qt + head[:, None] * stride_qh
-    q1 = tl.load(q_rows + d1[None, :], mask=row_ok[:, None] & (d1[None, :] < DK), other=0.0)
-    if BLOCK_D2 > 0:
-        d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
-        q2 = tl.load(q_rows + d2[None, :], mask=row_ok[:, None] & (d2[None, :] < DK), other=0.0)
-    else:
-        q2 = q1
+    q1, q2 = load_split(q_rows, row_ok, DK, BLOCK_D1, BLOCK_D2)
     bt_row = block_table + b.to(tl.int64) * stride_bt
 
     acc = tl.zeros([BLOCK_M, BLOCK_D1], dtype=tl.float32)
@@ -190,13 +138,10 @@ def _paged_varlen_kernel(
     bits = bits | tl.where(bad, BLOCK_TABLE, 0)
     report(err_ptr, bits)
     inv_l, lse2 = finish_rows(l_i, m_i, bits != 0)
-    o_rows = O + (q_start.to(tl.int64) + tok)[:, None] * stride_ot + head[:, None] * stride_oh
-    tl.store(o_rows + d1[None, :], (acc * inv_l[:, None]).to(O.dtype.element_ty),
-             mask=row_ok[:, None] & (d1[None, :] < DV))
-    tl.store(LSE + (q_start.to(tl.int64) + tok) * num_heads + head, lse2 * _LN2, mask=row_ok)
+    store_rows(O + (q_start.to(tl.int64) + tok)[:, None] * stride_ot + head[:, None] * stride_oh, acc, inv_l, lse2,
+               LSE, q_start, tok, num_heads, head, row_ok, d1, DV)
 
 
-_INTERPRETER_TILES = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
 _FP32_TILES = PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
 _TILES = PrefillConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
 
@@ -205,7 +150,7 @@ def default_config(dtype: torch.dtype) -> PrefillConfig:
     """The portable kernel's tiles: small under the interpreter (exercise multi-tile paths on small tests);
     on the H200 64 rows x 64 latent rows with 8 warps (two warpgroups split the 512-wide accumulator)."""
     if triton_interpreting():
-        return _INTERPRETER_TILES
+        return INTERPRETER_TILES
     return _FP32_TILES if dtype == torch.float32 else _TILES
 
 

@@ -18,7 +18,7 @@ import triton.language as tl
 from pagedmla import checks, errors
 from pagedmla.device import triton_interpreting
 from pagedmla.kernels.triton.common import (
-    _LN2,
+    INTERPRETER_TILES,
     KEY_INDPTR,
     LOG2E,
     MAX_SEQLEN,
@@ -37,6 +37,7 @@ from pagedmla.kernels.triton.sm90.varlen import (
     varlen_sm90_plan,
     varlen_sm90_supported,
 )
+from pagedmla.kernels.triton.steps import key_scores, load_cols, load_split, softmax_step, store_rows
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -79,51 +80,19 @@ def _attn_tile(
     """Online-softmax update over key tiles [lo, hi). MASKED tiles apply the length and causal masks;
     unmasked tiles must lie fully inside the sequence and below the diagonal."""
     offs_n = tl.arange(0, BLOCK_N)
-    d1 = tl.arange(0, BLOCK_D1)
-    dv = tl.arange(0, BLOCK_DV)
     for start_n in tl.range(lo, hi, BLOCK_N):
         n = start_n + offs_n
         # The tile start in int64 keeps long sequences (position x row stride > 2^31) addressable; the
         # in-tile offsets stay small enough for int32.
         k_rows = k_base + tl.cast(start_n, tl.int64) * stride_kt + offs_n[:, None] * stride_kt
         v_rows = v_base + tl.cast(start_n, tl.int64) * stride_vt + offs_n[:, None] * stride_vt
-        if MASKED:
-            n_ok = n < lk
-            k1 = tl.load(k_rows + d1[None, :], mask=n_ok[:, None] & (d1[None, :] < DK), other=0.0)
-        elif BLOCK_D1 > DK:
-            k1 = tl.load(k_rows + d1[None, :], mask=d1[None, :] < DK, other=0.0)
-        else:
-            k1 = tl.load(k_rows + d1[None, :])
-        s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC)
-        if BLOCK_D2 > 0:
-            d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
-            if MASKED:
-                k2 = tl.load(k_rows + d2[None, :], mask=n_ok[:, None] & (d2[None, :] < DK), other=0.0)
-            elif BLOCK_D1 + BLOCK_D2 > DK:
-                k2 = tl.load(k_rows + d2[None, :], mask=d2[None, :] < DK, other=0.0)
-            else:
-                k2 = tl.load(k_rows + d2[None, :])
-            s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PREC)
-        if MASKED:
-            valid = n_ok[None, :]
-            if CAUSAL:
-                valid = valid & (n[None, :] <= offs_m[:, None] + diag_off)
-            s = tl.where(valid, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # A row that has seen no key yet keeps m = -inf; shift by 0 there so exp2 gives 0, not NaN.
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_safe[:, None])
-            alpha = tl.math.exp2(m_i - m_safe)
-            v = tl.load(v_rows + dv[None, :], mask=n_ok[:, None] & (dv[None, :] < DV), other=0.0)
-        else:
-            # Every row of an unmasked tile sees all BLOCK_N keys, so m_new is finite.
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            p = tl.math.exp2(s * qk_scale - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            if BLOCK_DV > DV:
-                v = tl.load(v_rows + dv[None, :], mask=dv[None, :] < DV, other=0.0)
-            else:
-                v = tl.load(v_rows + dv[None, :])
+        n_ok = n < lk
+        s, _ = key_scores(q1, q2, k_rows, n_ok, DK, BLOCK_D1, BLOCK_D2, MASKED, DOT_PREC)
+        valid = n_ok[None, :]
+        if CAUSAL:
+            valid = valid & (n[None, :] <= offs_m[:, None] + diag_off)
+        p, alpha, m_new = softmax_step(s, m_i, valid, qk_scale, MASKED)
+        v = load_cols(v_rows, 0, BLOCK_DV, n_ok, DV, MASKED)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
@@ -141,7 +110,7 @@ def _varlen_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """One program: BLOCK_M query rows of one sequence and head over the keys they see. Long (~85 lines)
+    """One program: BLOCK_M query rows of one sequence and head over the keys they see. Long (~80 lines)
     on purpose, as the decode kernel: the sequence search, guards and key loop share the loop-carried
     state, which a split into helpers would pass through every call."""
     # Tile pid of head h: sequence b owns tiles cu_q[b] // BLOCK_M + b .. (at least its ceil(lq / BLOCK_M)),
@@ -184,15 +153,9 @@ def _varlen_fwd_kernel(
 
     offs_m = m0 + local_m
     row_ok = offs_m < lq
-    d1 = tl.arange(0, BLOCK_D1)
     row0 = q_start.to(tl.int64) + m0
     q_rows = Q + row0 * stride_qt + h * stride_qh + local_m[:, None] * stride_qt
-    q1 = tl.load(q_rows + d1[None, :], mask=row_ok[:, None] & (d1[None, :] < DK), other=0.0)
-    if BLOCK_D2 > 0:
-        d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
-        q2 = tl.load(q_rows + d2[None, :], mask=row_ok[:, None] & (d2[None, :] < DK), other=0.0)
-    else:
-        q2 = q1
+    q1, q2 = load_split(q_rows, row_ok, DK, BLOCK_D1, BLOCK_D2)
     k_base = K + k_start.to(tl.int64) * stride_kt + kvh * stride_kh
     v_base = V + k_start.to(tl.int64) * stride_vt + kvh * stride_vh
 
@@ -217,13 +180,10 @@ def _varlen_fwd_kernel(
         report(err_ptr, bits)
     # Rows that saw no key: l = 0, acc = 0 -> output 0 and LSE -inf.
     inv_l, lse2 = finish_rows(l_i, m_i, bits != 0)
-    o_rows = O + row0 * stride_ot + h * stride_oh + local_m[:, None] * stride_ot
-    tl.store(o_rows + dv[None, :], (acc * inv_l[:, None]).to(O.dtype.element_ty),
-             mask=row_ok[:, None] & (dv[None, :] < DV))
-    tl.store(LSE + (q_start.to(tl.int64) + offs_m) * num_heads + h, lse2 * _LN2, mask=row_ok)
+    store_rows(O + row0 * stride_ot + h * stride_oh + local_m[:, None] * stride_ot, acc, inv_l, lse2,
+               LSE, q_start, offs_m, num_heads, h, row_ok, dv, DV)
 
 
-_INTERPRETER_TILES = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
 _FP32_TILES = PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=1)
 # 128 x 64 tiles, 8 warps (two warpgroups of 64 query rows), 3 stages: best of the variants measured on the
 # H200 for 192/128 (benchmarks/NOTES.md); 256-wide heads drop to 2 stages to fit shared memory.
@@ -235,7 +195,7 @@ def default_config(dk: int, dv: int, dtype: torch.dtype) -> PrefillConfig:
     """The portable kernel's tiles and launch parameters. Under the interpreter small tiles exercise the
     multi-tile and masked paths on small test shapes; on the GPU the H200-tuned shapes (benchmarks/NOTES.md)."""
     if triton_interpreting():
-        return _INTERPRETER_TILES
+        return INTERPRETER_TILES
     if dtype == torch.float32:
         return _FP32_TILES
     return _TILES if dk + dv <= 384 else _WIDE_TILES

@@ -133,17 +133,11 @@ if HAVE_GLUON:
                 else:
                     first_masked = seqlen
                     lim = gl.zeros([mla._BM], dtype=gl.int32, layout=row_l) + seqlen
-                m_i = gl.full([mla._BM], float("-inf"), dtype=gl.float32, layout=row_l)
-                l_i = gl.zeros([mla._BM], dtype=gl.float32, layout=row_l)
-                o = gl.zeros([mla._BM, 256], dtype=gl.float32, layout=o_layout)
                 mbarrier.wait(q_ready, phase(nq, 1))
-                for n0 in range(tok_lo, tok_hi, mla._BN):
-                    o, m_i, l_i = mla.softmax_tile(o, m_i, l_i, it, npm, n0, first_masked, lim, seqlen,
-                                                   n0 + mla._BN >= tok_hi, qk_scale, q_smem, q_pe_smem, kv_ring,
-                                                   kv_pe_ring, p_smem, scale_smem, q_free, kv_ready, kv_empty,
-                                                   p_ready, p_free, s_layout, o_layout)
-                    npm += 1
-                    it += 1
+                o, m_i, l_i, it, npm = mla.softmax_tiles(it, npm, tok_lo, tok_hi, first_masked, lim, seqlen, qk_scale,
+                                                         q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem,
+                                                         q_free, kv_ready, kv_empty, p_ready, p_free, s_layout,
+                                                         o_layout)
                 bits = bits | gl.where(mla.pages_ok(page_flags.index(nq % 2)), 0, BLOCK_TABLE)
                 report(err_ptr, bits)
                 inv_l, lse2 = mla.softmax_finish(m_i, l_i, qk_scale, bits != 0, npm, scale_smem, p_ready, p_free)
@@ -170,15 +164,8 @@ if HAVE_GLUON:
             seqlen, tok_lo, tok_hi, _ = request_span(seqlens_ptr, b, begin_req, begin_blk, end_req, end_blk,
                                                      CAPACITY, mla._BN)
             if tok_lo < tok_hi:
-                o = gl.zeros([mla._BM, 256], dtype=gl.float32, layout=o_layout)
-                for n0 in range(tok_lo, tok_hi, mla._BN):
-                    o = mla.value_tile(o, it, npm, n0, seqlen, kv_ring, p_smem, scale_smem, kv_ready, kv_empty,
-                                       p_ready, p_free, o_layout)
-                    npm += 1
-                    it += 1
-                # 1 / l from warpgroup 0: NaN for a request it found bad.
-                inv_l = mla.value_finish(npm, scale_smem, p_ready, p_free, o_layout)
-                npm += 1
+                o, inv_l, it, npm = mla.value_tiles(it, npm, tok_lo, tok_hi, seqlen, kv_ring, p_smem, scale_smem,
+                                                    kv_ready, kv_empty, p_ready, p_free, o_layout)
                 is_direct, piece = _piece(splits_ptr, b, begin_req, begin_split, PIECES)
                 _store_half(o, inv_l, inv_l, 256, is_direct, out_ptr, lse_ptr, partials_ptr, PIECES, b, piece,
                             pid_m, H, Q_LEN, ROWS, stride_ob, stride_ot, stride_oh, False, o_layout)

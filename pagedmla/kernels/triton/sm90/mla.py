@@ -155,6 +155,25 @@ if HAVE_GLUON:
         return o, m_new, l_i
 
     @gluon.jit
+    def softmax_tiles(it, npm, lo, hi, first_masked, lim, seqlen, qk_scale, q_smem, q_pe_smem, kv_ring, kv_pe_ring,
+                      p_smem, scale_smem, q_free, kv_ready, kv_empty, p_ready, p_free, s_layout: gl.constexpr,
+                      o_layout: gl.constexpr):
+        """Warpgroup 0's ``softmax_tile`` steps over one request's (tile's) KV tokens lo .. hi - 1 (Q loaded):
+        ring slots from it, P messages from npm; the last S hands Q back to the loader. Returns (o, m_i, l_i,
+        it, npm) after the last step."""
+        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+        m_i = gl.full([_BM], float("-inf"), dtype=gl.float32, layout=row_l)
+        l_i = gl.zeros([_BM], dtype=gl.float32, layout=row_l)
+        o = gl.zeros([_BM, 256], dtype=gl.float32, layout=o_layout)
+        for n0 in range(lo, hi, _BN):
+            o, m_i, l_i = softmax_tile(o, m_i, l_i, it, npm, n0, first_masked, lim, seqlen, n0 + _BN >= hi, qk_scale,
+                                       q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_free, kv_ready,
+                                       kv_empty, p_ready, p_free, s_layout, o_layout)
+            npm += 1
+            it += 1
+        return o, m_i, l_i, it, npm
+
+    @gluon.jit
     def softmax_finish(m_i, l_i, qk_scale, bad, npm, scale_smem, p_ready, p_free):
         """(1 / l, log2 LSE) of warpgroup 0's rows (m_i unscaled, as ``softmax_tile`` keeps it; both NaN when
         ``bad``, see ``finish_rows``); sends 1 / l to warpgroup 1 as message npm, so a poisoned request's
@@ -184,6 +203,21 @@ if HAVE_GLUON:
         mbarrier.arrive(p_free, count=1)
         mbarrier.arrive(kv_empty.index(s), count=1)
         return o
+
+    @gluon.jit
+    def value_tiles(it, npm, lo, hi, seqlen, kv_ring, p_smem, scale_smem, kv_ready, kv_empty, p_ready, p_free,
+                    o_layout: gl.constexpr):
+        """Warpgroup 1's ``value_tile`` steps over one request's (tile's) KV tokens lo .. hi - 1 (ring slots
+        from it, P messages from npm), then its 1 / l from warpgroup 0 (NaN for a request warpgroup 0 found
+        bad). Returns (o, 1 / l, it, npm) after the last message."""
+        o = gl.zeros([_BM, 256], dtype=gl.float32, layout=o_layout)
+        for n0 in range(lo, hi, _BN):
+            o = value_tile(o, it, npm, n0, seqlen, kv_ring, p_smem, scale_smem, kv_ready, kv_empty, p_ready, p_free,
+                           o_layout)
+            npm += 1
+            it += 1
+        inv_l = value_finish(npm, scale_smem, p_ready, p_free, o_layout)
+        return o, inv_l, it, npm + 1
 
     @gluon.jit
     def value_finish(npm, scale_smem, p_ready, p_free, o_layout: gl.constexpr):

@@ -14,8 +14,8 @@ tile's loads are issued. The next tile's search, Q and first KV tiles then load 
 finish the current one, instead of each tile paying a program's start (search, Q and first KV round
 trips) with the tensor cores idle.
 
-The default for ``paged_varlen_attention`` on sm_90 where it applies (measured on the H200: benchmarks/NOTES.md,
-Prefill); ``PrefillConfig(use_sm90=False)`` runs the portable kernel instead.
+``paged_varlen_attention`` picks it on sm_90 wherever ``sm90_supported`` holds, the H200 measurements in
+benchmarks/NOTES.md (Prefill) having put it ahead of the portable kernel there.
 """
 
 from __future__ import annotations
@@ -37,21 +37,14 @@ from pagedmla.kernels.triton.launch import CachedKernel
 from pagedmla.kernels.triton.sm90 import mla
 from pagedmla.kernels.triton.sm90.mla import BLOCK_M, D_V, mla_descriptors, sm90_supported
 from pagedmla.kernels.triton.sm90.pipeline import HAVE_GLUON, MAX_TILES, tma_rows
+from pagedmla.kernels.triton.steps import paged_tile
 
 if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-    from pagedmla.kernels.triton.sm90.pipeline import (
-        ONE_WARP,
-        WARPGROUP,
-        claim_tile,
-        free_phase,
-        phase,
-        receive_slot,
-        slot_fields,
-    )
+    from pagedmla.kernels.triton.sm90.pipeline import ONE_WARP, WARPGROUP, claim_tile, free_phase, phase, receive_fields
 
 if HAVE_GLUON:
 
@@ -60,19 +53,7 @@ if HAVE_GLUON:
         """Work tile ``tile`` (request-major numbering): (request, its first flat q row, rows r0 .. r0 + 63 of
         its q_len * H, q_len, kv_len clamped to 0 .. capacity, the error bits of its length, end of the keys any
         row of the tile sees). Needs qo_indptr to be a partition of the rows (the caller checks)."""
-        # Largest b with tile_start(b) = qo_indptr[b] * H // 64 + b <= tile (tile_start is increasing).
-        lo = tile * 0
-        hi = lo + batch - 1
-        for _ in gl.static_range(SEARCH_STEPS):
-            mid = (lo + hi + 1) // 2
-            start_mid = (gl.load(qo_ptr + mid).to(gl.int64) * H) // mla._BM + mid
-            go_up = start_mid <= tile
-            lo = gl.where(go_up, mid, lo)
-            hi = gl.where(go_up, hi, mid - 1)
-        b = lo
-        q_start = gl.load(qo_ptr + b)
-        q_len = gl.load(qo_ptr + b + 1) - q_start
-        r0 = (tile - ((q_start.to(gl.int64) * H) // mla._BM + b)).to(gl.int32) * mla._BM
+        b, q_start, q_len, r0 = paged_tile(tile, qo_ptr, H, batch, mla._BM, SEARCH_STEPS)
         n_rows = q_len * H
         kv_len, bits = checked_length(gl.load(seqlens_ptr + b), capacity)
         if CAUSAL:
@@ -116,7 +97,7 @@ if HAVE_GLUON:
         """A warpgroup's i-th tile as the loader published it (``_publish_tile``'s seven fields)."""
         # Every thread holds the whole slot: the fields come out without cross-thread reductions.
         layout: gl.constexpr = gl.BlockedLayout([8], [32], [4], [0])
-        return slot_fields(receive_slot(i, tile_info, tile_ready, tile_free, layout), layout)
+        return receive_fields(i, tile_info, tile_ready, tile_free, layout)
 
     @gluon.jit
     def _store_rows(o, scale, lse2, col0, out_ptr, lse_ptr, row0, r0, n_rows, WRITE_LSE: gl.constexpr,
@@ -200,20 +181,13 @@ if HAVE_GLUON:
                         first_masked = gl.minimum(gl.maximum(kv_len - q_len + r0 // H + 1, 0), kv_len)
                     else:
                         lim = gl.zeros([mla._BM], dtype=gl.int32, layout=row_l) + kv_len
-                    m_i = gl.full([mla._BM], float("-inf"), dtype=gl.float32, layout=row_l)
-                    l_i = gl.zeros([mla._BM], dtype=gl.float32, layout=row_l)
-                    o = gl.zeros([mla._BM, 256], dtype=gl.float32, layout=o_layout)
                     if end > 0:
                         mbarrier.wait(q_ready, phase(nq, 1))
                         nq += 1
-                    for n0 in range(0, end, mla._BN):
-                        # The last S of the tile hands Q back to the loader for the next one.
-                        o, m_i, l_i = mla.softmax_tile(o, m_i, l_i, it, npm, n0, first_masked, lim, kv_len,
-                                                       n0 + mla._BN >= end, qk_scale, q_smem, q_pe_smem, kv_ring,
-                                                       kv_pe_ring, p_smem, scale_smem, q_free, kv_ready, kv_empty,
-                                                       p_ready, p_free, s_layout, o_layout)
-                        it += 1
-                        npm += 1
+                    o, m_i, l_i, it, npm = mla.softmax_tiles(it, npm, 0, end, first_masked, lim, kv_len, qk_scale,
+                                                             q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem,
+                                                             scale_smem, q_free, kv_ready, kv_empty, p_ready, p_free,
+                                                             s_layout, o_layout)
                     if end > 0:  # the loader's page check of this tile's keys (nq counted its Q load)
                         bits = bits | gl.where(mla.pages_ok(page_flags.index((nq - 1) % 2)), 0, BLOCK_TABLE)
                     if r0 == 0:
@@ -239,15 +213,8 @@ if HAVE_GLUON:
                 claim, row0, r0, q_len, kv_len, _, end = _receive_tile(i, tile_info, tile_ready, tile_free)
                 i += 1
                 if (claim < T) & (r0 < q_len * H):
-                    o = gl.zeros([mla._BM, 256], dtype=gl.float32, layout=o_layout)
-                    for n0 in range(0, end, mla._BN):
-                        o = mla.value_tile(o, it, npm, n0, kv_len, kv_ring, p_smem, scale_smem, kv_ready, kv_empty,
-                                           p_ready, p_free, o_layout)
-                        it += 1
-                        npm += 1
-                    # 1 / l from warpgroup 0: NaN for a request it found bad.
-                    inv_l = mla.value_finish(npm, scale_smem, p_ready, p_free, o_layout)
-                    npm += 1
+                    o, inv_l, it, npm = mla.value_tiles(it, npm, 0, end, kv_len, kv_ring, p_smem, scale_smem, kv_ready,
+                                                        kv_empty, p_ready, p_free, o_layout)
                     _store_rows(o, inv_l, inv_l, 256, out_ptr, lse_ptr, row0, r0, q_len * H, False, o_layout)
 
     @gluon.jit

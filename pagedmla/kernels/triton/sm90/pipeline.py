@@ -94,9 +94,11 @@ if HAVE_GLUON:
         return info
 
     @gluon.jit
-    def slot_fields(info, layout: gl.constexpr):
-        """Words 0 .. 6 of a hand-off slot ``receive_slot`` loaded (every thread holding the whole slot, or
-        a lane each: the sums reduce across threads where needed)."""
+    def receive_fields(i, slots, ready, free, layout: gl.constexpr):
+        """Words 0 .. 6 of the i-th published slot (``receive_slot``) of a hand-off whose slots hold 8 int32
+        words, loaded in ``layout`` (every thread holding the whole slot, or a lane each: the sums reduce across
+        threads where needed)."""
+        info = receive_slot(i, slots, ready, free, layout)
         k = gl.arange(0, 8, layout=layout)
         return (gl.sum(gl.where(k == 0, info, 0), axis=0), gl.sum(gl.where(k == 1, info, 0), axis=0),
                 gl.sum(gl.where(k == 2, info, 0), axis=0), gl.sum(gl.where(k == 3, info, 0), axis=0),

@@ -28,8 +28,8 @@ sequence's rows, spare rows of the caller's buffer (anything, NaN included) or T
 are masked, and each warpgroup zeroes those value rows in shared memory before its P V (0 * NaN would poison
 the output).
 
-The default for ``varlen_attention`` on sm_90 where it applies (measured on the H200: benchmarks/NOTES.md,
-Prefill); ``PrefillConfig(use_sm90=False)`` runs the portable kernel instead.
+``varlen_attention`` runs it by default where ``varlen_sm90_supported`` accepts a call (it was the faster
+kernel on the H200: benchmarks/NOTES.md, Prefill); ``PrefillConfig(use_sm90=False)`` asks for the portable one.
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ if HAVE_GLUON:
         claim_tile,
         free_phase,
         phase,
+        receive_fields,
         receive_slot,
-        slot_fields,
         zero_tail_rows,
     )
 
@@ -180,18 +180,12 @@ if HAVE_GLUON:
     def _receive_tile_info(i, tile_info, tile_ready, tile_free):
         """Consumer side of a per-sequence hand-off: the loader's i-th tile as (id, head, q_start, lq, m0, lk,
         error bits)."""
-        return slot_fields(receive_slot(i, tile_info, tile_ready, tile_free, WARPGROUP), WARPGROUP)
+        return receive_fields(i, tile_info, tile_ready, tile_free, WARPGROUP)
 
     @gluon.jit
     def _receive_tile(i, tile_ids, tile_ready, tile_free):
         """Consumer side of the tile hand-off: the id the loader published as its i-th tile."""
-        s = i % 2
-        mbarrier.wait(tile_ready.index(s), phase(i, 2))
-        t = gl.max(tile_ids.index(s).load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)
-        # Every warp has read the slot before it is handed back (the arrive is one thread's).
-        gl.thread_barrier()
-        mbarrier.arrive(tile_free.index(s), count=1)
-        return t
+        return gl.max(receive_slot(i, tile_ids, tile_ready, tile_free, WARPGROUP), axis=0)
 
     @gluon.jit
     def _load_q_half(q_desc, q_pe_desc, q_smem, q_pe_smem, q_ready, q_free, nq, row0, q_col, W: gl.constexpr,
