@@ -131,14 +131,14 @@ def compile_decode(cfg: DecodeConfig, heads: int, arch: int = 90):
     values = dict(
         q_ptr=MockTensor(bf16), kv_ptr=MockTensor(bf16), bt_ptr=MockTensor(i32), seqlens_ptr=MockTensor(i32),
         meta_ptr=MockTensor(i32), splits_ptr=MockTensor(i32), out_ptr=MockTensor(bf16), lse_ptr=MockTensor(f32),
-        part_ptr=MockTensor(f32), err_ptr=MockTensor(i32), desc=desc, desc_pe=desc_pe,
+        part_ptr=MockTensor(f32), err_ptr=MockTensor(i32), desc=desc, desc_pe=desc_pe, scale_ptr=None,
         B=128, H=heads, Q_LEN=1, ROWS=heads, NUM_PAGES=4099, MAX_PAGES=67, qk_scale=D ** -0.5 * LOG2E,
         stride_qb=heads * D, stride_qt=heads * D, stride_qh=D, stride_page=PAGE * D, stride_tok=D, stride_btb=64,
         stride_ob=heads * DV, stride_ot=heads * DV, stride_oh=DV,
     )
     constants = dict(CAUSAL=True, PAGE=PAGE, SCHED_N=SCHED_N, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DV=DV,
                      NC=cfg.chunks, DR=D - DV, HAS_PE=True, META_W=METADATA_WIDTH, USE_TMA=cfg.use_tma,
-                     CARRY_PAGES=cfg.carry_pages, PRECISION="tf32")
+                     CARRY_PAGES=cfg.carry_pages, PRECISION="tf32", KV_FMT=0, NAN_FIXUP=False)
     target = GPUTarget("cuda", arch, 32)
     backend = CUDABackend(target)
     signature, constexprs, attrs = {}, {}, {}

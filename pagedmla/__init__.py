@@ -11,6 +11,7 @@ from pagedmla.backend import (
 from pagedmla.cache import MLAKVCache, OutOfPagesError, PageAllocator, RequestTable
 from pagedmla.config import MLAConfig
 from pagedmla.draft_backend import MLADraftBackend
+from pagedmla.kv_format import dequantize_latent, quantize_latent
 from pagedmla.ops import (
     available_providers,
     flash_attn_varlen_func,
@@ -35,10 +36,12 @@ __all__ = [
     "available_backends",
     "available_providers",
     "create_backend",
+    "dequantize_latent",
     "flash_attn_varlen_func",
     "flash_mla_varlen_with_kvcache",
     "flash_mla_with_kvcache",
     "get_mla_metadata",
     "merge_state",
+    "quantize_latent",
     "register_backend",
 ]

@@ -559,10 +559,11 @@ class MLABackend:
             self.save_kv(k, lid, out_cache_loc, cache)
         self._check_pages(meta, cache)
         if meta.dcp is not None:
-            return self._dcp.attend(q, cache.paged_view(lid), meta.dcp)
+            return self._dcp.attend(q, cache.paged_view(lid), meta.dcp, cache.kv_format, cache.k_scale(lid))
         out, _ = self._decode_impl(q.view(bs, meta.q_len, self.heads, self.kv_dim), cache.paged_view(lid),
                                    meta.block_table, meta.seq_lens, self.v_dim, meta.tile_scheduler_metadata,
-                                   meta.num_splits, self.scale, True)
+                                   meta.num_splits, self.scale, True, kv_format=cache.kv_format,
+                                   k_scale=cache.k_scale(lid))
         return out.reshape(meta.num_tokens, self.heads * self.v_dim)
 
     def forward_extend(self, q, k, v, layer, out_cache_loc, cache: MLAKVCache, *, save_kv_cache: bool = True,
@@ -591,9 +592,10 @@ class MLABackend:
                 self.save_kv(k, lid, out_cache_loc, cache)
             self._check_pages(meta, cache)
             if meta.dcp is not None:
-                return self._dcp.attend(q, cache.paged_view(lid), meta.dcp)
+                return self._dcp.attend(q, cache.paged_view(lid), meta.dcp, cache.kv_format, cache.k_scale(lid))
             out, _ = self._varlen_paged_impl(q, cache.paged_view(lid), meta.block_table, meta.seq_lens,
-                                             meta.qo_indptr, self.v_dim, self.scale, True, meta.max_q_len)
+                                             meta.qo_indptr, self.v_dim, self.scale, True, meta.max_q_len,
+                                             kv_format=cache.kv_format, k_scale=cache.k_scale(lid))
             return out.reshape(meta.num_tokens, self.heads * self.v_dim)
         self._check_q(q, meta.num_tokens, self.config.qk_head_dim)
         self._check_q(k, meta.num_tokens, self.config.qk_head_dim, "k")
@@ -610,8 +612,9 @@ class MLABackend:
                 raise ValueError("kv_decompress: the chunked-prefix form needs it to expand prefix rows")
             self._check_pages(meta, cache)
             for chunk in meta.prefix_chunks:
-                # A bad page id gives a slot outside the cache: NaN rows, so the request's output is NaN.
-                rows = cache.gather(lid, chunk.slots, validate=False)
+                # A bad page id gives a slot outside the cache: NaN rows, so the request's output is NaN. FP8 rows
+                # are dequantised to the queries' dtype as gathered (only the chunk's).
+                rows = cache.gather(lid, chunk.slots, validate=False, dtype=q.dtype)
                 if chunk.gather_index is not None:
                     rows = self._dcp.gather_rows(rows, chunk.gather_index)
                 kc, vc = kv_decompress(rows)
@@ -635,12 +638,15 @@ class MLABackend:
     # ------------------------------------------------------------------ traced forms (torch.compile)
     # One planned step expressed with the pagedmla:: custom ops (ops/library.py), for Dynamo: the eager paths
     # above call the kernels through the memoised entry points, which Dynamo cannot trace.
-    def _traced_meta(self) -> ForwardMetadata:
-        """The planned step, for a traced forward (NotImplementedError for what tracing lacks)."""
+    def _traced_meta(self, cache: MLAKVCache) -> ForwardMetadata:
+        """The planned step, for a traced forward over ``cache`` (NotImplementedError for what tracing lacks)."""
         meta = self._meta()
         if meta.dcp is not None:
             raise NotImplementedError("torch.compile: decode context parallelism (MLAConfig.dcp_size > 1) runs "
                                       "eagerly or as CUDA graphs, not traced")
+        if cache.kv_format is not None:
+            raise NotImplementedError(f"torch.compile: FP8 caches ({cache.kv_format}) run eagerly or as CUDA graphs, "
+                                      "not traced")
         return meta
 
     def _traced_provider(self, op: str) -> str | None:
@@ -654,7 +660,7 @@ class MLABackend:
     def _traced_decode(self, q, k, v, layer, out_cache_loc, cache: MLAKVCache, bs: int, save_kv_cache: bool):
         """``forward_decode`` while Dynamo traces (DECODE / TARGET_VERIFY; DRAFT_EXTEND and a ragged verify go
         through ``_traced_extend``, the varlen kernel)."""
-        meta = self._traced_meta()
+        meta = self._traced_meta(cache)
         if meta.bs == 0:
             return q.new_empty(0, self.heads * self.v_dim)
         if meta.mode == ForwardMode.DRAFT_EXTEND or not meta.uniform:
@@ -669,7 +675,7 @@ class MLABackend:
     def _traced_extend(self, q, k, v, layer, out_cache_loc, cache: MLAKVCache, save_kv_cache: bool,
                        latent: torch.Tensor | None, kv_decompress):
         """``forward_extend`` while Dynamo traces (absorbed, MHA and chunked-prefix forms)."""
-        meta = self._traced_meta()
+        meta = self._traced_meta(cache)
         if meta.bs == 0:
             return q.new_empty(0, self.heads * self.v_dim)
         lid = _layer_id(layer)

@@ -1,8 +1,12 @@
 """Paged latent KV cache: page allocator, request block tables, per-layer latent buffers.
 
-Layout: each layer's buffer is ``[num_pages * page_size, 1, kv_dim]``; token slot
+Layout: each layer's buffer is ``[num_pages * page_size, 1, width]``; token slot
 ``page_id * page_size + offset``. Page 0 is reserved: it is never handed out, and padded tokens (CUDA
 graph padding, idle rows) write there, so it may hold garbage but never a live request's data.
+
+FP8 caches (``pagedmla.kv_format``): ``fp8_e4m3`` rows are kv_dim float8_e4m3fn values with one float32 scale
+per layer, ``fp8_ds_mla`` rows FlashMLA's 656 bytes with their own scales. Writes quantise the rows they store
+(and only those); gathers dequantise the rows they read.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from pagedmla import checks, errors
+from pagedmla import checks, errors, kv_format
 from pagedmla.device import to_device
 
 
@@ -180,31 +184,64 @@ class RequestTable:
 
 
 class MLAKVCache:
-    """Per-layer latent buffers ``[num_pages * page_size, 1, kv_dim]`` plus writes and gathers by slot."""
+    """Per-layer latent buffers ``[num_pages * page_size, 1, width]`` plus writes and gathers by slot.
+
+    dtype: the rows' dtype (bfloat16, float16, float32, float64; width = kv_dim) or an FP8 format
+    (``pagedmla.kv_format``): "fp8_e4m3" / torch.float8_e4m3fn (width kv_dim, one float32 scale per layer,
+    ``k_scale``, 1.0 unless given) or "fp8_ds_mla" / torch.uint8 (width 656 bytes, kv_dim 576). ``dtype`` then
+    holds the storage dtype, ``kv_format`` the format (None for float rows).
+    """
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_dim: int = 576,
-                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype | str = torch.bfloat16, device: torch.device | str = "cpu", *,
+                 k_scale: float | None = None):
         for name, value in (("num_layers", num_layers), ("num_pages", num_pages), ("kv_dim", kv_dim)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         if isinstance(page_size, bool) or not isinstance(page_size, int) or not 1 <= page_size <= 256 \
                 or page_size & (page_size - 1):
             raise ValueError(f"page_size: expected a power of two between 1 and 256, got {page_size!r}")
-        if dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
-            raise ValueError(f"dtype: expected bfloat16, float16, float32 or float64, got {dtype}")
+        fp8 = kv_format.fp8_storage(dtype)
+        if fp8 is None and dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+            raise ValueError(f"dtype: expected bfloat16, float16, float32, float64, fp8_e4m3 or fp8_ds_mla, "
+                             f"got {dtype}")
+        self.kv_format = None if fp8 is None else fp8[1]
+        dtype, width = (dtype, kv_dim) if fp8 is None else kv_format.storage(self.kv_format, kv_dim)
         self.num_pages = num_pages
         self.page_size = page_size
         self.kv_dim = kv_dim
         self.dtype = dtype
+        self.row_width = width
         self.num_slots = num_pages * page_size
-        self.buffers = [torch.empty(self.num_slots, 1, kv_dim, dtype=dtype, device=device) for _ in range(num_layers)]
-        # The two views every step takes of each layer, made once (a view costs host time on every call).
-        self._flat = [b.view(self.num_slots, kv_dim) for b in self.buffers]
-        self._paged = [b.view(num_pages, page_size, 1, kv_dim) for b in self.buffers]
+        self.buffers = [torch.empty(self.num_slots, 1, width, dtype=dtype, device=device) for _ in range(num_layers)]
+        # The two views every step takes of each layer, made once (a view costs host time on every call); FP8
+        # rows are moved as bytes (torch has no index_copy_ for float8 on the CPU).
+        self._flat = [b.view(self.num_slots, width) if fp8 is None else b.view(torch.uint8).view(self.num_slots, width)
+                      for b in self.buffers]
+        self._paged = [b.view(num_pages, page_size, 1, width) for b in self.buffers]
+        self._k_scales = self._layer_scales(k_scale, num_layers, device)
+
+    def _layer_scales(self, k_scale, num_layers: int, device) -> list[torch.Tensor] | None:
+        """fp8_e4m3: one float32 [1] scale tensor per layer (the kernels read it on the device); else None."""
+        if self.kv_format != "fp8_e4m3":
+            if k_scale is not None:
+                raise ValueError(f"k_scale: only an fp8_e4m3 cache has a scale, this one is "
+                                 f"{self.kv_format or self.dtype}")
+            return None
+        k_scale = 1.0 if k_scale is None else k_scale
+        if isinstance(k_scale, bool) or not isinstance(k_scale, (int, float)) or not 0 < k_scale < float("inf"):
+            raise ValueError(f"k_scale: expected a finite positive float, got {k_scale!r}")
+        return [torch.full((1,), float(k_scale), dtype=torch.float32, device=device) for _ in range(num_layers)]
 
     @property
     def device(self) -> torch.device:
         return self.buffers[0].device
+
+    def k_scale(self, layer_id: int) -> torch.Tensor | None:
+        """The layer's fp8_e4m3 scale (float32 [1], on the cache's device; value = fp8 x scale), None for the
+        other formats. Its value may be set in place (``k_scale(layer).fill_(s)``) before rows are written."""
+        self.layer(layer_id)
+        return None if self._k_scales is None else self._k_scales[layer_id]
 
     def layer(self, layer_id: int) -> torch.Tensor:
         if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not 0 <= layer_id < len(self.buffers):
@@ -212,25 +249,29 @@ class MLAKVCache:
         return self.buffers[layer_id]
 
     def paged_view(self, layer_id: int) -> torch.Tensor:
-        """The layer's buffer as the kernels see it: [num_pages, page_size, 1, kv_dim]."""
+        """The layer's buffer as the kernels see it: [num_pages, page_size, 1, width] (``k_scale`` and
+        ``kv_format`` tell an FP8 one)."""
         self.layer(layer_id)
         return self._paged[layer_id]
 
     def store(self, layer_id: int, out_cache_loc: torch.Tensor, rows: torch.Tensor) -> None:
         """``write`` without its argument checks, for a caller that checked them (the backend, once per layer):
         rows [T, kv_dim] of any float dtype, out_cache_loc int64 [T] on the cache's device, layer_id valid.
-        A slot outside the cache is dropped and reported (``errors.CACHE_SLOT``), never written."""
+        A slot outside the cache is dropped and reported (``errors.CACHE_SLOT``), never written. FP8 caches
+        quantise the rows as they store them (torch ops on every device: a fused store kernel is future work)."""
         if not 0 <= layer_id < len(self._flat):
             raise ValueError(f"layer_id: expected an int in 0..{len(self._flat) - 1}, got {layer_id!r}")
         flat = self._flat[layer_id]
-        if flat.is_cuda:
+        if self.kv_format is not None:
+            rows = kv_format.quantize_latent(rows, self.kv_format, k_scale=self.k_scale(layer_id)).view(torch.uint8)
+        elif flat.is_cuda:
             from pagedmla.kernels.triton.rows import store_rows
 
             store_rows(flat, out_cache_loc, rows if rows.stride(-1) == 1 else rows.contiguous())
             return
         ok = self._live_slots(out_cache_loc)
         # A row with a bad slot rewrites slot 0 (the reserved page: no request's data) with what it holds.
-        flat.index_copy_(0, torch.where(ok, out_cache_loc, 0), torch.where(ok.unsqueeze(1), rows.to(self.dtype),
+        flat.index_copy_(0, torch.where(ok, out_cache_loc, 0), torch.where(ok.unsqueeze(1), rows.to(flat.dtype),
                                                                              flat[0]))
 
     def write(self, layer_id: int, out_cache_loc: torch.Tensor, latent: torch.Tensor, validate: bool = True) -> None:
@@ -261,14 +302,24 @@ class MLAKVCache:
             raise ValueError(f"c_kv/k_pe: widths must add up to {self.kv_dim} over the same T rows, got "
                              f"{tuple(c_kv.shape)} and {tuple(k_pe.shape)}")
         self._check_slots(out_cache_loc, c.shape[0])
-        self.write(layer_id, out_cache_loc, torch.cat([c.to(self.dtype), r.to(self.dtype)], dim=1), validate=False)
+        # FP8 caches quantise the joined rows on store: join them in float32, not in the storage dtype.
+        joined = self.dtype if self.kv_format is None else torch.float32
+        self.write(layer_id, out_cache_loc, torch.cat([c.to(joined), r.to(joined)], dim=1), validate=False)
 
-    def gather(self, layer_id: int, slots: torch.Tensor, validate: bool = True) -> torch.Tensor:
-        """Rows at ``slots`` (int64 [n]) as [n, kv_dim]; ``validate`` as in ``write``. A slot outside the cache
-        gives a NaN row (and sets ``errors.CACHE_SLOT``)."""
+    def gather(self, layer_id: int, slots: torch.Tensor, validate: bool = True,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows at ``slots`` (int64 [n]) as [n, kv_dim] values; ``validate`` as in ``write``. A slot outside the
+        cache gives a NaN row (and sets ``errors.CACHE_SLOT``). dtype: the values' dtype for an FP8 cache, whose
+        gathered rows (only those) are dequantised (float32 by default); float rows come back as stored."""
         self.layer(layer_id)
         self._check_slots(slots, None, name="slots", check_values=validate)
         flat = self._flat[layer_id]
+        if self.kv_format is not None:
+            ok = self._live_slots(slots)
+            raw = flat.index_select(0, torch.where(ok, slots, 0)).view(self.dtype)
+            rows = kv_format.dequantize_latent(raw, self.kv_format, k_scale=self.k_scale(layer_id),
+                                               dtype=dtype or torch.float32)
+            return rows.masked_fill(~ok.unsqueeze(1), float("nan"))
         if flat.is_cuda:
             from pagedmla.kernels.triton.rows import gather_rows
 

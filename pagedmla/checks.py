@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 import torch
 
+from pagedmla import kv_format
 from pagedmla.errors import host_value_checks
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -59,18 +60,62 @@ def positive_scale(value) -> float:
     return float(value)
 
 
-def paged_kv(k_cache: torch.Tensor, q_dim: int, head_dim_v) -> None:
-    """k_cache [num_pages, page_size, 1, D] with D == q's head dim and 0 < head_dim_v <= D."""
-    tensor(k_cache, "k_cache", ndim=4, dtypes=FLOAT_DTYPES)
-    num_pages, page_size, h_kv, d = k_cache.shape
+def paged_kv(k_cache: torch.Tensor, q: torch.Tensor, head_dim_v, k_scale=None, is_fp8_kvcache=False) -> str | None:
+    """k_cache [num_pages, page_size, 1, W] with 0 < head_dim_v <= q's head dim D, in one of the cache formats
+    (``pagedmla.kv_format``); returns the FP8 format it holds, or None for rows of q's float dtype (W = D):
+      ``fp8_e4m3``: float8_e4m3fn, W = D, with ``k_scale`` (float32, one element, on k_cache's device);
+      ``fp8_ds_mla`` (``is_fp8_kvcache=True``, FlashMLA's keyword): uint8 or float8_e4m3fn, W = 656, D = 576,
+      head_dim_v = 512, no k_scale."""
+    tensor(k_cache, "k_cache", ndim=4)
+    num_pages, page_size, h_kv, width = k_cache.shape
     if h_kv != 1:
         raise ValueError(f"k_cache: MLA keeps one KV head, got {h_kv} (shape {tuple(k_cache.shape)})")
     if page_size < 1 or page_size & (page_size - 1) or page_size > 256:
         raise ValueError(f"k_cache: page size (dim 1) must be a power of two in 1..256, got {page_size}")
-    if d != q_dim:
-        raise ValueError(f"k_cache: head dim {d} differs from q's head dim {q_dim}")
+    d = q.shape[-1]
     if isinstance(head_dim_v, bool) or not isinstance(head_dim_v, int) or not 0 < head_dim_v <= d:
         raise ValueError(f"head_dim_v: expected an int in 1..{d}, got {head_dim_v!r}")
+    if not isinstance(is_fp8_kvcache, bool):
+        raise ValueError(f"is_fp8_kvcache: expected a bool, got {is_fp8_kvcache!r}")
+    fmt = _cache_format(k_cache, q, head_dim_v, is_fp8_kvcache)
+    if fmt == "fp8_e4m3":
+        if k_scale is None:
+            raise ValueError("k_scale: an fp8_e4m3 (float8_e4m3fn) k_cache needs its layer's scale, a float32 "
+                             "tensor of one element")
+        kv_format.check_k_scale(k_scale, k_cache.device)
+    elif k_scale is not None:
+        raise ValueError(f"k_scale: only an fp8_e4m3 (float8_e4m3fn, width {d}) k_cache takes a scale; this one is "
+                         f"{fmt or k_cache.dtype}")
+    if fmt is None and k_cache.dtype != q.dtype:
+        raise ValueError(f"k_cache: dtype {k_cache.dtype} differs from q's {q.dtype}")
+    return fmt
+
+
+def _cache_format(k_cache: torch.Tensor, q: torch.Tensor, head_dim_v: int, is_fp8_kvcache: bool) -> str | None:
+    """The format of a shape-checked paged k_cache (``paged_kv``), from its dtype, width and the flag."""
+    width, d = k_cache.shape[-1], q.shape[-1]
+    if is_fp8_kvcache:
+        if k_cache.dtype not in (torch.uint8, kv_format.FP8_DTYPE):
+            raise ValueError(f"k_cache: is_fp8_kvcache=True reads fp8_ds_mla rows of uint8 or float8_e4m3fn bytes, "
+                             f"got {k_cache.dtype}")
+        if width != kv_format.DS_ROW_BYTES:
+            raise ValueError(f"k_cache: fp8_ds_mla rows (is_fp8_kvcache=True) are {kv_format.DS_ROW_BYTES} bytes, "
+                             f"got width {width}")
+        if (d, head_dim_v) != (kv_format.ROW_DIM, kv_format.LATENT_DIM):
+            raise ValueError(f"q: fp8_ds_mla caches hold {kv_format.ROW_DIM} columns with {kv_format.LATENT_DIM} "
+                             f"values: q's head dim must be {kv_format.ROW_DIM} and head_dim_v "
+                             f"{kv_format.LATENT_DIM}, got {d} and {head_dim_v}")
+        return "fp8_ds_mla"
+    if k_cache.dtype == torch.uint8 or (k_cache.dtype == kv_format.FP8_DTYPE and width == kv_format.DS_ROW_BYTES
+                                        and d != width):
+        raise ValueError(f"k_cache: {k_cache.dtype} rows of width {width} look like fp8_ds_mla rows: pass "
+                         "is_fp8_kvcache=True")
+    if k_cache.dtype not in FLOAT_DTYPES + (kv_format.FP8_DTYPE,):
+        names = ", ".join(str(t).replace("torch.", "") for t in FLOAT_DTYPES + (kv_format.FP8_DTYPE, torch.uint8))
+        raise ValueError(f"k_cache: expected dtype in ({names}), got {str(k_cache.dtype).replace('torch.', '')}")
+    if width != d:
+        raise ValueError(f"k_cache: head dim {width} differs from q's head dim {d}")
+    return "fp8_e4m3" if k_cache.dtype == kv_format.FP8_DTYPE else None
 
 
 def block_table_and_lens(block_table: torch.Tensor, cache_seqlens: torch.Tensor, batch: int) -> None:

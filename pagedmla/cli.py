@@ -109,6 +109,9 @@ def _build_parser() -> argparse.ArgumentParser:
                           "OMP_NUM_THREADS, when set, wins)")
     gen.add_argument("--provider", default=None, help="attention provider: torch, triton, ... (default: best)")
     gen.add_argument("--page-size", type=int, default=64)
+    gen.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bf16", "fp16", "fp8_e4m3", "fp8_ds_mla"),
+                     help="latent cache format: the model's dtype (auto), bf16, fp16, or FP8 (fp8_e4m3: one scale "
+                          "per layer; fp8_ds_mla: FlashMLA's 656-byte rows), about twice the pages per byte")
     gen.add_argument("--max-batch-size", type=int, default=32)
     gen.add_argument("--max-context-len", type=int, default=None, help="default: the model's max positions")
     gen.add_argument("--max-num-batched-tokens", type=int, default=8192,
@@ -240,7 +243,7 @@ def generate(args: argparse.Namespace) -> int:
               enable_cuda_graph={"auto": None, "on": True, "off": False}[args.cuda_graph],
               profile_attention=args.profile_attention, tokenizer=tokenizer,
               tensor_parallel_size=args.tensor_parallel_size,
-              decode_context_parallel_size=args.decode_context_parallel_size)
+              decode_context_parallel_size=args.decode_context_parallel_size, kv_cache_dtype=args.kv_cache_dtype)
     with llm:
         return _generate(args, llm, prompts, params)
 

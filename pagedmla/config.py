@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from pagedmla import kv_format
+
 _DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
@@ -29,14 +31,16 @@ def resolve_dtype(value: Any, name: str) -> torch.dtype:
     """Map a dtype or its usual spelling to a torch dtype; ValueError naming `name` otherwise."""
     if isinstance(value, torch.dtype):
         if value in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)):
-            raise ValueError(f"{name}: fp8 is not supported yet (got {value}); use bfloat16 or float16")
+            raise ValueError(f"{name}: {value} is not supported (FP8 KV caches are kv_cache_dtype fp8_e4m3 or "
+                             "fp8_ds_mla); use bfloat16 or float16")
         if not value.is_floating_point:
             raise ValueError(f"{name}: expected a floating-point dtype, got {value}")
         return value
     if isinstance(value, str):
         key = value.lower().replace("torch.", "")
         if key in _FP8_NAMES:
-            raise ValueError(f"{name}: fp8 is not supported yet (got {value!r}); use bfloat16 or float16")
+            raise ValueError(f"{name}: {value!r} is not supported (FP8 KV caches are kv_cache_dtype fp8_e4m3 or "
+                             "fp8_ds_mla); use bfloat16 or float16")
         if key in _DTYPES:
             return _DTYPES[key]
     raise ValueError(f"{name}: unknown dtype {value!r}; expected one of bfloat16, float16, float32")
@@ -64,6 +68,12 @@ class MLAConfig:
     request: ``page_size`` local rows on each DCP rank, at the same page id. ``softmax_scale`` defaults to
     ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5 * mscale**2``, where ``mscale`` comes from the
     DeepSeek YaRN rope scaling when ``rope_scaling`` asks for it.
+
+    KV cache: ``kv_cache_dtype`` (default ``dtype``) is bfloat16, float16, float32 or an FP8 format
+    (``pagedmla.kv_format``): "fp8_e4m3" (or "fp8", torch.float8_e4m3fn) stores float8_e4m3fn rows with one
+    scale per layer, ``kv_cache_scale`` (1.0 unless given); "fp8_ds_mla" (or torch.uint8) FlashMLA's 656-byte
+    rows with their own scales (kv_lora_rank 512, rope 64 only). After checking, ``kv_cache_dtype`` is the
+    storage dtype (float8_e4m3fn, uint8 for fp8_ds_mla) and ``kv_format`` names the FP8 format (None otherwise).
 
     Speculative decoding: a target backend's ``num_draft_tokens`` is the tokens per request of a
     TARGET_VERIFY step (the last token and its drafts); a draft backend's (``is_draft``) the most tokens
@@ -99,6 +109,9 @@ class MLAConfig:
     # new tokens (SGLang's ``mla_disable_ragged``): one attention form for every step, at the absorbed form's
     # cost per query (1088 MACs per key and head against 320 + the decompression).
     disable_ragged: bool = False
+    # fp8_e4m3 caches: every layer's k_scale (value = fp8 x scale); None takes 1.0, the engines' default for a
+    # checkpoint without calibrated scales.
+    kv_cache_scale: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
@@ -128,10 +141,27 @@ class MLAConfig:
             raise ValueError(f"extend_prefix_mode: expected one of {EXTEND_PREFIX_MODES}, "
                              f"got {self.extend_prefix_mode!r}")
         self.dtype = resolve_dtype(self.dtype, "dtype")
-        self.kv_cache_dtype = resolve_dtype(self.dtype if self.kv_cache_dtype is None else self.kv_cache_dtype,
-                                            "kv_cache_dtype")
-        if self.kv_cache_dtype not in _CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype: expected bfloat16, float16 or float32, got {self.kv_cache_dtype}")
+        fp8 = kv_format.fp8_storage(self.kv_cache_dtype)
+        if fp8 is not None:
+            self.kv_cache_dtype = fp8[0]
+        else:
+            self.kv_cache_dtype = resolve_dtype(self.dtype if self.kv_cache_dtype is None else self.kv_cache_dtype,
+                                                "kv_cache_dtype")
+            if self.kv_cache_dtype not in _CACHE_DTYPES:
+                raise ValueError(f"kv_cache_dtype: expected bfloat16, float16, float32, fp8_e4m3 or fp8_ds_mla, "
+                                 f"got {self.kv_cache_dtype}")
+        if self.kv_format == "fp8_ds_mla" and (self.kv_lora_rank, self.qk_rope_head_dim) != (
+                kv_format.LATENT_DIM, kv_format.ROPE_DIM):
+            raise ValueError(f"kv_cache_dtype: fp8_ds_mla rows hold {kv_format.LATENT_DIM} latent + "
+                             f"{kv_format.ROPE_DIM} rope columns, this model has {self.kv_lora_rank} + "
+                             f"{self.qk_rope_head_dim}")
+        if self.kv_cache_scale is not None:
+            if self.kv_format != "fp8_e4m3":
+                raise ValueError(f"kv_cache_scale: only an fp8_e4m3 cache has a scale (kv_cache_dtype is "
+                                 f"{self.kv_format or self.kv_cache_dtype})")
+            if isinstance(self.kv_cache_scale, bool) or not isinstance(self.kv_cache_scale, (int, float)) \
+                    or not 0 < self.kv_cache_scale < math.inf:
+                raise ValueError(f"kv_cache_scale: expected a finite positive float, got {self.kv_cache_scale!r}")
         if self.softmax_scale is None:
             self.softmax_scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5 * self.mscale ** 2
         elif isinstance(self.softmax_scale, bool) or not (isinstance(self.softmax_scale, (int, float))
@@ -148,6 +178,12 @@ class MLAConfig:
         if factor is None and rs.get("original_max_position_embeddings"):
             factor = self.max_context_len / float(rs["original_max_position_embeddings"])
         return yarn_mscale(float(factor or 1.0), float(rs.get("mscale_all_dim") or 0.0))
+
+    @property
+    def kv_format(self) -> str | None:
+        """The cache's FP8 format (``pagedmla.kv_format``: "fp8_e4m3", "fp8_ds_mla"), or None for a cache of
+        ``kv_cache_dtype`` values."""
+        return kv_format.format_of(self.kv_cache_dtype)
 
     @property
     def num_local_heads(self) -> int:

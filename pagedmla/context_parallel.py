@@ -144,8 +144,10 @@ class ContextParallel:
         return DCPAttention(g.seq_lens[:rows], table, g.tile_scheduler_metadata, g.num_splits[: rows + 1])
 
     # ------------------------------------------------------------------ running
-    def attend(self, q: torch.Tensor, paged_cache: torch.Tensor, plan: DCPAttention) -> torch.Tensor:
-        """q [T, local heads, 576] (this rank's heads) over the whole context -> [T, local heads * 512].
+    def attend(self, q: torch.Tensor, paged_cache: torch.Tensor, plan: DCPAttention, kv_format: str | None = None,
+               k_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, local heads, 576] (this rank's heads) over the whole context -> [T, local heads * 512]; an FP8
+        cache's ``kv_format`` and ``k_scale`` as the decode kernels take them.
 
         All-gather of the group's queries, attention over this rank's tokens, all-to-all of the float32
         (out, LSE) partials to the heads' owners, merged in rank order."""
@@ -153,7 +155,8 @@ class ContextParallel:
         d = self.size
         queries = self.group.all_gather(q).permute(1, 0, 2, 3).reshape(t, 1, d * heads, dim)
         out, lse = self._decode_impl(queries, paged_cache, plan.block_table, plan.seq_lens, self.v_dim,
-                                     plan.tile_scheduler_metadata, plan.num_splits, self.scale, True)
+                                     plan.tile_scheduler_metadata, plan.num_splits, self.scale, True,
+                                     kv_format=kv_format, k_scale=k_scale)
         # Per destination rank j: [its heads' out (t, heads, v) | their LSE (t, heads)], flat.
         out = out.view(t, d, heads, self.v_dim).transpose(0, 1).reshape(d, -1).float()
         lse = lse.view(t, d, heads).transpose(0, 1).reshape(d, -1).float()

@@ -42,7 +42,7 @@ class MLADraftBackend:
             raise ValueError(f"num_steps: expected an int >= 0, got {num_steps!r}")
         self.config = config
         self.cache = MLAKVCache(config.num_layers, num_pages, config.page_size, config.kv_dim,
-                                dtype=config.kv_cache_dtype, device=device)
+                                dtype=config.kv_cache_dtype, device=device, k_scale=config.kv_cache_scale)
         self.extend = create_backend(backend_name, config, device=device, provider=provider)
         self.steps: list[MLABackend] = [create_backend(backend_name, config, device=device, provider=provider)
                                         for _ in range(num_steps)]

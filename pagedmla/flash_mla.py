@@ -16,12 +16,16 @@ Conventions are FlashMLA's, not pagedmla's: a query row that sees no key (a requ
 causal row before the first key) returns output 0 and LSE **+inf** (pagedmla's native API says -inf);
 ``pagedmla.merge_state`` reads both as empty. LSE is the natural log, float32 ``[b, h_q, s_q]``.
 
+FP8 caches: ``is_fp8_kvcache=True`` reads a k_cache of FlashMLA's FP8 KV format (``fp8_ds_mla``: 656-byte rows of
+uint8 or float8_e4m3fn, as FlashMLA's quantiser writes them, page stride free; ``pagedmla.kv_format``) in dense
+attention, where FlashMLA itself reads that format only in its sparse kernels; the schedule is the same as for
+bf16 caches, so ``get_mla_metadata`` accepts the flag and ignores it.
+
 FlashMLA features pagedmla does not have raise ``NotImplementedError`` naming the argument instead of
-being ignored: FP8 caches (``is_fp8_kvcache=True``), sparse attention (``indices``, ``topk``,
-``topk_length``), attention sinks (``attn_sink``), extra caches (``extra_k_cache``,
-``extra_indices_in_kvcache``, ``extra_topk_length``). Several KV heads (``k_cache.shape[2] > 1``) are
-rejected by the native checks with a ``ValueError``: MLA keeps one latent head. The provider is chosen as
-for every pagedmla op (``PAGEDMLA_PROVIDER``, else the best one for the device).
+being ignored: sparse attention (``indices``, ``topk``, ``topk_length``), attention sinks (``attn_sink``),
+extra caches (``extra_k_cache``, ``extra_indices_in_kvcache``, ``extra_topk_length``). Several KV heads
+(``k_cache.shape[2] > 1``) are rejected by the native checks with a ``ValueError``: MLA keeps one latent head.
+The provider is chosen as for every pagedmla op (``PAGEDMLA_PROVIDER``, else the best one for the device).
 """
 
 from __future__ import annotations
@@ -83,16 +87,15 @@ def get_mla_metadata(
     first ``flash_mla_with_kvcache`` call. With them (2025 FlashMLA): cache_seqlens int32 [b] (KV lengths
     including this step's tokens), num_q_tokens_per_head_k = s_q * h_q // h_k, num_heads_k = 1; returns
     ``(tile_scheduler_metadata int32 [parts, 8], num_splits int32 [b + 1])`` computed on the device without
-    host synchronisation. ``num_heads_q`` is accepted and unused (FlashMLA needs it for sparse attention).
+    host synchronisation. ``num_heads_q`` is accepted and unused (FlashMLA needs it for sparse attention), and so
+    is ``is_fp8_kvcache`` (FP8 caches split the same way).
     """
     if cache_seqlens is None and num_q_tokens_per_head_k is None and num_heads_k is None:
-        _unsupported("is_fp8_kvcache", is_fp8_kvcache, "an FP8 KV cache")
         _unsupported("topk", topk, "sparse attention")
         return FlashMLASchedMeta(), None
     if num_q_tokens_per_head_k is None or num_heads_k is None:
         raise TypeError("get_mla_metadata: pass cache_seqlens, num_q_tokens_per_head_k and num_heads_k "
                         "(2025 FlashMLA) or no arguments (current FlashMLA)")
-    _unsupported("is_fp8_kvcache", is_fp8_kvcache, "an FP8 KV cache")
     _unsupported("topk", topk, "sparse attention")
     if num_heads_q is not None and (isinstance(num_heads_q, bool) or not isinstance(num_heads_q, int)
                                     or num_heads_q < 1):
@@ -129,14 +132,14 @@ def flash_mla_with_kvcache(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashMLA's paged MLA decode, dense attention.
 
-    q: [b, s_q, h_q, d] (d = 576 for DeepSeek); k_cache: [num_blocks, page_block_size, 1, d], q's dtype;
+    q: [b, s_q, h_q, d] (d = 576 for DeepSeek); k_cache: [num_blocks, page_block_size, 1, d], q's dtype, or with
+    ``is_fp8_kvcache=True`` FlashMLA's FP8 rows [num_blocks, page_block_size, 1, 656] (uint8 or float8_e4m3fn);
     block_table: int32 [b, max_blocks]; cache_seqlens: int32 [b]; head_dim_v: the value width (the first
     head_dim_v columns of a cache row, 512); tile_scheduler_metadata / num_splits: a ``FlashMLASchedMeta``
     and None (current FlashMLA) or the two tensors of the 2025 ``get_mla_metadata``. softmax_scale defaults
     to d ** -0.5; causal masks bottom-right aligned. Returns out [b, s_q, h_q, head_dim_v] (q's dtype) and
     lse [b, h_q, s_q] float32, +inf for a row that sees no key (module docstring).
     """
-    _unsupported("is_fp8_kvcache", is_fp8_kvcache, "an FP8 KV cache")
     _unsupported("indices", indices, "sparse attention")
     _unsupported("attn_sink", attn_sink, "an attention sink")
     _unsupported("extra_k_cache", extra_k_cache, "an extra KV cache")
@@ -176,11 +179,11 @@ def flash_mla_with_kvcache(
     else:
         raise TypeError("tile_scheduler_metadata: expected a FlashMLASchedMeta (get_mla_metadata()) or an int32 "
                         f"tensor (get_mla_metadata(cache_seqlens, ...)), got {type(tile_scheduler_metadata).__name__}")
-    return _native(q, k_cache, block_table, cache_seqlens, head_dim_v, md, ns, softmax_scale, causal)
+    return _native(q, k_cache, block_table, cache_seqlens, head_dim_v, md, ns, softmax_scale, causal, is_fp8_kvcache)
 
 
-def _native(q, k_cache, block_table, cache_seqlens, head_dim_v, md, ns, softmax_scale, causal):
+def _native(q, k_cache, block_table, cache_seqlens, head_dim_v, md, ns, softmax_scale, causal, is_fp8_kvcache):
     out, lse = attention.flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, md, ns,
-                                                softmax_scale, causal)
+                                                softmax_scale, causal, is_fp8_kvcache=is_fp8_kvcache)
     # FlashMLA's empty row: -inf -> +inf in one in-place pass (NaN and +inf kept as they are).
     return out, lse.nan_to_num_(nan=math.nan, posinf=math.inf, neginf=math.inf)

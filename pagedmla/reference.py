@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedmla.kv_format import dequantize_latent
+
 # Elements (of the gathered rows and of the scores) one chunk of the paged reference may hold.
 _SCORE_BUDGET = 1 << 26
 
@@ -56,11 +58,16 @@ def paged_mla_attention(
     causal: bool,
     head_dim_v: int,
     page_size: int,
+    kv_format: str | None = None,
+    k_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA attention of packed query tokens over a paged single-head latent cache.
 
     q: [T, H, D] with the tokens of request b at rows qo_indptr[b]:qo_indptr[b+1];
-    kv_cache: [num_slots, 1, D] or [num_pages, page_size, 1, D]; the value is its first head_dim_v columns;
+    kv_cache: [num_slots, 1, W] or [num_pages, page_size, 1, W] (any page stride); the value is the first
+    head_dim_v columns of each row; rows of a float dtype (W = D, kv_format None) or FP8 rows
+    (``pagedmla.kv_format``): kv_format "fp8_e4m3" (float8_e4m3fn, W = D, with k_scale float32 [1]) or
+    "fp8_ds_mla" (656 bytes); the rows a request reads are dequantised to the compute dtype as gathered;
     block_table: int [bs, max_pages]; seq_lens: int [bs], KV length including this step's tokens;
     qo_indptr: int [bs + 1]. Returns out [T, H, head_dim_v] and lse [T, H] in the compute dtype.
     """
@@ -68,15 +75,16 @@ def paged_mla_attention(
     T, H, D = q.shape
     bs, max_pages = block_table.shape
     dev = q.device
-    cache = kv_cache.reshape(-1, kv_cache.shape[-1])
-    num_pages = cache.shape[0] // page_size
+    # [num_pages, page_size, W] without a copy, whatever the page stride (FlashMLA's quantiser pads pages).
+    pages = kv_cache.unflatten(0, (-1, page_size))[:, :, 0] if kv_cache.dim() == 3 else kv_cache[:, :, 0]
+    num_pages = pages.shape[0]
     out = torch.zeros(T, H, head_dim_v, dtype=cdt, device=dev)
     lse = torch.full((T, H), float("-inf"), dtype=torch.float32 if cdt == torch.float32 else cdt, device=dev)
     if T == 0 or bs == 0:
         return out, lse
     qo_indptr = qo_indptr.to(device=dev, dtype=torch.int64)
     rows_ok = _is_partition(qo_indptr, T)
-    if cache.shape[0] == 0:
+    if num_pages == 0:
         # A cache of 0 pages holds no key: requests of length 0 are empty, any other length is bad.
         tok = torch.arange(T, device=dev)
         req = torch.searchsorted(qo_indptr[1:], tok, right=True).clamp_(max=bs - 1)
@@ -109,13 +117,22 @@ def paged_mla_attention(
             last = kv_len[sl] - q_len[sl] + q_idx[sl]
             valid &= key_pos.unsqueeze(0) <= last.unsqueeze(1)
         # Invalid positions may index unused or poisoned slots: read slot 0 there and zero the rows.
-        kv = cache[torch.where(valid, slots, torch.zeros_like(slots))].to(cdt)
+        slots = torch.where(valid, slots, torch.zeros_like(slots))
+        kv = _rows_as(pages[slots // page_size, slots % page_size], cdt, kv_format, k_scale)
         kv.masked_fill_(~valid.unsqueeze(-1), 0.0)
         scores = torch.einsum("thd,tkd->thk", q[sl].to(cdt), kv) * softmax_scale
         p, l = _softmax_rows(scores, valid.unsqueeze(1))
         out[sl] = torch.einsum("thk,tkd->thd", p, kv[..., :head_dim_v])
         lse[sl] = l.to(lse.dtype)
     return _poison(out, lse, bad_req[req] | ~rows_ok)
+
+
+def _rows_as(rows: torch.Tensor, dtype: torch.dtype, kv_format: str | None, k_scale: torch.Tensor | None
+             ) -> torch.Tensor:
+    """Gathered cache rows [..., W] as values [..., D] of ``dtype`` (FP8 rows dequantised)."""
+    if kv_format is None:
+        return rows.to(dtype)
+    return dequantize_latent(rows, kv_format, k_scale=k_scale, dtype=dtype)
 
 
 def varlen_attention(

@@ -35,13 +35,20 @@ from pagedmla.backend import ForwardBatch, ForwardMode, MLABackend
 
 
 class _PoolCache:
-    """The cache view MLABackend reads (``layer`` / ``paged_view``) over SGLang's token_to_kv_pool."""
+    """The cache view MLABackend reads (``layer`` / ``paged_view``) over SGLang's token_to_kv_pool, whose rows are
+    the model's values (``kv_format`` None: SGLang's FP8 pools are not adapted)."""
+
+    kv_format = None
 
     def __init__(self, pool, page_size: int, kv_dim: int):
         self.pool, self.page_size, self.kv_dim = pool, page_size, kv_dim
 
     def layer(self, layer_id: int) -> torch.Tensor:
         return self.pool.get_key_buffer(layer_id)
+
+    def k_scale(self, layer_id: int) -> None:
+        """No scale: the pool's rows are values (``MLAKVCache.k_scale``)."""
+        return None
 
     def paged_view(self, layer_id: int) -> torch.Tensor:
         buf = self.layer(layer_id)

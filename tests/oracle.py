@@ -22,9 +22,13 @@ Public API
   dense_varlen(q, k, v, cu_q, cu_k, scale, causal)        a packed batch of sequences (calls dense_mha)
   dense_merge(v_a, s_a, v_b, s_b)                         combine two attention states
   make_paged_cache(seq_lens, page_size, D, dtype, ...)    random paged latent cache poisoned with NaN
+                                                          (plain or FP8 rows, through a given encoder)
+  decode_e4m3(codes)                                      float8_e4m3fn bit patterns to float64, by hand
+  decode_fp8_rows(stored, kv_format, k_scale)             stored FP8 cache rows to float64, by hand
   gather_rows(k_cache, block_table, seq_lens)             read a request's rows back through its pages
   merge_inputs(g, T, H, D, dtype, lse_dtype, ...)         two random attention states with empty entries
   assert_attention_close(out, lse, ref_out, ref_lse, ...) the comparison every test uses
+  cos_diff(actual, expected)                              FlashMLA's cosine difference (FP8 acceptance)
 """
 
 from __future__ import annotations
@@ -197,6 +201,38 @@ def dense_merge(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: to
 # Random paged caches
 # ----------------------------------------------------------------------------------------------------
 
+def decode_e4m3(codes: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn bit patterns (uint8, any shape) as float64, from the bits: sign, 4 exponent bits (bias
+    7), 3 mantissa bits; exponent 0 is subnormal (m / 8 * 2^-6); S.1111.111 is NaN (no infinities)."""
+    b = codes.to(torch.int64)
+    sign = torch.where(b >= 128, -1.0, 1.0).to(F64)
+    e, m = (b >> 3) & 15, (b & 7).to(F64)
+    mag = torch.where(e == 0, m / 8 * 2.0 ** -6, (1 + m / 8) * torch.pow(torch.full_like(m, 2.0), (e - 7).to(F64)))
+    return torch.where((b & 127) == 127, torch.full_like(mag, float("nan")), sign * mag)
+
+
+def _le_float(byte_fields: torch.Tensor, width: int) -> torch.Tensor:
+    """Little-endian IEEE float32 (width 4) or bfloat16 (width 2, the high half of a float32) fields: uint8
+    [..., n * width] -> float64 [..., n]."""
+    b = byte_fields.to(torch.int64).unflatten(-1, (-1, width))
+    word = sum(b[..., i] << (8 * i) for i in range(width)) << (8 * (4 - width))
+    word = torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
+    return word.view(torch.float32).to(F64)
+
+
+def decode_fp8_rows(stored: torch.Tensor, kv_format: str, k_scale: float | None = None) -> torch.Tensor:
+    """Stored FP8 latent rows to float64 [..., 576 or D], from their bytes (docs/api.md's layouts):
+    ``fp8_e4m3``: D float8_e4m3fn values times ``k_scale``; ``fp8_ds_mla``: 656 bytes, 512 float8_e4m3fn
+    latent values, 4 little-endian float32 scales (one per 128 values), 64 little-endian bfloat16 rope values."""
+    raw = stored.detach().cpu().view(torch.uint8)
+    if kv_format == "fp8_e4m3":
+        return decode_e4m3(raw) * k_scale
+    assert kv_format == "fp8_ds_mla" and raw.shape[-1] == 656, (kv_format, tuple(raw.shape))
+    scales = _le_float(raw[..., 512:528], 4)
+    latent = decode_e4m3(raw[..., :512]).unflatten(-1, (4, 128)) * scales.unsqueeze(-1)
+    return torch.cat([latent.flatten(-2), _le_float(raw[..., 528:], 2)], dim=-1)
+
+
 class PagedCache(NamedTuple):
     """k_cache [num_pages, page_size, 1, D]; block_table int32 [bs, max_pages]; rows[b] float64 [L_b, D]
     (the exact values stored, upcast); pages[b] the page ids request b reads, in order; poison_pages the
@@ -211,8 +247,14 @@ class PagedCache(NamedTuple):
 
 def make_paged_cache(seq_lens: Sequence[int], page_size: int, D: int, dtype: torch.dtype = torch.float32, *,
                      extra_pages: int = 3, max_pages: int | None = None, generator: torch.Generator | None = None,
-                     scale: float = 1.0) -> PagedCache:
+                     scale: float = 1.0, kv_format: str | None = None, encode=None,
+                     k_scale: float | None = None) -> PagedCache:
     """A random paged latent cache holding ``len(seq_lens)`` requests.
+
+    FP8 caches: ``kv_format`` ("fp8_e4m3" or "fp8_ds_mla") with ``encode`` (float64 rows [L, D] -> the stored
+    rows [L, width], the quantiser under test); ``rows`` then holds the stored rows decoded here from their
+    bytes (``decode_fp8_rows``, with ``k_scale`` for fp8_e4m3), and ``dtype`` is ignored: the cache takes the
+    encoder's dtype and width. Poisoned slots are all-0xFF bytes there, NaN in every field of both formats.
 
     * Page 0 is reserved and, like ``extra_pages`` further pages no request owns, is entirely NaN.
     * Each request gets ceil(L / page_size) pages drawn from a random permutation of the page ids, so
@@ -237,17 +279,23 @@ def make_paged_cache(seq_lens: Sequence[int], page_size: int, D: int, dtype: tor
         cursor += n
     poison = [0] + perm[cursor:]
 
-    k_cache = torch.full((num_pages, page_size, 1, D), float("nan"), dtype=dtype)
+    if kv_format is None:
+        k_cache = torch.full((num_pages, page_size, 1, D), float("nan"), dtype=dtype)
+    else:
+        probe = encode(torch.zeros(1, D, dtype=F64))
+        k_cache = torch.empty((num_pages, page_size, 1, probe.shape[-1]), dtype=probe.dtype)
+        k_cache.view(torch.uint8).fill_(0xFF)
     rows, block_table = [], torch.zeros(len(lens), width, dtype=torch.int32)
-    slots_of = k_cache.view(-1, D)
+    slots_of = k_cache.view(-1, k_cache.shape[-1])
     for b, (L, pages) in enumerate(zip(lens, owned)):
-        data = (torch.randn(L, D, generator=generator, dtype=F64) * scale).to(dtype)
+        values = torch.randn(L, D, generator=generator, dtype=F64) * scale
+        data = values.to(dtype) if kv_format is None else encode(values)
         if L:
             # Token t of the request sits at slot pages[t // page_size] * page_size + t % page_size (one scatter:
             # a copy per page costs seconds on FlashMLA's batch-128 test sizes).
             t = torch.arange(L)
             slots_of[torch.tensor(pages)[t // page_size] * page_size + t % page_size] = data
-        rows.append(data.to(F64))
+        rows.append(data.to(F64) if kv_format is None else decode_fp8_rows(data, kv_format, k_scale))
         fill = torch.randint(0, len(poison), (width,), generator=generator)
         block_table[b] = torch.tensor([poison[i] for i in fill.tolist()], dtype=torch.int32)
         if pages:
@@ -311,6 +359,14 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     actual, expected = _cpu64(actual), _cpu64(expected)
     diff = (actual - expected).abs().max().item()
     return diff / max(expected.abs().max().item(), 1e-3)
+
+
+def cos_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """1 - 2 sum(a e) / (sum(a^2) + sum(e^2)) over every element, in float64 (FlashMLA's tests' measure: 0 for
+    equal tensors, about the squared relative error otherwise); 0 for two all-zero tensors, NaN with a NaN."""
+    a, e = _cpu64(actual), _cpu64(expected)
+    denom = (a * a).sum() + (e * e).sum()
+    return 0.0 if denom.item() == 0 else (1 - 2 * (a * e).sum() / denom).item()
 
 
 def assert_attention_close(out: torch.Tensor, lse: torch.Tensor | None, ref_out: torch.Tensor,

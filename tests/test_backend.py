@@ -9,8 +9,9 @@ import random
 
 import pytest
 import torch
-from oracle import dense_absorbed, dense_mha
+from oracle import decode_fp8_rows, dense_absorbed, dense_mha
 
+import pagedmla
 from pagedmla import MLAConfig, MLAKVCache, PageAllocator, RequestTable
 from pagedmla.backend import ForwardBatch, ForwardMode, MLABackend, available_backends, create_backend, register_backend
 
@@ -25,7 +26,7 @@ class Harness:
 
     def __init__(self, heads=4, page_size=16, num_pages=96, max_context=512, num_draft_tokens=0, is_draft=False,
                  extend_prefix_mode="auto", capacity=32768, seed=0, max_bs=16, device="cpu", dtype=torch.float32,
-                 provider="torch", tol=1e-5, disable_ragged=False):
+                 provider="torch", tol=1e-5, disable_ragged=False, kv_cache_dtype=None, kv_cache_scale=None):
         self.gen = torch.Generator().manual_seed(seed)
         self.rng = random.Random(seed)
         self.device = torch.device(device)
@@ -34,10 +35,13 @@ class Harness:
         self.cfg = MLAConfig(num_heads=heads, page_size=page_size, dtype=dtype, max_context_len=max_context,
                              max_batch_size=max_bs, num_draft_tokens=num_draft_tokens, is_draft=is_draft,
                              extend_prefix_mode=extend_prefix_mode, chunked_prefix_capacity=capacity,
-                             disable_ragged=disable_ragged)
+                             disable_ragged=disable_ragged, kv_cache_dtype=kv_cache_dtype,
+                             kv_cache_scale=kv_cache_scale)
         self.backend = MLABackend(self.cfg, device=device, provider=provider)
-        self.cache = MLAKVCache(1, num_pages, page_size, LORA + ROPE, dtype, device)
-        self.cache.buffers[0].fill_(float("nan"))
+        self.cache = MLAKVCache(1, num_pages, page_size, LORA + ROPE, self.cfg.kv_cache_dtype, device,
+                                k_scale=self.cfg.kv_cache_scale)
+        # NaN in every unused slot (all-0xFF bytes: NaN in every field of the FP8 formats too).
+        self.cache.buffers[0].view(torch.uint8).fill_(0xFF)
         self.alloc = PageAllocator(num_pages)
         # Shuffle the free list so that requests get scattered, non-monotone pages.
         self.rng.shuffle(self.alloc._free)
@@ -74,12 +78,24 @@ class Harness:
     def live_hashes(self, exclude: torch.Tensor) -> dict[int, str]:
         """Hash of each live request's cached rows, leaving out the slots this step writes."""
         skip = set(exclude.tolist())
-        flat = self.cache.buffers[0].view(-1, LORA + ROPE)
+        flat = self._bytes()
         out = {}
         for slot, hist in self.hist.items():
             slots = [s for s in self.table.token_slots(slot, 0, hist.shape[0]).tolist() if s not in skip]
-            out[slot] = hashlib.sha1(flat[slots].float().cpu().numpy().tobytes()).hexdigest()
+            out[slot] = hashlib.sha1(flat[slots].cpu().numpy().tobytes()).hexdigest()
         return out
+
+    def _bytes(self) -> torch.Tensor:
+        """The layer's rows as bytes [num_slots, row bytes]."""
+        return self.cache.buffers[0].view(self.cache.num_slots, -1).view(torch.uint8)
+
+    def stored(self, loc: torch.Tensor) -> torch.Tensor:
+        """float64 values the cache holds at slots ``loc`` (FP8 rows decoded from their bytes by the oracle)."""
+        rows = self.cache.buffers[0].view(self.cache.num_slots, -1)[loc].cpu()
+        fmt = self.cfg.kv_format
+        if fmt is None:
+            return rows.double()
+        return decode_fp8_rows(rows, fmt, self.cache.k_scale(0).item() if fmt == "fp8_e4m3" else None)
 
     def step(self, mode: ForwardMode, slots: list[int], new: list[int], num_extends: int = 0, form_check=None,
              around=contextlib.nullcontext):
@@ -105,14 +121,13 @@ class Harness:
             assert form == form_check
         T = sum(new)
         latent = self.rand(T, LORA + ROPE)
-        for s, rows in zip(slots, latent.split(new)):
-            self.hist[s] = torch.cat([self.hist[s], rows])
         if form == "absorbed":
             q = self.rand(T, self.heads, LORA + ROPE)
             q_dev, lat_dev = self.dev(q), self.dev(latent)[:, None]
             with around():
                 self.backend.init_forward_metadata(batch)
                 out = self.backend.forward(q_dev, lat_dev, None, 0, loc, self.cache)
+            self._append(slots, new, loc)
             out = out.view(T, self.heads, LORA).double().cpu()
             refs = [dense_absorbed(qr, self.hist[s], self.cfg.softmax_scale, True, LORA)[0]
                     for s, qr in zip(slots, q.split(new))]
@@ -124,20 +139,29 @@ class Harness:
                 self.backend.init_forward_metadata(batch)
                 out = self.backend.forward(q_dev, k, v, 0, loc, self.cache, latent=lat_dev,
                                            kv_decompress=self.decompress)
+            self._append(slots, new, loc)
             out = out.view(T, self.heads, VDIM).double().cpu()
             refs = []
-            for s, qr in zip(slots, q.split(new)):
-                # The kernel sees k/v rounded to the run dtype; so does the oracle.
-                kh, vh = self.decompress(self.dev(self.hist[s]))
+            for s, qr, rows in zip(slots, q.split(new), latent.split(new)):
+                # The kernel sees k/v rounded to the run dtype; so does the oracle. The new tokens attend in their
+                # MHA form, unquantised; the prefix as the cache holds it.
+                full = torch.cat([self.hist[s][: self.hist[s].shape[0] - rows.shape[0]], rows])
+                kh, vh = self.decompress(self.dev(full))
                 refs.append(dense_mha(qr, kh.double().cpu(), vh.double().cpu(), self.cfg.softmax_scale, True)[0])
         ref = torch.cat(refs) if refs else out
         err = ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
         assert err < self.tol, f"{mode} {form}: relative error {err}"
         after = self.live_hashes(loc)
         assert {s: before[s] for s in before if s in after} == {s: after[s] for s in before if s in after}
-        flat = self.cache.buffers[0].view(-1, LORA + ROPE)
-        assert torch.equal(flat[loc], self.dev(latent))
+        stored = self.dev(latent) if self.cfg.kv_format is None else pagedmla.quantize_latent(
+            self.dev(latent), self.cfg.kv_format, k_scale=self.cache.k_scale(0))
+        assert torch.equal(self._bytes()[loc], stored.reshape(T, -1).view(torch.uint8))
         return form
+
+    def _append(self, slots: list[int], new: list[int], loc: torch.Tensor) -> None:
+        """Each request's shadow grows by the rows the step stored (as the cache holds them)."""
+        for s, rows in zip(slots, self.stored(loc).split(new)):
+            self.hist[s] = torch.cat([self.hist[s], rows])
 
 
 @pytest.mark.parametrize("heads", [1, 3, 16, 128])
@@ -534,8 +558,7 @@ def _replay_against_eager(h, mode, bs, real, new, width):
     q_real, lat_real = q.index_select(0, rows), lat.index_select(0, rows)
     eager_out = be.forward(q_real, lat_real[:, None], None, 0, loc, h.cache)
     assert torch.allclose(graph_out.index_select(0, rows), eager_out, rtol=1e-6, atol=1e-6)
-    for s, r in zip(real, lat_real.double().split(new)):
-        h.hist[s] = torch.cat([h.hist[s], r])
+    h._append(real, new, loc)
     ref = torch.cat([dense_absorbed(qr.double(), h.hist[s], h.cfg.softmax_scale, True, LORA)[0]
                      for s, qr in zip(real, q_real.split(new))])
     assert ((eager_out.view_as(ref).double() - ref).norm() / ref.norm()) < 1e-5
@@ -570,3 +593,30 @@ def test_every_graph_mode_replays_equal_to_eager():
     with pytest.raises(ValueError, match="forward_mode"):
         target.backend.init_forward_metadata_capture_cuda_graph(2, torch.zeros(2, dtype=torch.int64),
                                                                 torch.ones(2, dtype=torch.int32), ForwardMode.EXTEND)
+
+
+FP8_CASES = [("fp8_e4m3", "torch", torch.float32), ("fp8_ds_mla", "torch", torch.float32),
+             ("fp8_e4m3", "triton", torch.float16), ("fp8_ds_mla", "triton", torch.float16)]
+
+
+@pytest.mark.parametrize("kv_cache_dtype,provider,dtype", FP8_CASES)
+def test_every_mode_with_an_fp8_cache(kv_cache_dtype, provider, dtype):
+    """Every form over an FP8 cache (quantised as written, dequantised as read: the oracle attends over the rows
+    decoded from the cache's bytes, the new tokens' MHA form unquantised), then CUDA-graph stand-in replays."""
+    h = Harness(heads=3, page_size=16, num_pages=600, num_draft_tokens=3, seed=61, dtype=dtype, provider=provider,
+                tol=1e-5 if dtype == torch.float32 else 5e-3, kv_cache_dtype=kv_cache_dtype,
+                kv_cache_scale=6 / 448 if kv_cache_dtype == "fp8_e4m3" else None)
+    slots = [h.add() for _ in range(4)]
+    assert h.step(ForwardMode.EXTEND, slots, [1, 15, 17, 40]) == "mha"
+    h.step(ForwardMode.DECODE, slots, [1] * 4)
+    h.step(ForwardMode.TARGET_VERIFY, slots, [3] * 4)
+    h.backend.config.extend_prefix_mode = "absorbed"
+    assert h.step(ForwardMode.EXTEND, slots, [3, 1, 0, 5]) == "absorbed"
+    h.backend.config.extend_prefix_mode = "chunked"
+    h.backend.config.chunked_prefix_capacity = 24
+    assert h.step(ForwardMode.EXTEND, slots, [3, 1, 2, 5]) == "chunked"
+    h.step(ForwardMode.MIXED, slots, [4, 2, 1, 1], num_extends=2)
+    if dtype == torch.float32:
+        h.backend.init_cuda_graph_state(max_bs=4)
+        _replay_against_eager(h, ForwardMode.DECODE, 4, slots[:3], [1, 1, 1], 1)
+        _replay_against_eager(h, ForwardMode.TARGET_VERIFY, 4, slots, [3] * 4, 3)

@@ -376,3 +376,42 @@ def test_cache_table_and_decode_end_to_end(page_size):
     for r in reqs:
         table.free_request(r)
     assert alloc.num_free == 63
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_ds_mla"])
+def test_fp8_cache_quantises_on_write_and_dequantises_on_gather(fmt):
+    """Writes store exactly quantize_latent's bytes at their slots (nothing else changes, page 0 included), the
+    split write equals the full one, a gather returns the dequantised rows (NaN for a slot outside), and the
+    paged view over them decodes to what the oracle decodes from the bytes."""
+    from oracle import decode_fp8_rows
+
+    g = gen("fp8_cache", fmt)
+    k_scale = 0.02 if fmt == "fp8_e4m3" else None
+    cache = MLAKVCache(num_layers=2, num_pages=12, page_size=16, kv_dim=576, dtype=fmt, k_scale=k_scale)
+    assert cache.kv_format == fmt and cache.row_width == (656 if fmt == "fp8_ds_mla" else 576)
+    assert cache.paged_view(1).shape == (12, 16, 1, cache.row_width)
+    for b in cache.buffers:
+        b.view(torch.uint8).copy_(torch.randint(0, 256, b.view(torch.uint8).shape, generator=g, dtype=torch.uint8))
+    before = [b.view(torch.uint8).clone() for b in cache.buffers]
+    slots = slots_across_pages(16, 12, 20, g)
+    rows = torch.randn(20, 576, generator=g).bfloat16()
+    cache.write(1, slots, rows)
+    ks = cache.k_scale(1)
+    want = pagedmla.quantize_latent(rows, fmt, k_scale=ks).view(torch.uint8)
+    flat = cache.buffers[1].view(cache.num_slots, -1).view(torch.uint8)
+    assert torch.equal(flat[slots], want)
+    mask = torch.ones(cache.num_slots, dtype=torch.bool)
+    mask[slots] = False
+    assert torch.equal(flat[mask], before[1].view(cache.num_slots, -1)[mask])
+    assert torch.equal(cache.buffers[0].view(torch.uint8), before[0])
+    cache.write_split(0, slots, rows[:, :512], rows[:, 512:])
+    assert torch.equal(cache.buffers[0].view(cache.num_slots, -1).view(torch.uint8)[slots], want)
+    got = cache.gather(1, slots, dtype=torch.float64)
+    decoded = decode_fp8_rows(want, fmt, None if ks is None else ks.item())
+    assert got.dtype == torch.float64 and torch.equal(got, decoded)
+    f32 = cache.gather(1, slots)
+    assert f32.dtype == torch.float32 and torch.allclose(f32.double(), decoded, rtol=2 ** -24, atol=0)
+    bad = cache.gather(1, torch.tensor([cache.num_slots, int(slots[0])]), validate=False)
+    assert bad[0].isnan().all() and torch.equal(bad[1], f32[0])
+    pages = cache.paged_view(1).view(-1, cache.row_width)
+    assert torch.equal(pages.view(torch.uint8)[slots], want)

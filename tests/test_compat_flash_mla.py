@@ -1,5 +1,6 @@
-"""pagedmla.flash_mla: FlashMLA's 2025 and current decode signatures, its +inf empty-row LSE, its
-unsupported features rejected by name. Checked against the float64 oracle and the native API."""
+"""pagedmla.flash_mla: FlashMLA's 2025 and current decode signatures, its +inf empty-row LSE, its FP8 KV
+format (``is_fp8_kvcache``), its unsupported features rejected by name. Checked against the float64 oracle
+and the native API."""
 
 from __future__ import annotations
 
@@ -100,7 +101,6 @@ def test_bad_metadata_is_rejected_by_name():
 
 
 @pytest.mark.parametrize("name,value", [
-    ("is_fp8_kvcache", True),
     ("indices", torch.zeros(2, 1, 8, dtype=torch.int32)),
     ("attn_sink", torch.zeros(4)),
     ("extra_k_cache", torch.zeros(1, 16, 1, 48)),
@@ -116,8 +116,6 @@ def test_unsupported_features_are_named(name, value):
         flash_mla.flash_mla_with_kvcache(q, cache.k_cache, cache.block_table, seqlens, dv, meta, None,
                                          **{name: value})
     assert not meta.have_initialized
-    with pytest.raises(NotImplementedError, match="is_fp8_kvcache"):
-        flash_mla.get_mla_metadata(seqlens, 4, 1, 4, True)
     with pytest.raises(NotImplementedError, match="topk"):
         flash_mla.get_mla_metadata(seqlens, 4, 1, topk=64)
 
@@ -136,3 +134,30 @@ def test_triton_provider_matches_torch(monkeypatch):
     assert torch.isposinf(l_k[0]).all() and torch.equal(torch.isposinf(l_k), torch.isposinf(l_t))
     finite = torch.isfinite(l_t)
     assert torch.allclose(o_k.float(), o_t.float(), atol=2e-3) and torch.allclose(l_k[finite], l_t[finite], atol=1e-3)
+
+
+@pytest.mark.parametrize("api", ["2025", "current"])
+def test_fp8_kvcache_reads_flashmla_layout(api):
+    """is_fp8_kvcache=True reads FlashMLA's FP8 KV rows as its quantiser lays them out: 656 bytes typed
+    float8_e4m3fn, pages strided by page_size + 1 rows (it allocates one spare row per block and slices it off)."""
+    g = gen("fm_fp8", api)
+    lens, page = [0, 5, 70], 16
+    dense = make_paged_cache(lens, page, 576, generator=g, kv_format="fp8_ds_mla",
+                             encode=lambda rows: pagedmla.quantize_latent(rows, "fp8_ds_mla"))
+    padded = torch.zeros(dense.k_cache.shape[0], page + 1, 1, 656, dtype=torch.float8_e4m3fn)[:, :page]
+    padded.view(torch.uint8).copy_(dense.k_cache)
+    assert not padded.is_contiguous()
+    q = torch.randn(len(lens), 2, 4, 576, generator=g)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    if api == "2025":
+        md, ns = flash_mla.get_mla_metadata(seqlens, 2 * 4, 1, 4, True)
+    else:
+        md, ns = flash_mla.get_mla_metadata()
+    out, lse = flash_mla.flash_mla_with_kvcache(q, padded, dense.block_table, seqlens, 512, md, ns, causal=True,
+                                                is_fp8_kvcache=True)
+    ref_out, ref_lse = oracle(q, dense, lens, 512, True)
+    empty = torch.isneginf(ref_lse)
+    assert torch.isposinf(lse[empty]).all()
+    assert_attention_close(out, lse.where(~empty, float("-inf")), ref_out, ref_lse, 1e-5)
+    if api == "current":
+        assert md.config.is_fp8_kvcache

@@ -12,6 +12,11 @@ Besides the oracle's relative tolerances, each op has the bounds the Triton kern
 moved here (``Bounds``: elementwise, norm and per-row errors, FlashMLA's cosine metric, absolute LSE error,
 exact zeros for rows without keys). The kernel files reuse the input builders and ``check_*`` runners below
 for what is specific to them (configs, launch buffers, forced Hopper paths).
+
+FP8 caches (cases with a ``kv_format``: ``fp8_e4m3`` with its k_scale, ``fp8_ds_mla`` behind ``is_fp8_kvcache``)
+come from the same builder through ``pagedmla.quantize_latent``; the oracle attends over the rows decoded from
+their bytes by hand (``oracle.decode_fp8_rows``), and every provider's result must also be within FlashMLA's
+cosine difference of 1e-5 of it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 from oracle import (
     TOLERANCES,
     assert_attention_close,
+    cos_diff,
     dense_merge,
     dense_paged,
     dense_varlen,
@@ -78,13 +84,6 @@ MERGE_BOUNDS = {
 }
 
 
-def cos_diff(x: torch.Tensor, y: torch.Tensor) -> float:
-    """FlashMLA's test metric: 1 - 2 x.y / (|x|^2 + |y|^2), on float64 copies (never below 1 - cosine)."""
-    x, y = x.double().cpu(), y.double().cpu()
-    denom = (x * x + y * y).sum()
-    return float(1 - 2 * (x * y).sum() / denom) if denom > 0 else 0.0
-
-
 def assert_bounds(out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor, ref_lse: torch.Tensor,
                   bounds: Bounds | None, what: str = "") -> None:
     """``bounds`` on out [..., Dv] and lse [...] (one LSE per out row) against the oracle's float64 results."""
@@ -118,6 +117,39 @@ def assert_matches(out, lse, ref_out, ref_lse, dtype, bounds: Bounds | None, wha
     """The oracle's comparison at ``TOLERANCES[dtype]``, then ``bounds``; lse holds one entry per out row."""
     assert_attention_close(out, lse, ref_out, ref_lse, TOLERANCES[dtype], what)
     assert_bounds(out, lse, ref_out, ref_lse, bounds, what)
+
+
+# FP8 caches: the fp8_e4m3 layer scale is not a power of two, so the kernels' fp8 x k_scale rounds as the oracle's
+# does not; FlashMLA's FP8 acceptance is a cosine difference.
+FP8_K_SCALE = 1.3 / 448
+FP8_COS = 1e-5
+
+
+def paged_cache(lens: list[int], page: int, d: int, dtype: torch.dtype, g: torch.Generator, scale: float,
+                kv_format: str | None):
+    """``oracle.make_paged_cache`` of rows of ``dtype`` (kv_format None) or of an FP8 format's rows, stored by
+    ``pagedmla.quantize_latent`` (fp8_e4m3 with ``FP8_K_SCALE``)."""
+    if kv_format is None:
+        return make_paged_cache(lens, page, d, dtype, generator=g, scale=scale)
+    k_scale = torch.tensor([FP8_K_SCALE]) if kv_format == "fp8_e4m3" else None
+    return make_paged_cache(lens, page, d, generator=g, scale=scale, kv_format=kv_format, k_scale=FP8_K_SCALE,
+                            encode=lambda rows: pagedmla.quantize_latent(rows, kv_format, k_scale=k_scale))
+
+
+def fp8_args(kv_format: str | None, device: str) -> dict:
+    """The paged calls' keyword arguments for a ``paged_cache`` of ``kv_format`` (none for rows of q's dtype)."""
+    if kv_format is None:
+        return {}
+    if kv_format == "fp8_e4m3":
+        return {"k_scale": torch.tensor([FP8_K_SCALE], device=device)}
+    return {"is_fp8_kvcache": True}
+
+
+def assert_fp8_cos(out: torch.Tensor, ref_out: torch.Tensor, kv_format: str | None, what: str) -> None:
+    """FlashMLA's FP8 acceptance on an FP8 case's output (nothing for a float cache)."""
+    if kv_format is not None:
+        diff = cos_diff(out, ref_out)
+        assert diff < FP8_COS, f"cos diff {diff:.2e} [{what}]"
 
 
 def strided_int32(values: list[int], device: str) -> torch.Tensor:
@@ -169,7 +201,8 @@ def _params(cases: list, variants: Callable | None = None) -> list:
 
 class DecodeCase(NamedTuple):
     """Request KV lengths, q_len, heads, page size, forced parts (None: the default plan), dims; causal
-    values, devices and dtypes (None: the device's) to run; lengths as a strided view."""
+    values, devices, dtypes (None: the device's) and providers to run; lengths as a strided view; the cache's
+    FP8 format (None: rows of q's dtype)."""
 
     name: str
     lens: list
@@ -184,6 +217,7 @@ class DecodeCase(NamedTuple):
     dtypes: tuple | None = None
     strided: bool = False
     providers: tuple = PROVIDERS
+    kv_format: str | None = None
 
 
 # The last decode case built: its causal and full variants (adjacent parameters) share one set of inputs, which
@@ -203,7 +237,7 @@ def decode_inputs(case: DecodeCase, dtype: torch.dtype, device: str, key) -> tup
 
 def _build_decode_inputs(case: DecodeCase, dtype: torch.dtype, device: str, key) -> tuple:
     g = gen("decode", case.name, key, str(dtype))
-    cache = make_paged_cache(case.lens, case.page, case.d, dtype, generator=g, scale=0.25)
+    cache = paged_cache(case.lens, case.page, case.d, dtype, g, 0.25, case.kv_format)
     q = (torch.randn(len(case.lens), case.q_len, case.heads, case.d, generator=g, dtype=F64) * 0.25).to(dtype)
     return (q.to(device), cache, cache.k_cache.to(device), cache.block_table.to(device),
             _int32(case.lens, device, case.strided))
@@ -212,16 +246,18 @@ def _build_decode_inputs(case: DecodeCase, dtype: torch.dtype, device: str, key)
 def check_paged_decode(call: Callable, case: DecodeCase, causal: bool, dtype: torch.dtype, device: str,
                        bounds: Bounds | None, key=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Build the case, schedule it (``case.parts``), run ``call(q, k_cache, block_table, cache_seqlens,
-    head_dim_v, metadata, num_splits, causal) -> (out [b, q_len, h, dv], lse [b, h, q_len])`` and check it
-    against the oracle. Returns (out, lse)."""
+    head_dim_v, metadata, num_splits, causal) -> (out [b, q_len, h, dv], lse [b, h, q_len])`` (with an FP8
+    case's ``fp8_args`` as keywords) and check it against the oracle. Returns (out, lse)."""
     q, cache, k_cache, table, seqlens = decode_inputs(case, dtype, device, key)
     b, q_len, heads, d = q.shape
     meta, splits = pagedmla.get_mla_metadata(seqlens, q_len * heads, 1, num_sm_parts=case.parts)
-    out, lse = call(q, k_cache, table, seqlens, case.dv, meta, splits, causal)
+    out, lse = call(q, k_cache, table, seqlens, case.dv, meta, splits, causal, **fp8_args(case.kv_format, device))
     ref_out, ref_lse = dense_paged(q.reshape(b * q_len, heads, d), list(range(0, (b + 1) * q_len, q_len)),
                                    cache.rows, d ** -0.5, causal, case.dv)
-    assert_matches(out, lse.transpose(1, 2), ref_out.reshape(b, q_len, heads, case.dv),
-                   ref_lse.reshape(b, q_len, heads), dtype, bounds, f"{case.name} causal={causal}")
+    what = f"{case.name} causal={causal}"
+    ref_out = ref_out.reshape(b, q_len, heads, case.dv)
+    assert_matches(out, lse.transpose(1, 2), ref_out, ref_lse.reshape(b, q_len, heads), dtype, bounds, what)
+    assert_fp8_cos(out, ref_out, case.kv_format, what)
     return out, lse
 
 
@@ -238,6 +274,11 @@ def _random_decode_lens() -> list[int]:
 
 _RANDOM_DECODE = _random_decode_lens()
 CAUSAL, FULL = (True,), (False,)
+# FP8 caches: lengths at the page and 64-token edges, page sizes 1 / 16 / 64, both formats; the torch provider
+# also with bf16 queries (the oracle's rows are the dequantised ones, so the tolerance is the query dtype's).
+FP8_FORMATS = ("fp8_e4m3", "fp8_ds_mla")
+FP8_LENS = [0, 1, 63, 64, 65]
+FP8_PAGES = (1, 16, 64)
 DECODE_CASES = [
     # Empty requests, lengths at and around page and 64-token block edges, forced splits over several parts.
     DecodeCase("edges", [0, 1, 63, 65, 130], 1, 16, 16, 4, devices=BOTH),
@@ -272,6 +313,10 @@ DECODE_CASES = [
       for page in (1, 16, 32, 128, 256)],
     *[DecodeCase(f"odd-h{heads}-q{q_len}", [0, 1, 7, 64, 65, 513, 4000], q_len, heads, 64, None, causal=CAUSAL,
                  devices=CUDA, dtypes=(BF16,)) for heads, q_len in ((3, 4), (128, 2), (16, 8))],
+    *[DecodeCase(f"{fmt}-page{page}", FP8_LENS, 2, 4, page, 3, causal=CAUSAL, devices=BOTH, kv_format=fmt)
+      for fmt in FP8_FORMATS for page in FP8_PAGES],
+    *[DecodeCase(f"{fmt}-page{page}-bf16", FP8_LENS, 2, 4, page, 3, causal=CAUSAL, dtypes=(BF16,),
+                 providers=("torch",), kv_format=fmt) for fmt in FP8_FORMATS for page in FP8_PAGES],
 ]
 
 
@@ -279,9 +324,9 @@ DECODE_CASES = [
 def test_paged_decode(provider, device, dtype, case, causal):
     _skip_unavailable("paged_decode", provider)
 
-    def call(q, k_cache, table, seqlens, dv, meta, splits, causal):
+    def call(q, k_cache, table, seqlens, dv, meta, splits, causal, **fp8):
         return pagedmla.flash_mla_with_kvcache(q, k_cache, table, seqlens, dv, meta, splits, causal=causal,
-                                               provider=provider)
+                                               provider=provider, **fp8)
 
     check_paged_decode(call, case, causal, dtype, device, _bounds(DECODE_BOUNDS, provider, device, dtype))
 
@@ -291,8 +336,10 @@ def test_paged_decode(provider, device, dtype, case, causal):
 # ----------------------------------------------------------------------------------------------------
 
 class PagedVarlenCase(NamedTuple):
-    """Per-request new-token and KV lengths, heads, page size; input scales of q and the cache; softmax scale
-    (None: D ** -0.5); whether max_q_len is passed; lengths and qo_indptr as strided views."""
+    """Per-request new-token and KV lengths, heads, page size; causal values, devices, dtypes (None: the
+    device's) and providers to run; input scales of q and the cache; softmax scale (None: D ** -0.5); whether
+    max_q_len is passed; dims; lengths and qo_indptr as strided views; the cache's FP8 format (None: rows of
+    q's dtype)."""
 
     name: str
     q_lens: list
@@ -309,12 +356,14 @@ class PagedVarlenCase(NamedTuple):
     d: int = 576
     dv: int = 512
     strided: bool = False
+    providers: tuple = PROVIDERS
+    kv_format: str | None = None
 
 
 def paged_varlen_inputs(case: PagedVarlenCase, dtype: torch.dtype, device: str, key) -> tuple:
     """(q [T, heads, d], cache (oracle.PagedCache), k_cache, block_table, cache_seqlens, qo_indptr), on device."""
     g = gen("paged-varlen", case.name, key, str(dtype))
-    cache = make_paged_cache(case.kv_lens, case.page, case.d, dtype, generator=g, scale=case.kv_std)
+    cache = paged_cache(case.kv_lens, case.page, case.d, dtype, g, case.kv_std, case.kv_format)
     qo = _indptr(case.q_lens)
     q = (torch.randn(qo[-1], case.heads, case.d, generator=g, dtype=F64) * case.q_std).to(dtype)
     return (q.to(device), cache, cache.k_cache.to(device), cache.block_table.to(device),
@@ -324,13 +373,16 @@ def paged_varlen_inputs(case: PagedVarlenCase, dtype: torch.dtype, device: str, 
 def check_paged_varlen(call: Callable, case: PagedVarlenCase, causal: bool, dtype: torch.dtype, device: str,
                        bounds: Bounds | None, key=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Build the case, run ``call(q, k_cache, block_table, cache_seqlens, qo_indptr, head_dim_v, scale, causal,
-    max_q_len) -> (out [T, h, dv], lse [T, h])`` and check it against the oracle. Returns (out, lse)."""
+    max_q_len) -> (out [T, h, dv], lse [T, h])`` (with an FP8 case's ``fp8_args`` as keywords) and check it
+    against the oracle. Returns (out, lse)."""
     q, cache, k_cache, table, lens, qo = paged_varlen_inputs(case, dtype, device, (key, causal))
     scale = case.d ** -0.5 if case.scale is None else case.scale
     out, lse = call(q, k_cache, table, lens, qo, case.dv, case.scale, causal,
-                    max(case.q_lens) if case.pass_max else None)
+                    max(case.q_lens) if case.pass_max else None, **fp8_args(case.kv_format, device))
     ref_out, ref_lse = dense_paged(q, _indptr(case.q_lens), cache.rows, scale, causal, case.dv)
-    assert_matches(out, lse, ref_out, ref_lse, dtype, bounds, f"{case.name} causal={causal}")
+    what = f"{case.name} causal={causal}"
+    assert_matches(out, lse, ref_out, ref_lse, dtype, bounds, what)
+    assert_fp8_cos(out, ref_out, case.kv_format, what)
     return out, lse
 
 
@@ -361,6 +413,10 @@ PAGED_VARLEN_CASES = [
     # CUDA: long prompts over long cached prefixes (the Hopper kernel on sm_90).
     *[PagedVarlenCase(f"long-h{h}", [512, 1, 37, 300], [2048 + 512, 4000, 37, 1300], h, 64, causal=CAUSAL,
                       devices=CUDA, dtypes=(BF16,), kv_std=1.0, pass_max=True) for h in (16, 128)],
+    *[PagedVarlenCase(f"{fmt}-page{page}", [0, 1, 5, 64, 3], FP8_LENS, 2, page, causal=CAUSAL, devices=BOTH,
+                      kv_format=fmt) for fmt in FP8_FORMATS for page in FP8_PAGES],
+    *[PagedVarlenCase(f"{fmt}-page{page}-bf16", [0, 1, 5, 64, 3], FP8_LENS, 2, page, causal=CAUSAL, dtypes=(BF16,),
+                      providers=("torch",), kv_format=fmt) for fmt in FP8_FORMATS for page in FP8_PAGES],
 ]
 
 
@@ -368,9 +424,9 @@ PAGED_VARLEN_CASES = [
 def test_paged_varlen(provider, device, dtype, case, causal):
     _skip_unavailable("paged_varlen", provider)
 
-    def call(q, k_cache, table, lens, qo, dv, scale, causal, max_q_len):
+    def call(q, k_cache, table, lens, qo, dv, scale, causal, max_q_len, **fp8):
         return pagedmla.flash_mla_varlen_with_kvcache(q, k_cache, table, lens, qo, dv, softmax_scale=scale,
-                                                      causal=causal, max_q_len=max_q_len, provider=provider)
+                                                      causal=causal, max_q_len=max_q_len, provider=provider, **fp8)
 
     check_paged_varlen(call, case, causal, dtype, device, _bounds(PREFILL_BOUNDS, provider, device, dtype))
 

@@ -1,9 +1,9 @@
 """The import graph of ``pagedmla/``, read from the source (ast): the layering the package promises.
 
-Leaf modules (``device``, ``split_plan``, ``checks``, ``errors``) -> kernels -> ops (public API and provider
-registry) -> backend -> model -> engine. Kernels import nothing from ``ops``; the modules imported at import
-time form no cycle (imports for annotations only, under ``TYPE_CHECKING``, are not counted), and no import
-inside a function body dodges one (the public ops reach their ``torch.library`` registrations by name,
+Leaf modules (``device``, ``split_plan``, ``checks``, ``errors``, ``kv_format``) -> kernels -> ops (public API and
+provider registry) -> backend -> model -> engine. Kernels import nothing from ``ops``; the modules imported at import
+time form no cycle (imports for annotations only, under ``TYPE_CHECKING``, are not counted), and no import inside a
+function body dodges one (the public ops reach their ``torch.library`` registrations by name,
 ``torch.ops.pagedmla.<op>``, rather than importing ``ops/library.py``, which imports them).
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pagedmla"
 
-LEAVES = ("pagedmla.device", "pagedmla.split_plan", "pagedmla.checks", "pagedmla.errors")
+LEAVES = ("pagedmla.device", "pagedmla.split_plan", "pagedmla.checks", "pagedmla.errors", "pagedmla.kv_format")
 
 
 def _module_name(path: Path) -> str:

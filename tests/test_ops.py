@@ -533,9 +533,9 @@ def spy_on_torch(monkeypatch):
     for op in providers.OPS:
         real = providers._impls[op]["torch"]
 
-        def spy(*a, _real=real, _op=op):
+        def spy(*a, _real=real, _op=op, **kw):
             calls.append(_op)
-            return _real(*a)
+            return _real(*a, **kw)
 
         monkeypatch.setitem(providers._impls[op], "torch", spy)
     return calls

@@ -14,7 +14,7 @@ import random
 
 import pytest
 import torch
-from oracle import dense_paged, gather_rows
+from oracle import cos_diff, dense_paged, gather_rows
 from test_conformance import (
     BF16,
     DECODE_BOUNDS,
@@ -22,7 +22,6 @@ from test_conformance import (
     F16,
     DecodeCase,
     check_paged_decode,
-    cos_diff,
     decode_inputs,
 )
 

@@ -186,6 +186,68 @@ def test_cache_seqlens_exactly_at_capacity_is_accepted():
     assert torch.isfinite(out).all()
 
 
+# FP8 caches (both paged calls): 576-wide rows, FlashMLA's 656-byte format behind is_fp8_kvcache=True.
+
+def _fp8_args(kv_format: str) -> dict:
+    """Valid flash_mla_with_kvcache arguments over an FP8 cache (the keywords under "kw")."""
+    g = gen("fp8_args", kv_format)
+    a = decode_args(g)
+    rows = torch.randn(NUM_PAGES, PS, 1, 576, generator=g)
+    ks = torch.full((1,), 0.01)
+    cache = pagedmla.quantize_latent(rows, kv_format, k_scale=ks if kv_format == "fp8_e4m3" else None)
+    kw = dict(k_scale=ks) if kv_format == "fp8_e4m3" else dict(is_fp8_kvcache=True)
+    return replace(a, q=torch.randn(2, 2, H, 576, generator=g), k_cache=cache, head_dim_v=512, kw=kw)
+
+
+def _fp8_cases():
+    e4, ds = _fp8_args("fp8_e4m3"), _fp8_args("fp8_ds_mla")
+    ks = e4["kw"]["k_scale"]
+    return {
+        "e4m3 without k_scale": (replace(e4, kw={}), "k_scale"),
+        "e4m3 k_scale float": (replace(e4, kw=dict(k_scale=0.01)), "k_scale"),
+        "e4m3 k_scale two elements": (replace(e4, kw=dict(k_scale=ks.repeat(2))), "k_scale"),
+        "e4m3 k_scale float64": (replace(e4, kw=dict(k_scale=ks.double())), "k_scale"),
+        "e4m3 with is_fp8_kvcache": (replace(e4, kw=dict(k_scale=ks, is_fp8_kvcache=True)), "k_cache"),
+        "e4m3 width != q's": (replace(e4, k_cache=e4["k_cache"][..., :512]), "k_cache"),
+        "k_scale with a float cache": (replace(decode_args(), kw=dict(k_scale=ks)), "k_scale"),
+        "ds without is_fp8_kvcache": (replace(ds, kw={}), "k_cache"),
+        "ds float8 view without is_fp8_kvcache": (replace(ds, k_cache=ds["k_cache"].view(torch.float8_e4m3fn),
+                                                          kw={}), "k_cache"),
+        "ds with k_scale": (replace(ds, kw=dict(is_fp8_kvcache=True, k_scale=ks)), "k_scale"),
+        "ds width 655": (replace(ds, k_cache=ds["k_cache"][..., :655]), "k_cache"),
+        "ds float16 bytes": (replace(ds, k_cache=ds["k_cache"][..., :328].contiguous().view(torch.float16)),
+                             "k_cache"),
+        "ds head_dim_v 256": (replace(ds, head_dim_v=256), "q"),
+        "is_fp8_kvcache not a bool": (replace(ds, kw=dict(is_fp8_kvcache=1)), "is_fp8_kvcache"),
+    }
+
+
+FP8_CASES = _fp8_cases()
+
+
+@pytest.mark.parametrize("kv_format", ["fp8_e4m3", "fp8_ds_mla"])
+def test_fp8_argument_sets_are_accepted(kv_format):
+    a = _fp8_args(kv_format)
+    out, lse = call_decode(a, **a["kw"])
+    assert torch.isfinite(out).all() and out.dtype == a["q"].dtype and lse.dtype == F32
+    v = dict(q=a["q"].reshape(4, H, 576), k_cache=a["k_cache"], block_table=a["block_table"],
+             cache_seqlens=a["cache_seqlens"], qo_indptr=t32([0, 2, 4]), head_dim_v=512)
+    out, lse = call_varlen_paged(v, **a["kw"])
+    assert torch.isfinite(out).all() and tuple(out.shape) == (4, H, 512)
+
+
+@pytest.mark.parametrize("case", list(FP8_CASES))
+def test_paged_calls_reject_fp8_mismatches(case):
+    args, name = FP8_CASES[case]
+    exc = TypeError if case == "e4m3 k_scale float" else ValueError
+    with pytest.raises(exc, match=names(name)):
+        call_decode(args, **args["kw"])
+    v = dict(q=args["q"].reshape(4, H, -1), k_cache=args["k_cache"], block_table=args["block_table"],
+             cache_seqlens=args["cache_seqlens"], qo_indptr=t32([0, 2, 4]), head_dim_v=args["head_dim_v"])
+    with pytest.raises(exc, match=names(name)):
+        call_varlen_paged(v, **args["kw"])
+
+
 # ----------------------------------------------------------------------------------------------------
 # flash_mla_varlen_with_kvcache
 # ----------------------------------------------------------------------------------------------------
@@ -411,7 +473,11 @@ def small_cache():
     (dict(page_size=512), "page_size"),
     (dict(page_size=0), "page_size"),
     (dict(dtype=torch.int8), "dtype"),
-    (dict(dtype=torch.float8_e4m3fn), "dtype"),
+    (dict(dtype=torch.float8_e5m2), "dtype"),
+    (dict(dtype="fp8_ds_mla"), "kv_dim"),  # 656-byte rows hold 576 columns
+    (dict(k_scale=0.5), "k_scale"),  # only an fp8_e4m3 cache has one
+    (dict(dtype="fp8_e4m3", k_scale=-1.0), "k_scale"),
+    (dict(dtype="fp8_e4m3", k_scale=True), "k_scale"),
 ])
 def test_kv_cache_constructor_rejects(kwargs, name):
     base = dict(num_layers=2, num_pages=4, page_size=4, kv_dim=24, dtype=F32)
@@ -595,9 +661,12 @@ def test_request_table_rejects():
     (dict(dtype=42), "dtype"),
     (dict(kv_cache_dtype="int8"), "kv_cache_dtype"),
     (dict(dtype="fp8"), "dtype"),
-    (dict(kv_cache_dtype="fp8_e4m3"), "kv_cache_dtype"),
-    (dict(kv_cache_dtype=torch.float8_e4m3fn), "kv_cache_dtype"),
     (dict(kv_cache_dtype=torch.float8_e5m2), "kv_cache_dtype"),
+    (dict(kv_cache_dtype="fp8_ds_mla", kv_lora_rank=256), "kv_cache_dtype"),
+    (dict(kv_cache_scale=0.5), "kv_cache_scale"),
+    (dict(kv_cache_dtype="fp8_ds_mla", kv_cache_scale=0.5), "kv_cache_scale"),
+    (dict(kv_cache_dtype="fp8_e4m3", kv_cache_scale=0.0), "kv_cache_scale"),
+    (dict(kv_cache_dtype="fp8", kv_cache_scale=float("inf")), "kv_cache_scale"),
     (dict(page_size=48), "page_size"),
     (dict(page_size=512), "page_size"),
     (dict(page_size=0), "page_size"),
@@ -628,6 +697,21 @@ def test_mla_config_accepts_power_of_two_page_sizes(page_size):
 def test_mla_config_dtype_spellings(spelling, dtype):
     cfg = MLAConfig(dtype=spelling)
     assert cfg.dtype == dtype and cfg.kv_cache_dtype == dtype
+
+
+@pytest.mark.parametrize("spelling,storage,fmt", [("fp8", torch.float8_e4m3fn, "fp8_e4m3"),
+                                                  ("fp8_e4m3", torch.float8_e4m3fn, "fp8_e4m3"),
+                                                  (torch.float8_e4m3fn, torch.float8_e4m3fn, "fp8_e4m3"),
+                                                  ("fp8_ds_mla", torch.uint8, "fp8_ds_mla"),
+                                                  (torch.uint8, torch.uint8, "fp8_ds_mla"),
+                                                  ("bf16", torch.bfloat16, None)])
+def test_mla_config_kv_cache_formats(spelling, storage, fmt):
+    import dataclasses
+
+    cfg = MLAConfig(kv_cache_dtype=spelling)
+    assert (cfg.kv_cache_dtype, cfg.kv_format, cfg.dtype) == (storage, fmt, torch.bfloat16)
+    again = dataclasses.replace(cfg)  # a checked config checks again to the same fields
+    assert (again.kv_cache_dtype, again.kv_format) == (storage, fmt)
 
 
 def test_mla_config_defaults_and_derived_fields():

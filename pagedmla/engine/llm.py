@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from pagedmla import kv_format
 from pagedmla.backend import ForwardMode
 from pagedmla.config import resolve_dtype
 from pagedmla.engine import distributed
@@ -262,15 +263,29 @@ def _check_loaded_model(model: DeepseekForCausalLM, device: Any, dtype: Any, see
                          "already has its weights, leave seed unset")
 
 
-def _page_bytes(model: DeepseekForCausalLM, page_size: int, dtype: torch.dtype, draft_layers: int = 0) -> int:
+def _kv_cache_dtype(value: Any) -> Any:
+    """LLM's ``kv_cache_dtype``: None for "auto" / None (the model's dtype), else what MLAConfig's
+    ``kv_cache_dtype`` takes (a float dtype or its name, or an FP8 format: fp8_e4m3 / fp8 / fp8_ds_mla)."""
+    if value is None or value == "auto":
+        return None
+    if kv_format.fp8_storage(value) is not None:
+        return value
+    return resolve_dtype(value, "kv_cache_dtype")
+
+
+def _page_bytes(model: DeepseekForCausalLM, page_size: int, cache_dtype: Any, draft_layers: int = 0) -> int:
     """Bytes of one cache page on one rank: ``page_size`` latent rows in every layer, and in the
-    ``draft_layers`` of an MTP draft model's cache (which uses the same page ids)."""
+    ``draft_layers`` of an MTP draft model's cache (which uses the same page ids); a row is kv_dim values of
+    ``cache_dtype`` or, for an FP8 format, its row (576 bytes for fp8_e4m3, 656 for fp8_ds_mla)."""
     cfg = model.config
     layers = cfg.num_hidden_layers + draft_layers
-    return page_size * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * layers * dtype.itemsize
+    kv_dim = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    fp8 = kv_format.fp8_storage(cache_dtype)
+    row = kv_dim * cache_dtype.itemsize if fp8 is None else kv_format.row_bytes(fp8[1], kv_dim)
+    return page_size * row * layers
 
 
-def _default_num_pages(model: DeepseekForCausalLM, page_size: int, dtype: torch.dtype, budget_bytes: int,
+def _default_num_pages(model: DeepseekForCausalLM, page_size: int, dtype: Any, budget_bytes: int,
                        max_batch_size: int, max_context_len: int, tokens_per_page: int,
                        draft_layers: int = 0) -> int:
     """Pages of ``page_size`` rows per rank that ``budget_bytes`` holds, at most what ``max_batch_size``
@@ -282,13 +297,13 @@ def _default_num_pages(model: DeepseekForCausalLM, page_size: int, dtype: torch.
 
 def _check_cache_fits(model: DeepseekForCausalLM, page_size: int, num_pages: int, max_batch_size: int,
                       context: int, pages_field: str, context_field: str, tokens_per_page: int,
-                      draft_layers: int = 0) -> None:
+                      cache_dtype: Any, draft_layers: int = 0) -> None:
     """ValueError naming the field at fault when the cache's pages (``pages_field``: num_pages or the
     cache_bytes that sized it; with ``draft_layers`` of a draft cache) and its two int32 page tables (the
     request table's and the backend's, rows of ``context`` tokens: ``context_field``) would not fit in the
     device's available memory."""
     weight = model.model.embed_tokens.weight
-    pages = num_pages * _page_bytes(model, page_size, weight.dtype, draft_layers)
+    pages = num_pages * _page_bytes(model, page_size, cache_dtype, draft_layers)
     tables = 2 * max_batch_size * -(-context // tokens_per_page) * 4
     field, value = (pages_field, num_pages) if pages >= tables else (context_field, context)
     where = " (from the model's config.json; set max_context_len)" if field == "max_position_embeddings" else ""
@@ -365,20 +380,22 @@ def _decode_error(exc: Exception) -> str:
 
 def _cache_size(model: DeepseekForCausalLM, page_size: int, num_pages: int | None, cache_bytes: int,
                 max_batch_size: int, max_context_len: int | None, k: int, dcp_size: int,
-                draft_layers: int) -> tuple[int, int]:
+                draft_layers: int, cache_dtype: Any) -> tuple[int, int]:
     """(tokens per request at most, cache pages) of an engine: ``max_context_len`` or the model's max
     positions; ``num_pages`` or as many as ``cache_bytes`` holds (``_default_num_pages``), checked to hold
     ``max_batch_size`` requests of that many tokens plus k draft tokens (pages of page_size tokens on each
-    of ``dcp_size`` decode-context-parallel ranks; ``draft_layers`` more cache layers for an MTP drafter)."""
+    of ``dcp_size`` decode-context-parallel ranks; ``draft_layers`` more cache layers for an MTP drafter;
+    rows of ``cache_dtype``, ``_kv_cache_dtype``'s value: None for the model's dtype)."""
     context = model.config.max_position_embeddings if max_context_len is None else max_context_len
     pages_field = "num_pages" if num_pages is not None else "cache_bytes"
     per_page = page_size * dcp_size
+    row_dtype = model.model.embed_tokens.weight.dtype if cache_dtype is None else cache_dtype
     if num_pages is None:
-        num_pages = _default_num_pages(model, page_size, model.model.embed_tokens.weight.dtype, cache_bytes,
-                                       max_batch_size, context, per_page, draft_layers)
+        num_pages = _default_num_pages(model, page_size, row_dtype, cache_bytes, max_batch_size, context, per_page,
+                                       draft_layers)
     _check_cache_fits(model, page_size, num_pages, max_batch_size, context + k, pages_field,
                       "max_context_len" if max_context_len is not None else "max_position_embeddings", per_page,
-                      draft_layers)
+                      row_dtype, draft_layers)
     return context, num_pages
 
 
@@ -386,9 +403,10 @@ def _checked_settings(*, enable_prefix_caching: Any, mixed_batching: Any, enable
                       num_speculative_tokens: Any, max_context_len: Any, cache_bytes: Any, ngram_max_n: Any,
                       speculative: Any, draft_model: Any, draft_graph: Any, page_size: Any, max_batch_size: Any,
                       num_pages: Any, tensor_parallel_size: Any, decode_context_parallel_size: Any,
-                      **others: Any) -> str | None:
+                      kv_cache_dtype: Any, **others: Any) -> tuple[str | None, Any]:
     """Check ``LLM``'s scalar arguments (all of them by name: ``others`` are checked where they are used),
-    a ValueError / TypeError naming the first bad one; returns the drafter ``_speculative_method`` names."""
+    a ValueError / TypeError naming the first bad one; returns the drafter ``_speculative_method`` names and
+    the cache dtype ``_kv_cache_dtype`` makes of ``kv_cache_dtype``."""
     for name, value in (("enable_prefix_caching", enable_prefix_caching), ("mixed_batching", mixed_batching)):
         if not isinstance(value, bool):
             raise ValueError(f"{name}: expected a bool, got {value!r}")
@@ -404,6 +422,7 @@ def _checked_settings(*, enable_prefix_caching: Any, mixed_batching: Any, enable
     _check_positive_int("cache_bytes", cache_bytes)
     _check_positive_int("ngram_max_n", ngram_max_n)
     method = _speculative_method(speculative, num_speculative_tokens, draft_model, draft_graph)
+    cache_dtype = _kv_cache_dtype(kv_cache_dtype)
     _check_positive_int("page_size", page_size)  # the default num_pages divides by it
     _check_positive_int("max_batch_size", max_batch_size)
     if num_pages is not None:
@@ -414,37 +433,37 @@ def _checked_settings(*, enable_prefix_caching: Any, mixed_batching: Any, enable
         raise ValueError(f"decode_context_parallel_size: {decode_context_parallel_size} does not divide "
                          f"tensor_parallel_size={tensor_parallel_size} (the DCP ranks are ranks of the "
                          "tensor-parallel group)")
-    return method
+    return method, cache_dtype
 
 
 class LLM:
     """Generate with a DeepSeek-V2/V3 model on pagedmla.
 
-    model: "tiny", a checkpoint directory, or an already loaded DeepseekForCausalLM. device: default
-    CUDA when available. dtype: default the checkpoint's (tiny: bf16 on CUDA, fp32 on CPU). page_size:
-    tokens per cache page. num_pages: cache size (default: fits ``cache_bytes``); pages are allocated
-    as tokens arrive, and when they run out the youngest requests are preempted and recomputed later.
-    provider: attention provider ("torch", "triton", ...; default the best for the device).
-    max_batch_size: running requests at most. max_num_batched_tokens: tokens per step at most (longer
-    prompts are prefilled in chunks over several steps). extend_prefix_mode: the backend's form for
-    prefills over a cached prefix. mixed_batching: run prefill chunks together with running decodes in
+    model: "tiny", a checkpoint directory, or an already loaded DeepseekForCausalLM. device: default CUDA when
+    available. dtype: default the checkpoint's (tiny: bf16 on CUDA, fp32 on CPU). page_size: tokens per cache page.
+    num_pages: cache size (default: fits ``cache_bytes``); pages are allocated as tokens arrive, and when they run
+    out the youngest requests are preempted and recomputed later. provider: attention provider ("torch", "triton",
+    ...; default the best for the device). max_batch_size: running requests at most. max_num_batched_tokens: tokens
+    per step at most (longer prompts are prefilled in chunks over several steps). extend_prefix_mode: the backend's
+    form for prefills over a cached prefix. mixed_batching: run prefill chunks together with running decodes in
     MIXED steps. enable_prefix_caching: share the full pages of common prompt prefixes between requests.
-    num_speculative_tokens: k > 0 drafts up to k tokens per request and verifies them in one step, drafted
-    as ``speculative`` says: "ngram" (the default) by prompt lookup (n-gram matches of up to
-    ``ngram_max_n`` tokens), "mtp" (k 1..4) by the model's multi-token-prediction layer, ``draft_model``
-    (None: loaded with the model; "tiny" has random MTP weights from ``seed``), whose draft decodes replay
-    one CUDA graph (``draft_graph`` "fused") or one per step ("per_step"). enable_cuda_graph: replay CUDA graphs
-    for decode / verify steps (None: on for CUDA devices) of ``cuda_graph_batch_sizes`` (default 1, 2,
-    4, 8, 16, ... up to max_batch_size). profile_attention: count and time the model's attention calls
-    (adds device synchronisation; such steps run eagerly). seed: the random weights of ``tiny`` (default
-    0; a checkpoint's weights ignore it). device, dtype and seed apply to a model LLM loads: with a
-    loaded model they must be unset or agree with it (ValueError otherwise). max_context_len: tokens per
-    request at most, prompt included (None: the model's max positions). cache_bytes: cache size in
-    bytes that the default num_pages fills. tokenizer: "auto" (the checkpoint directory's tokenizer.json,
-    or its transformers-only tokenizer files when transformers is installed), a path to a tokenizer.json
-    or a directory holding one, None, or an object with ``encode(text)`` / ``decode(ids,
-    skip_special_tokens=...)`` (a transformers tokenizer); checked here, before the model loads.
-    backend_options: further MLAConfig fields for the backend.
+    num_speculative_tokens: k > 0 drafts up to k tokens per request and verifies them in one step, drafted as
+    ``speculative`` says: "ngram" (the default) by prompt lookup (n-gram matches of up to ``ngram_max_n`` tokens),
+    "mtp" (k 1..4) by the model's multi-token-prediction layer, ``draft_model`` (None: loaded with the model; "tiny"
+    has random MTP weights from ``seed``), whose draft decodes replay one CUDA graph (``draft_graph`` "fused") or
+    one per step ("per_step"). enable_cuda_graph: replay CUDA graphs for decode / verify steps (None: on for CUDA
+    devices) of ``cuda_graph_batch_sizes`` (default 1, 2, 4, 8, 16, ... up to max_batch_size). profile_attention:
+    count and time the model's attention calls (adds device synchronisation; such steps run eagerly). seed: the
+    random weights of ``tiny`` (default 0; a checkpoint's weights ignore it). device, dtype and seed apply to a
+    model LLM loads: with a loaded model they must be unset or agree with it (ValueError otherwise).
+    max_context_len: tokens per request at most, prompt included (None: the model's max positions). cache_bytes:
+    cache size in bytes that the default num_pages fills (an FP8 ``kv_cache_dtype`` holds about twice the pages of a
+    bf16 cache in it). kv_cache_dtype: "auto" (the model's dtype), "bf16" / "fp16" / "fp32", or an FP8 cache format
+    (``pagedmla.kv_format``): "fp8_e4m3" (scale 1.0 per layer unless ``backend_options`` sets ``kv_cache_scale``) or
+    "fp8_ds_mla" (FlashMLA's 656-byte rows). tokenizer: "auto" (the checkpoint directory's tokenizer.json, or its
+    transformers-only tokenizer files when transformers is installed), a path to a tokenizer.json or a directory
+    holding one, None, or an object with ``encode(text)`` / ``decode(ids, skip_special_tokens=...)`` (a transformers
+    tokenizer); checked here, before the model loads. backend_options: further MLAConfig fields for the backend.
 
     ``generate`` returns its own requests' outputs; requests queued with ``add_request`` that finish
     during a ``generate`` call are kept for ``pop_finished``.
@@ -460,11 +479,11 @@ class LLM:
                  enable_cuda_graph: bool | None = None, cuda_graph_batch_sizes: list[int] | None = None,
                  profile_attention: bool = False, seed: int | None = None, tokenizer: Any = "auto",
                  backend_options: dict | None = None, tensor_parallel_size: int = 1,
-                 decode_context_parallel_size: int = 1):
+                 decode_context_parallel_size: int = 1, kv_cache_dtype: Any = "auto"):
         # The arguments as given: the other ranks of a tensor-parallel engine build theirs from them.
         settings = {name: value for name, value in locals().items() if name != "self"}
         # Arguments are checked before any model is loaded or cache allocated.
-        method = _checked_settings(**settings)
+        method, cache_dtype = _checked_settings(**settings)
         self.tokenizer = resolve_tokenizer(tokenizer, model)
         self._tokenizer_hint = missing_tokenizer_hint(model) if self.tokenizer is None else ""
         self._parallel: distributed.Parallel | None = None
@@ -493,10 +512,13 @@ class LLM:
             cfg = self.model.config
             context, num_pages = _cache_size(self.model, page_size, num_pages, cache_bytes, max_batch_size,
                                              max_context_len, num_speculative_tokens, dcp.size,
-                                             DRAFT_CACHE_LAYERS if method == "mtp" else 0)
+                                             DRAFT_CACHE_LAYERS if method == "mtp" else 0, cache_dtype)
+            options = dict(backend_options or {})
+            if cache_dtype is not None:
+                options["kv_cache_dtype"] = cache_dtype
             self.runner = ModelRunner(self.model, page_size=page_size, num_pages=num_pages,
                                       max_batch_size=max_batch_size, max_context_len=context, provider=provider,
-                                      extend_prefix_mode=extend_prefix_mode, backend_options=backend_options,
+                                      extend_prefix_mode=extend_prefix_mode, backend_options=options,
                                       num_speculative_tokens=num_speculative_tokens, dcp=dcp)
             table = self.runner.table
             prefix_cache = PrefixCache(table.allocator, table.page_size) if enable_prefix_caching else None

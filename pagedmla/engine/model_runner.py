@@ -61,13 +61,13 @@ class StepInputs:
 
 
 class ModelRunner:
-    """model: a loaded DeepseekForCausalLM; the cache gets ``num_pages`` pages of ``page_size`` tokens in
-    the model's dtype; the RequestTable holds ``max_batch_size`` request slots. ``backend_options`` are
-    further MLAConfig fields (chunked_prefix_capacity, chunked_prefix_min_extend, ...).
-    ``num_speculative_tokens`` k > 0 sizes the backend for verify steps of k + 1 tokens per request (and
-    widens its context by k: a request at the context limit still verifies k draft slots). A model built
-    for tensor parallelism sizes the backend for its heads; ``dcp`` is this rank's decode-context-parallel
-    group (of ranks of that tensor-parallel group)."""
+    """model: a loaded DeepseekForCausalLM; the cache gets ``num_pages`` pages of ``page_size`` tokens in the model's
+    dtype (or the ``kv_cache_dtype`` / ``kv_cache_scale`` of ``backend_options``: FP8 caches); the RequestTable
+    holds ``max_batch_size`` request slots. ``backend_options`` are further MLAConfig fields
+    (chunked_prefix_capacity, chunked_prefix_min_extend, ...). ``num_speculative_tokens`` k > 0 sizes the backend
+    for verify steps of k + 1 tokens per request (and widens its context by k: a request at the context limit
+    still verifies k draft slots). A model built for tensor parallelism sizes the backend for its heads; ``dcp``
+    is this rank's decode-context-parallel group (of ranks of that tensor-parallel group)."""
 
     def __init__(self, model: DeepseekForCausalLM, *, page_size: int, num_pages: int, max_batch_size: int,
                  max_context_len: int, provider: str | None = None, extend_prefix_mode: str = "auto",
@@ -91,7 +91,8 @@ class ModelRunner:
         self.backend: MLABackend = create_backend(backend_name, self.mla_config, device=self.device,
                                                   provider=provider, **extra)
         self.cache = MLAKVCache(cfg.num_hidden_layers, num_pages, page_size, self.mla_config.kv_dim,
-                                dtype=self.dtype, device=self.device)
+                                dtype=self.mla_config.kv_cache_dtype, device=self.device,
+                                k_scale=self.mla_config.kv_cache_scale)
         self.table = RequestTable(PageAllocator(num_pages), self.mla_config.tokens_per_page, max_batch_size,
                                   self.mla_config.max_pages_per_request, device=self.device)
         self._graphs: GraphRunner | None = None

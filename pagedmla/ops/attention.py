@@ -32,8 +32,8 @@ def _same_dtype(q: torch.Tensor, name: str, other: torch.Tensor) -> None:
         raise ValueError(f"{name}: dtype {other.dtype} differs from q's {q.dtype}")
 
 
-# Checked call signatures of flash_mla_with_kvcache -> (implementation, softmax scale).
-_decode_signatures: dict[tuple, tuple[Callable, float]] = {}
+# Checked call signatures of flash_mla_with_kvcache -> (implementation, softmax scale, cache format).
+_decode_signatures: dict[tuple, tuple] = {}
 
 
 def _signature(*tensors: torch.Tensor) -> tuple:
@@ -41,8 +41,8 @@ def _signature(*tensors: torch.Tensor) -> tuple:
     return tuple((t.shape, t.dtype, t.get_device()) for t in tensors)
 
 
-def _memoised(table: dict[tuple, tuple[Callable, float]], tensors: tuple, scalars: tuple, provider: str | None,
-              check: Callable[[], tuple[Callable, float]]) -> tuple[Callable, float]:
+def _memoised(table: dict[tuple, tuple], tensors: tuple, scalars: tuple, provider: str | None,
+              check: Callable[[], tuple]) -> tuple:
     """The entry of a checked call signature (the tensors' shapes, dtypes and devices, the scalars, the
     provider asked for and PAGEDMLA_PROVIDER): ``check()`` (which raises for a bad call) the first time.
     Arguments that are not tensors are never memoised: the full checks say which."""
@@ -77,11 +77,18 @@ def flash_mla_with_kvcache(
     softmax_scale: float | None = None,
     causal: bool = False,
     *,
+    k_scale: torch.Tensor | None = None,
+    is_fp8_kvcache: bool = False,
     provider: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode over a paged latent cache (FlashMLA's call).
 
-    q: [b, q_len, h_q, D] (D = 576 for DeepSeek); k_cache: [num_pages, page_size, 1, D], same dtype;
+    q: [b, q_len, h_q, D] (D = 576 for DeepSeek), bf16/fp16/fp32 (fp64 on the torch provider);
+    k_cache: [num_pages, page_size, 1, W] in one of the cache formats (``pagedmla.kv_format``):
+      q's dtype, W = D;
+      fp8_e4m3: float8_e4m3fn, W = D, with k_scale (float32, one element: value = fp8 x k_scale);
+      fp8_ds_mla (is_fp8_kvcache=True, FlashMLA's keyword): uint8 or float8_e4m3fn, W = 656 bytes, D = 576;
+    FP8 rows are dequantised as they are read (only the rows a request reads);
     block_table: int32 [b, max_pages]; cache_seqlens: int32 [b], KV length including the q_len new tokens;
     head_dim_v: value width, the first head_dim_v columns of each row (512);
     tile_scheduler_metadata, num_splits: from ``get_mla_metadata(cache_seqlens, q_len * h_q, 1)``.
@@ -93,25 +100,25 @@ def flash_mla_with_kvcache(
     if torch.compiler.is_dynamo_compiling():
         return torch.ops.pagedmla.flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v,
                                                          tile_scheduler_metadata, num_splits, softmax_scale, causal,
-                                                         provider)
-    entry = _memoised(_decode_signatures, (q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata,
-                                           num_splits), (head_dim_v, softmax_scale), provider, lambda: _check_decode(
+                                                         provider, k_scale, is_fp8_kvcache)
+    tensors = (q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits)
+    entry = _memoised(_decode_signatures, tensors if k_scale is None else (*tensors, k_scale),
+                      (head_dim_v, softmax_scale, is_fp8_kvcache), provider, lambda: _check_decode(
         q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits, softmax_scale,
-        provider))
-    impl, scale = entry
+        provider, k_scale, is_fp8_kvcache))
+    impl, scale, fmt = entry
     if errors.host_value_checks(q.device):
         checks.paged_values(block_table, cache_seqlens, k_cache.shape[0], k_cache.shape[1])
     return impl(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits, scale,
-                bool(causal))
+                bool(causal), kv_format=fmt, k_scale=k_scale)
 
 
 def _check_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                  softmax_scale, provider) -> tuple[Callable, float]:
-    """Every host check of ``flash_mla_with_kvcache``; returns (implementation, softmax scale)."""
+                  softmax_scale, provider, k_scale, is_fp8_kvcache) -> tuple:
+    """Every host check of ``flash_mla_with_kvcache``; returns (implementation, softmax scale, cache format)."""
     checks.tensor(q, "q", ndim=4, dtypes=_KV_DTYPES)
     b, q_len, h_q, d = q.shape
-    checks.paged_kv(k_cache, d, head_dim_v)
-    _same_dtype(q, "k_cache", k_cache)
+    fmt = checks.paged_kv(k_cache, q, head_dim_v, k_scale, is_fp8_kvcache)
     checks.block_table_and_lens(block_table, cache_seqlens, b)
     checks.tensor(tile_scheduler_metadata, "tile_scheduler_metadata", ndim=2, dtypes=(torch.int32,))
     checks.dim_equals(tile_scheduler_metadata.shape[1], 8, "tile_scheduler_metadata: row width (dim 1)")
@@ -124,7 +131,7 @@ def _check_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_sched
                        tile_scheduler_metadata=tile_scheduler_metadata, num_splits=num_splits)
     scale = checks.softmax_scale(softmax_scale, d ** -0.5)
     _, impl = resolve("paged_decode", q.device, provider)
-    return impl, scale
+    return impl, scale, fmt
 
 
 def flash_mla_varlen_with_kvcache(
@@ -138,6 +145,8 @@ def flash_mla_varlen_with_kvcache(
     causal: bool = True,
     *,
     max_q_len: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    is_fp8_kvcache: bool = False,
     provider: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA attention with a different number of query tokens per request (prefill over a
@@ -145,7 +154,8 @@ def flash_mla_varlen_with_kvcache(
 
     q: [T, h_q, D] packed; request b's tokens are rows qo_indptr[b] .. qo_indptr[b+1]-1 and are the
     last tokens of its KV (bottom-right causal); qo_indptr: int32 [b + 1], starting at 0, ending at T;
-    k_cache, block_table, cache_seqlens, head_dim_v as in ``flash_mla_with_kvcache``.
+    k_cache (any cache format), k_scale, is_fp8_kvcache, block_table, cache_seqlens, head_dim_v as in
+    ``flash_mla_with_kvcache``.
     max_q_len: the largest q length, when the caller knows it on the host (checked only with host value
     checks: the kernels do not need it). Returns out [T, h_q, head_dim_v] (q's dtype) and lse [T, h_q]
     float32. Bad values (``pagedmla.errors``): a request with a length outside 0 .. its block-table row's
@@ -154,13 +164,16 @@ def flash_mla_varlen_with_kvcache(
     """
     if torch.compiler.is_dynamo_compiling():
         return torch.ops.pagedmla.flash_mla_varlen_with_kvcache(q, k_cache, block_table, cache_seqlens, qo_indptr,
-                                                                head_dim_v, softmax_scale, causal, max_q_len, provider)
+                                                                head_dim_v, softmax_scale, causal, max_q_len, provider,
+                                                                k_scale, is_fp8_kvcache)
     if max_q_len is not None and (isinstance(max_q_len, bool) or not isinstance(max_q_len, int) or max_q_len < 0):
         raise ValueError(f"max_q_len: expected an int >= 0, got {max_q_len!r}")
-    entry = _memoised(_paged_varlen_signatures, (q, k_cache, block_table, cache_seqlens, qo_indptr),
-                      (head_dim_v, softmax_scale), provider, lambda: _check_paged_varlen(
-        q, k_cache, block_table, cache_seqlens, qo_indptr, head_dim_v, softmax_scale, provider))
-    impl, scale = entry
+    tensors = (q, k_cache, block_table, cache_seqlens, qo_indptr)
+    entry = _memoised(_paged_varlen_signatures, tensors if k_scale is None else (*tensors, k_scale),
+                      (head_dim_v, softmax_scale, is_fp8_kvcache), provider, lambda: _check_paged_varlen(
+        q, k_cache, block_table, cache_seqlens, qo_indptr, head_dim_v, softmax_scale, provider, k_scale,
+        is_fp8_kvcache))
+    impl, scale, fmt = entry
     if errors.host_value_checks(q.device):
         checks.indptr_values(qo_indptr, "qo_indptr", q.shape[0])
         if max_q_len is not None and qo_indptr.shape[0] > 1:
@@ -168,19 +181,20 @@ def flash_mla_varlen_with_kvcache(
             if longest > max_q_len:
                 raise ValueError(f"max_q_len: {max_q_len} is below the longest q length {longest}")
         checks.paged_values(block_table, cache_seqlens, k_cache.shape[0], k_cache.shape[1])
-    return impl(q, k_cache, block_table, cache_seqlens, qo_indptr, head_dim_v, scale, bool(causal), max_q_len)
+    return impl(q, k_cache, block_table, cache_seqlens, qo_indptr, head_dim_v, scale, bool(causal), max_q_len,
+                kv_format=fmt, k_scale=k_scale)
 
 
-_paged_varlen_signatures: dict[tuple, tuple[Callable, float]] = {}
+_paged_varlen_signatures: dict[tuple, tuple] = {}
 
 
 def _check_paged_varlen(q, k_cache, block_table, cache_seqlens, qo_indptr, head_dim_v, softmax_scale,
-                        provider) -> tuple[Callable, float]:
-    """Every host check of ``flash_mla_varlen_with_kvcache``; returns (implementation, softmax scale)."""
+                        provider, k_scale, is_fp8_kvcache) -> tuple:
+    """Every host check of ``flash_mla_varlen_with_kvcache``; returns (implementation, softmax scale, cache
+    format)."""
     checks.tensor(q, "q", ndim=3, dtypes=_KV_DTYPES)
     t, h_q, d = q.shape
-    checks.paged_kv(k_cache, d, head_dim_v)
-    _same_dtype(q, "k_cache", k_cache)
+    fmt = checks.paged_kv(k_cache, q, head_dim_v, k_scale, is_fp8_kvcache)
     checks.tensor(qo_indptr, "qo_indptr", ndim=1, dtypes=(torch.int32,))
     b = qo_indptr.shape[0] - 1
     if b < 0:
@@ -190,7 +204,7 @@ def _check_paged_varlen(q, k_cache, block_table, cache_seqlens, qo_indptr, head_
     checks.indptr_shape(qo_indptr, "qo_indptr", b + 1, t)
     scale = checks.softmax_scale(softmax_scale, d ** -0.5)
     _, impl = resolve("paged_varlen", q.device, provider)
-    return impl, scale
+    return impl, scale, fmt
 
 
 def flash_attn_varlen_func(

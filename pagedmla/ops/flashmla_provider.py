@@ -1,7 +1,7 @@
 """The `flashmla` provider: FlashMLA's sm90 dense decode (``sgl-flash-mla``), for side-by-side runs.
 
 FlashMLA's own limits apply and are checked here rather than failing inside the library: bfloat16
-only, page size 64, Hopper GPUs. Its split schedule differs from pagedmla's, so the adapter computes
+(no FP8 cache), page size 64, Hopper GPUs. Its split schedule differs from pagedmla's, so the adapter computes
 FlashMLA's own on every call (on the device, no host synchronisation; once per layer, where an engine
 built on FlashMLA alone would compute it once per step) and ignores the metadata it is given.
 """
@@ -15,7 +15,10 @@ from pagedmla.ops.providers import register_impl
 
 
 def paged_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                 softmax_scale, causal):
+                 softmax_scale, causal, kv_format=None, k_scale=None):
+    if kv_format is not None:
+        raise ValueError(f"k_cache: the flashmla provider runs bfloat16 caches (FlashMLA has no dense FP8 "
+                         f"decode), got {kv_format}; use provider='triton' or 'torch'")
     if q.device.type != "cuda" or q.dtype != torch.bfloat16:
         raise ValueError(f"q: the flashmla provider runs bfloat16 CUDA tensors, got {q.dtype} on {q.device}")
     if k_cache.shape[1] != 64:

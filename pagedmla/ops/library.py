@@ -30,16 +30,17 @@ from pagedmla.reference import lse_dtype
 def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
                            cache_seqlens: torch.Tensor, head_dim_v: int, tile_scheduler_metadata: torch.Tensor,
                            num_splits: torch.Tensor, softmax_scale: float | None = None, causal: bool = False,
-                           provider: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           provider: str | None = None, k_scale: torch.Tensor | None = None,
+                           is_fp8_kvcache: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = attention.flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v,
                                                 tile_scheduler_metadata, num_splits, softmax_scale, causal,
-                                                provider=provider)
+                                                k_scale=k_scale, is_fp8_kvcache=is_fp8_kvcache, provider=provider)
     return out, lse
 
 
 @flash_mla_with_kvcache.register_fake
 def _(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits, softmax_scale=None,
-      causal=False, provider=None):
+      causal=False, provider=None, k_scale=None, is_fp8_kvcache=False):
     b, s_q, h, _ = q.shape
     return q.new_empty(b, s_q, h, head_dim_v), q.new_empty(b, h, s_q, dtype=lse_dtype(q))
 
@@ -49,15 +50,17 @@ def flash_mla_varlen_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_
                                   cache_seqlens: torch.Tensor, qo_indptr: torch.Tensor, head_dim_v: int,
                                   softmax_scale: float | None = None, causal: bool = True,
                                   max_q_len: int | None = None,
-                                  provider: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                  provider: str | None = None, k_scale: torch.Tensor | None = None,
+                                  is_fp8_kvcache: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = attention.flash_mla_varlen_with_kvcache(q, k_cache, block_table, cache_seqlens, qo_indptr, head_dim_v,
-                                                       softmax_scale, causal, max_q_len=max_q_len, provider=provider)
+                                                       softmax_scale, causal, max_q_len=max_q_len, k_scale=k_scale,
+                                                       is_fp8_kvcache=is_fp8_kvcache, provider=provider)
     return out, lse
 
 
 @flash_mla_varlen_with_kvcache.register_fake
 def _(q, k_cache, block_table, cache_seqlens, qo_indptr, head_dim_v, softmax_scale=None, causal=True, max_q_len=None,
-      provider=None):
+      provider=None, k_scale=None, is_fp8_kvcache=False):
     t, h, _ = q.shape
     return q.new_empty(t, h, head_dim_v), q.new_empty(t, h, dtype=lse_dtype(q))
 

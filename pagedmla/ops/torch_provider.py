@@ -9,18 +9,20 @@ from pagedmla.ops.providers import register_impl
 
 
 def paged_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                 softmax_scale, causal):
+                 softmax_scale, causal, kv_format=None, k_scale=None):
     b, s_q, h, d = q.shape
     qo_indptr = torch.arange(0, (b + 1) * s_q, s_q, device=q.device, dtype=torch.int32)
     out, lse = reference.paged_mla_attention(q.reshape(b * s_q, h, d), k_cache, block_table, cache_seqlens,
-                                             qo_indptr, softmax_scale, causal, head_dim_v, k_cache.shape[1])
+                                             qo_indptr, softmax_scale, causal, head_dim_v, k_cache.shape[1],
+                                             kv_format, k_scale)
     return (out.to(q.dtype).reshape(b, s_q, h, head_dim_v),
             lse.to(reference.lse_dtype(q)).reshape(b, s_q, h).transpose(1, 2).contiguous())
 
 
-def paged_varlen(q, k_cache, block_table, cache_seqlens, qo_indptr, head_dim_v, softmax_scale, causal, max_q_len):
+def paged_varlen(q, k_cache, block_table, cache_seqlens, qo_indptr, head_dim_v, softmax_scale, causal, max_q_len,
+                 kv_format=None, k_scale=None):
     out, lse = reference.paged_mla_attention(q, k_cache, block_table, cache_seqlens, qo_indptr, softmax_scale,
-                                             causal, head_dim_v, k_cache.shape[1])
+                                             causal, head_dim_v, k_cache.shape[1], kv_format, k_scale)
     return out.to(q.dtype), lse.to(reference.lse_dtype(q))
 
 

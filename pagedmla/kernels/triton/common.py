@@ -1,5 +1,5 @@
-"""What every pagedmla kernel shares: the base-2 softmax constants, the value guards, the row finish and the
-prefill kernels' config.
+"""What every pagedmla kernel shares: the base-2 softmax constants, the value guards, the row finish, the FP8
+cache rows' reader and the prefill kernels' config.
 
 The guards implement ``pagedmla.errors``' contract inside the kernels (Triton and Gluon kernels both call
 these ``@triton.jit`` helpers): a value that would address memory outside a tensor is replaced by a safe one
@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 import triton
 import triton.language as tl
 
-from pagedmla import errors
+from pagedmla import errors, kv_format
+from pagedmla.device import triton_interpreting
 
 LOG2E = 1.4426950408889634  # the kernels' softmax runs in base 2: scores are scaled by softmax_scale * LOG2E
 LN2 = 0.6931471805599453  # and their log2 LSE is returned as a natural log
@@ -28,6 +30,35 @@ QUERY_INDPTR = tl.constexpr(errors.QUERY_INDPTR)
 KEY_INDPTR = tl.constexpr(errors.KEY_INDPTR)
 MAX_SEQLEN = tl.constexpr(errors.MAX_SEQLEN)
 CACHE_SLOT = tl.constexpr(errors.CACHE_SLOT)
+
+# The cache formats as the kernels' KV_FMT constexpr: rows of q's float dtype, fp8_e4m3, fp8_ds_mla.
+KV_FORMATS = {None: 0, "fp8_e4m3": 1, "fp8_ds_mla": 2}
+_DS_SCALES_OFFSET = tl.constexpr(kv_format.DS_SCALES_OFFSET)
+_DS_ROPE_OFFSET = tl.constexpr(kv_format.DS_ROPE_OFFSET)
+_DS_TILE = tl.constexpr(kv_format.DS_TILE)
+_LATENT_DIM = tl.constexpr(kv_format.LATENT_DIM)
+
+
+def fp8_nan_fixup() -> bool:
+    """Whether FP8 decodes need their NaN codes restored by hand: Triton 3.6's interpreter converts the
+    float8_e4m3fn NaN codes 0x7F / 0xFF to +-480 (the other 254 codes convert exactly; checked over all 256),
+    while the GPU's conversion gives NaN."""
+    return triton_interpreting()
+
+
+def kv_format_width(kv_fmt: str | None, d: int) -> int:
+    """Elements of one row of a cache in format ``kv_fmt`` for q's head dim ``d``: d, or 656 bytes for
+    fp8_ds_mla."""
+    return kv_format.DS_ROW_BYTES if kv_fmt == "fp8_ds_mla" else d
+
+
+def kv_format_args(k_cache, kv_fmt: str | None, k_scale) -> tuple:
+    """(cache as the kernels read it, k_scale pointer argument, KV_FMT constexpr) of a paged k_cache in format
+    ``kv_fmt`` (``pagedmla.kv_format``; None for rows of q's dtype): FP8 caches go in as their bytes (uint8),
+    the scale only for fp8_e4m3."""
+    if kv_fmt is None:
+        return k_cache, None, 0
+    return k_cache.view(torch.uint8), k_scale, KV_FORMATS[kv_fmt]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +94,41 @@ class PrefillConfig:
 # Both portable prefill kernels' tiles under the interpreter: small enough that the tests' small shapes run
 # several tiles and the masked paths.
 INTERPRETER_TILES = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+
+
+@triton.jit
+def fp8_cols(rows, col0, mask, scale_ptr, WIDTH: tl.constexpr, KV_FMT: tl.constexpr, ROPE: tl.constexpr,
+             MASKED: tl.constexpr, NAN_FIXUP: tl.constexpr):
+    """float32 values of columns col0 .. col0 + WIDTH - 1 of FP8 cache rows (``pagedmla.kv_format``) as a
+    [N, WIDTH] tile: rows [N, 1] uint8 pointers to the rows' first bytes, mask [N, WIDTH] or [N, 1] (read only
+    when MASKED: masked-off values are 0, their bytes never read). KV_FMT 1 (fp8_e4m3): fp8 x *scale_ptr; 2
+    (fp8_ds_mla): latent columns fp8 x their 128-column tile's float32 scale (bytes 512..527 of the row; one
+    load per row when the columns lie in one tile, WIDTH <= 128 from a multiple of WIDTH), or with ROPE
+    (columns 512.. of that format) the bfloat16 values at bytes 528... NAN_FIXUP: ``fp8_nan_fixup``."""
+    cols = col0 + tl.arange(0, WIDTH)[None, :]
+    if KV_FMT == 2 and ROPE:
+        ptrs = (rows + _DS_ROPE_OFFSET).to(tl.pointer_type(tl.bfloat16)) + (cols - _LATENT_DIM)
+        if MASKED:
+            return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        return tl.load(ptrs).to(tl.float32)
+    if MASKED:
+        bits = tl.load(rows + cols, mask=mask, other=0)
+    else:
+        bits = tl.load(rows + cols)
+    x = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if NAN_FIXUP:
+        x = tl.where((bits & 0x7F) == 0x7F, float("nan"), x)
+    if KV_FMT == 1:
+        return x * tl.load(scale_ptr)
+    if WIDTH <= _DS_TILE:
+        scales = (rows + _DS_SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + col0 // _DS_TILE
+        if MASKED:
+            return x * tl.load(scales, mask=mask, other=0.0)
+        return x * tl.load(scales)
+    scales = (rows + _DS_SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + cols // _DS_TILE
+    if MASKED:
+        return x * tl.load(scales, mask=mask, other=0.0)
+    return x * tl.load(scales)
 
 
 @triton.jit

@@ -47,6 +47,9 @@ from pagedmla.kernels.triton.common import (
     checked_length,
     checked_page,
     finish_rows,
+    fp8_cols,
+    fp8_nan_fixup,
+    kv_format_args,
     report,
 )
 from pagedmla.kernels.triton.launch import CachedKernel, current_stream
@@ -103,7 +106,7 @@ class DecodeConfig:
                    use_tma=bool(t), carry_pages=bool(p), use_sm90=bool(hop))
 
 
-def default_config(rows: int) -> DecodeConfig:
+def default_config(rows: int, fp8: bool = False) -> DecodeConfig:
     """Portable-kernel config for ``rows`` = q_len * heads query rows per request (measured on the H200:
     benchmarks/NOTES.md); ``select_config`` picks the Hopper kernel instead where it applies.
 
@@ -113,8 +116,15 @@ def default_config(rows: int) -> DecodeConfig:
     second KV buffer. More rows: 64-row tiles, 8 warps, 64-token steps, two 256-column chunks, TMA loads
     where the pages allow (page size a multiple of 64); 128 heads or q_len x heads > 64 take several 64-row
     tiles per part, which read the same KV (the later from L2).
+
+    ``fp8``: an FP8 cache (no TMA: its tiles are dequantised from bytes), whose 64-row tiles take four
+    128-column chunks of 32 tokens: one fp8_ds_mla scale per row and chunk, and within the H200's shared memory
+    (sm_90 cross-compiles on CPU: 129-132 KB against 184 KB for e4m3 and 319 KB, over the 227 KB an SM has, for
+    fp8_ds_mla with the bf16 tiles' two 256-column chunks of 64 tokens). Not yet measured on the device.
     """
     block_m, _ = tile_plan(rows)
+    if fp8 and block_m > 32:
+        return DecodeConfig(block_m=block_m, block_n=32, num_warps=8, num_stages=2, chunks=4, carry_pages=True)
     if block_m <= 32:
         return DecodeConfig(block_m=block_m, block_n=32, num_warps=4, num_stages=3, chunks=4, carry_pages=True)
     return DecodeConfig(block_m=block_m, block_n=64, num_warps=8, num_stages=2, chunks=2, use_tma=True,
@@ -122,10 +132,16 @@ def default_config(rows: int) -> DecodeConfig:
 
 
 @triton.jit
-def _kv_cols(kv_ptr, desc, tok, row, in_seq, col0,
-             WIDTH: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr):
-    """Columns col0 .. col0 + WIDTH - 1 of one KV tile's rows; rows past the sequence end read as 0."""
-    if USE_TMA:
+def _kv_cols(kv_ptr, desc, tok, row, in_seq, col0, scale_ptr,
+             WIDTH: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr, KV_FMT: tl.constexpr,
+             ROPE: tl.constexpr, NAN_FIXUP: tl.constexpr):
+    """Columns col0 .. col0 + WIDTH - 1 of one KV tile's rows; rows past the sequence end read as 0. FP8 caches
+    (KV_FMT > 0, ``common.fp8_cols``; never with TMA) come back dequantised, in float32; ROPE marks the
+    rope columns."""
+    if KV_FMT > 0:
+        x = fp8_cols(kv_ptr + tok[:, None], col0, in_seq[:, None], scale_ptr, WIDTH, KV_FMT, ROPE, MASKED,
+                     NAN_FIXUP)
+    elif USE_TMA:
         x = desc.load([row, col0])
         if MASKED:
             # TMA reads whole tiles: zero the rows past the end (0 * NaN would poison P @ V).
@@ -143,16 +159,18 @@ def _kv_cols(kv_ptr, desc, tok, row, in_seq, col0,
 def _attend_tile(
     acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, q_pe,
     kv_ptr, desc, desc_pe, bt_row, n0, seqlen, lim, stride_page, stride_tok, qk_scale, page_id, num_pages,
+    scale_ptr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DC: tl.constexpr, NC: tl.constexpr, DR: tl.constexpr,
     HAS_PE: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr, CARRY_PAGES: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, KV_FMT: tl.constexpr, NAN_FIXUP: tl.constexpr,
 ):
     """One online-softmax step over KV tokens n0 .. n0 + BLOCK_N - 1 (running max in log2 units).
 
     Each [BLOCK_N, 576] tile is loaded once, as NC value/key column chunks plus the rope-key part; the
     chunks serve as K in Q K^T and as V in P V. With CARRY_PAGES the caller passes the tile's page id
     (pages of at least BLOCK_N tokens, already checked); otherwise it is read and checked here. Returns the
-    updated state and whether a page id of the tile was outside the cache (read as page 0 instead).
+    updated state and whether a page id of the tile was outside the cache (read as page 0 instead). FP8 rows
+    are dequantised as loaded and cast to q's dtype for the dots.
     """
     offs_n = n0 + tl.arange(0, BLOCK_N)
     in_seq = offs_n < seqlen
@@ -171,21 +189,26 @@ def _attend_tile(
         pages, bad = checked_page(tl.load(bt_row + offs_n // PAGE, mask=in_seq, other=0), num_pages)
         bad_page = tl.max(bad.to(tl.int32), 0) > 0
         tok = pages.to(tl.int64) * stride_page + (offs_n % PAGE) * stride_tok
-    k0 = _kv_cols(kv_ptr, desc, tok, row, in_seq, 0, DC, MASKED, USE_TMA)
+    k0 = _kv_cols(kv_ptr, desc, tok, row, in_seq, 0, scale_ptr, DC, MASKED, USE_TMA, KV_FMT, False,
+                  NAN_FIXUP).to(q0.dtype)
     s = tl.dot(q0, tl.trans(k0), input_precision=PRECISION)
     k1 = k0
     k2 = k0
     k3 = k0
     if NC >= 2:
-        k1 = _kv_cols(kv_ptr, desc, tok, row, in_seq, DC, DC, MASKED, USE_TMA)
+        k1 = _kv_cols(kv_ptr, desc, tok, row, in_seq, DC, scale_ptr, DC, MASKED, USE_TMA, KV_FMT, False,
+                      NAN_FIXUP).to(q0.dtype)
         s = tl.dot(q1, tl.trans(k1), s, input_precision=PRECISION)
     if NC == 4:
-        k2 = _kv_cols(kv_ptr, desc, tok, row, in_seq, 2 * DC, DC, MASKED, USE_TMA)
+        k2 = _kv_cols(kv_ptr, desc, tok, row, in_seq, 2 * DC, scale_ptr, DC, MASKED, USE_TMA, KV_FMT, False,
+                      NAN_FIXUP).to(q0.dtype)
         s = tl.dot(q2, tl.trans(k2), s, input_precision=PRECISION)
-        k3 = _kv_cols(kv_ptr, desc, tok, row, in_seq, 3 * DC, DC, MASKED, USE_TMA)
+        k3 = _kv_cols(kv_ptr, desc, tok, row, in_seq, 3 * DC, scale_ptr, DC, MASKED, USE_TMA, KV_FMT, False,
+                      NAN_FIXUP).to(q0.dtype)
         s = tl.dot(q3, tl.trans(k3), s, input_precision=PRECISION)
     if HAS_PE:
-        k_pe = _kv_cols(kv_ptr, desc_pe, tok, row, in_seq, NC * DC, DR, MASKED, USE_TMA)
+        k_pe = _kv_cols(kv_ptr, desc_pe, tok, row, in_seq, NC * DC, scale_ptr, DR, MASKED, USE_TMA, KV_FMT, True,
+                        NAN_FIXUP).to(q0.dtype)
         s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PRECISION)
     s = s * qk_scale
     if MASKED:
@@ -210,9 +233,10 @@ def _attend_tile(
 def _attend_range(
     acc0, acc1, acc2, acc3, m_i, l_i, page_id, bad_page, q0, q1, q2, q3, q_pe,
     kv_ptr, desc, desc_pe, bt_row, lo, hi, tok_hi, seqlen, lim, stride_page, stride_tok, qk_scale, num_pages,
+    scale_ptr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DC: tl.constexpr, NC: tl.constexpr, DR: tl.constexpr,
     HAS_PE: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr, CARRY_PAGES: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, KV_FMT: tl.constexpr, NAN_FIXUP: tl.constexpr,
 ):
     """``_attend_tile`` over KV tokens lo .. hi - 1, BLOCK_N at a time (all MASKED or none). With CARRY_PAGES
     ``page_id`` / ``bad_page`` hold the checked page id of the tile at lo, and each step reads the next
@@ -228,7 +252,8 @@ def _attend_range(
         acc0, acc1, acc2, acc3, m_i, l_i, tile_bad = _attend_tile(
             acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, q_pe,
             kv_ptr, desc, desc_pe, bt_row, n0, seqlen, lim, stride_page, stride_tok, qk_scale, page_id,
-            num_pages, PAGE, BLOCK_N, DC, NC, DR, HAS_PE, MASKED, USE_TMA, CARRY_PAGES, PRECISION)
+            num_pages, scale_ptr, PAGE, BLOCK_N, DC, NC, DR, HAS_PE, MASKED, USE_TMA, CARRY_PAGES, PRECISION, KV_FMT,
+            NAN_FIXUP)
         page_id = next_id
         bad_page = next_bad | tile_bad
     return acc0, acc1, acc2, acc3, m_i, l_i, page_id, bad_page
@@ -250,7 +275,7 @@ def _store_rows(ptrs, acc0, acc1, acc2, acc3, scale, row_ok, DC: tl.constexpr, N
 @triton.jit
 def _decode_split_kernel(
     q_ptr, kv_ptr, bt_ptr, seqlens_ptr, meta_ptr, splits_ptr,
-    out_ptr, lse_ptr, part_ptr, err_ptr, desc, desc_pe,
+    out_ptr, lse_ptr, part_ptr, err_ptr, desc, desc_pe, scale_ptr,
     B, H, Q_LEN, ROWS, NUM_PAGES, MAX_PAGES, qk_scale,
     stride_qb, stride_qt, stride_qh,
     stride_page, stride_tok, stride_btb,
@@ -258,7 +283,7 @@ def _decode_split_kernel(
     CAUSAL: tl.constexpr, PAGE: tl.constexpr, SCHED_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DV: tl.constexpr, NC: tl.constexpr, DR: tl.constexpr,
     HAS_PE: tl.constexpr, META_W: tl.constexpr, USE_TMA: tl.constexpr, CARRY_PAGES: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, KV_FMT: tl.constexpr, NAN_FIXUP: tl.constexpr,
 ):
     """One program: a row tile of one split-plan part's requests, every KV step of each and its result.
     Long (~105 lines) on purpose: the loop-carried state (the accumulator chunks, row max and sum, the
@@ -327,11 +352,13 @@ def _decode_split_kernel(
             acc0, acc1, acc2, acc3, m_i, l_i, page_id, bad_page = _attend_range(
                 acc0, acc1, acc2, acc3, m_i, l_i, page_id, bad_page, q0, q1, q2, q3, q_pe,
                 kv_ptr, desc, desc_pe, bt_row, tok_lo, tok_mid, tok_hi, seqlen, lim, stride_page, stride_tok, qk_scale,
-                NUM_PAGES, PAGE, BLOCK_N, DC, NC, DR, HAS_PE, False, USE_TMA, carry, PRECISION)
+                NUM_PAGES, scale_ptr, PAGE, BLOCK_N, DC, NC, DR, HAS_PE, False, USE_TMA, carry, PRECISION, KV_FMT,
+                NAN_FIXUP)
             acc0, acc1, acc2, acc3, m_i, l_i, page_id, bad_page = _attend_range(
                 acc0, acc1, acc2, acc3, m_i, l_i, page_id, bad_page, q0, q1, q2, q3, q_pe,
                 kv_ptr, desc, desc_pe, bt_row, tok_mid, tok_hi, tok_hi, seqlen, lim, stride_page, stride_tok, qk_scale,
-                NUM_PAGES, PAGE, BLOCK_N, DC, NC, DR, HAS_PE, True, USE_TMA, carry, PRECISION)
+                NUM_PAGES, scale_ptr, PAGE, BLOCK_N, DC, NC, DR, HAS_PE, True, USE_TMA, carry, PRECISION, KV_FMT,
+                NAN_FIXUP)
 
             bits = bits | tl.where(bad_page, BLOCK_TABLE, 0)
             report(err_ptr, bits)
@@ -453,15 +480,17 @@ def partials_size(b: int, parts: int, rows: int, head_dim_v: int) -> int:
 
 
 def _portable_main_args(q, k_cache, block_table, cache_seqlens, metadata, num_splits, softmax_scale, causal, cfg,
-                        out, lse, partials, err):
-    """(kernel, grid, args, options) of the portable main kernel."""
+                        out, lse, partials, err, kv_fmt=None, k_scale=None):
+    """(kernel, grid, args, options) of the portable main kernel (``kv_fmt``, ``k_scale``: an FP8 cache's
+    format and scale, ``paged_decode_triton``)."""
     b, q_len, h, d = q.shape
     rows = q_len * h
     head_dim_v = out.shape[-1]
     dr = d - head_dim_v
     page = k_cache.shape[1]
     m_tiles = -(-rows // cfg.block_m)  # plain arithmetic: triton.cdiv costs microseconds of host time per call
-    use_tma = _tma_ok(cfg, k_cache, d)
+    use_tma = kv_fmt is None and _tma_ok(cfg, k_cache, d)
+    kv, scale_arg, fmt_id = kv_format_args(k_cache, kv_fmt, k_scale)
     desc = desc_pe = None
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -469,16 +498,16 @@ def _portable_main_args(q, k_cache, block_table, cache_seqlens, metadata, num_sp
         flat = k_cache.view(-1, d)
         desc = TensorDescriptor(flat, list(flat.shape), [d, 1], [cfg.block_n, head_dim_v // cfg.chunks])
         desc_pe = TensorDescriptor(flat, list(flat.shape), [d, 1], [cfg.block_n, max(dr, 16)])
-    args = (q, k_cache, block_table, cache_seqlens, metadata, num_splits, out, lse, partials, err, desc, desc_pe,
-            b, h, q_len, rows, k_cache.shape[0], block_table.shape[1], softmax_scale * LOG2E,
+    args = (q, kv, block_table, cache_seqlens, metadata, num_splits, out, lse, partials, err, desc, desc_pe,
+            scale_arg, b, h, q_len, rows, k_cache.shape[0], block_table.shape[1], softmax_scale * LOG2E,
             q.stride(0), q.stride(1), q.stride(2),
-            k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
+            kv.stride(0), kv.stride(1), block_table.stride(0),
             out.stride(0), out.stride(1), out.stride(2))
     options = dict(CAUSAL=bool(causal), PAGE=page, SCHED_N=SCHED_BLOCK_N, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                    DV=head_dim_v, NC=cfg.chunks, DR=max(dr, 16), HAS_PE=dr > 0, META_W=METADATA_WIDTH,
                    USE_TMA=use_tma, CARRY_PAGES=cfg.carry_pages,
-                   PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                   PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FMT=fmt_id,
+                   NAN_FIXUP=fmt_id > 0 and fp8_nan_fixup(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return _SPLIT, (m_tiles, metadata.shape[0], 1), args, options
 
 
@@ -499,11 +528,12 @@ class _DecodePlan:
     the launch parameters and the result shapes. The first call of a shape builds it (compiling the kernels);
     every call then allocates the results and launches (``run``), through ``BoundLaunch`` where it applies."""
 
-    def __init__(self, q, k_cache, block_table, head_dim_v, metadata, softmax_scale, causal, config):
+    def __init__(self, q, k_cache, block_table, head_dim_v, metadata, softmax_scale, causal, config, kv_fmt):
         b, q_len, h, d = q.shape
         _check_dims(d, head_dim_v)
         self.rows = q_len * h
-        self.cfg = select_config(q, k_cache, head_dim_v, config)
+        self.cfg = select_config(q, k_cache, head_dim_v, config, kv_fmt)
+        self.kv_fmt = kv_fmt
         self.device = q.device
         self.dtype = q.dtype
         self.out_shape = (b, q_len, h, head_dim_v)
@@ -523,7 +553,7 @@ class _DecodePlan:
         self.bound: tuple | None = None  # (main, grid, combine, combine grid) once bound
         self.tried_bind = False
 
-    def run(self, q, k_cache, block_table, cache_seqlens, metadata, num_splits, out, lse):
+    def run(self, q, k_cache, block_table, cache_seqlens, metadata, num_splits, out, lse, k_scale=None):
         dev = self.device
         if out is None:
             out = torch.empty(self.out_shape, dtype=self.dtype, device=dev)
@@ -560,11 +590,12 @@ class _DecodePlan:
         else:
             kernel, grid, args, options = _portable_main_args(q, k_cache, block_table, cache_seqlens, metadata,
                                                               num_splits, self.scale, self.causal, self.cfg, out,
-                                                              lse, partials, err)
+                                                              lse, partials, err, self.kv_fmt, k_scale)
             own_q = True
         cgrid, cargs, coptions = _combine_args(out, lse, partials, num_splits, cache_seqlens, err, self.parts,
                                                self.capacity, self.pdl, self.block_r)
-        if not self.tried_bind and dev.type == "cuda" and own_q:
+        # FP8 calls launch through the JIT cache: the bound launch's address list has no slot for k_scale.
+        if not self.tried_bind and dev.type == "cuda" and own_q and self.kv_fmt is None:
             # Bind once, from a call whose tensors the later calls' addresses stand for (no copy of q).
             self.tried_bind = True
             main = kernel.bind(dev, grid, *args, **options)
@@ -592,15 +623,19 @@ def paged_decode_triton(
     config: DecodeConfig | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    kv_format: str | None = None,
+    k_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode with the split-KV Triton kernels (the ``triton`` provider's ``paged_decode``).
 
-    q: [b, q_len, h, D] fp16/bf16 (fp32 too, with exact fp32 dots); k_cache: [num_pages, page_size, 1, D],
-    q's dtype; block_table: int32 [b, max_pages]; cache_seqlens: int32 [b], KV lengths including the q_len
-    new tokens (0 allowed); tile_scheduler_metadata, num_splits: from ``get_mla_metadata(cache_seqlens,
-    q_len * h, 1)`` (any ``num_sm_parts``); softmax_scale: multiplies q.k; causal: bottom-right aligned.
-    Returns out [b, q_len, h, head_dim_v] in q's dtype and lse [b, h, q_len] float32 (natural log); a row
-    with no visible key gets output 0 and LSE -inf. The value is the first head_dim_v columns of each row.
+    q: [b, q_len, h, D] fp16/bf16 (fp32 too, with exact fp32 dots); k_cache: [num_pages, page_size, 1, D], q's
+    dtype, or an FP8 cache (below); block_table: int32 [b, max_pages]; cache_seqlens: int32 [b], KV lengths
+    including the q_len new tokens (0 allowed); tile_scheduler_metadata, num_splits: from
+    ``get_mla_metadata(cache_seqlens, q_len * h, 1)`` (any ``num_sm_parts``); softmax_scale: multiplies q.k; causal:
+    bottom-right aligned. Returns out [b, q_len, h, head_dim_v] in q's dtype and lse [b, h, q_len] float32 (natural
+    log); a row with no visible key gets output 0 and LSE -inf. The value is the first head_dim_v columns of each
+    row. FP8 caches (``kv_format`` "fp8_e4m3" with ``k_scale`` float32 [1], or "fp8_ds_mla": ``pagedmla.kv_format``;
+    the public call checks them) run the portable kernel, which dequantises each tile as it loads it.
     Values only the device sees are guarded (``pagedmla.errors``): a request whose length is negative or
     beyond its block-table row, or which reads a page id outside the cache, gets NaN rows; metadata made for
     other lengths makes every row NaN. ``out`` / ``lse`` (contiguous, those shapes and dtypes) receive the
@@ -611,7 +646,7 @@ def paged_decode_triton(
     key = (q.shape, q.stride(), q.dtype, q.get_device(), k_cache.shape, k_cache.stride(), k_cache.dtype,
            block_table.shape, block_table.stride(), cache_seqlens.is_contiguous(), tile_scheduler_metadata.shape,
            tile_scheduler_metadata.is_contiguous(), num_splits.is_contiguous(), head_dim_v, softmax_scale, causal,
-           config)
+           config, kv_format)
     plan = _PLANS.get(key)
     if plan is None:
         softmax_scale = checks.positive_scale(softmax_scale)
@@ -619,7 +654,7 @@ def paged_decode_triton(
             raise ValueError(f"tile_scheduler_metadata: expected {METADATA_WIDTH} columns, "
                              f"got shape {tuple(tile_scheduler_metadata.shape)}")
         plan = _DecodePlan(q, k_cache, block_table, head_dim_v, tile_scheduler_metadata, softmax_scale, causal,
-                           config)
+                           config, kv_format)
         if len(_PLANS) > 1024:  # shapes vary with the batch: keep the table bounded
             _PLANS.clear()
         _PLANS[key] = plan
@@ -634,7 +669,7 @@ def paged_decode_triton(
     # The kernels index these as dense arrays (a no-op when they already are).
     cache_seqlens, num_splits = cache_seqlens.contiguous(), num_splits.contiguous()
     return plan.run(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata.contiguous(), num_splits, out,
-                    lse)
+                    lse, k_scale)
 
 
 def _check_result(t: torch.Tensor, name: str, shape: tuple[int, ...], dtype: torch.dtype,
@@ -672,16 +707,21 @@ def launch_combine(out: torch.Tensor, lse: torch.Tensor, partials: torch.Tensor,
 
 
 def select_config(q: torch.Tensor, k_cache: torch.Tensor, head_dim_v: int,
-                  config: DecodeConfig | None = None) -> DecodeConfig:
+                  config: DecodeConfig | None = None, kv_format: str | None = None) -> DecodeConfig:
     """The main-kernel config ``paged_decode_triton`` runs for these inputs: ``config`` (checked), else the
-    Hopper kernel for more than 16 query rows where ``sm90_supported`` holds, else ``default_config``."""
+    Hopper kernel for more than 16 query rows where ``sm90_supported`` holds (never for an FP8 ``kv_format``:
+    the Hopper kernels read bf16/fp16 caches), else ``default_config``."""
     rows = q.shape[1] * q.shape[2]
+    hopper = kv_format is None and sm90_supported(q, k_cache, head_dim_v)
     if config is None:
-        if rows >= SM90_MIN_ROWS and sm90_supported(q, k_cache, head_dim_v):
+        if rows >= SM90_MIN_ROWS and hopper:
             return DecodeConfig(block_m=64, use_sm90=True)
-        return default_config(rows)
+        return default_config(rows, kv_format is not None)
     if config.use_sm90:
-        if not sm90_supported(q, k_cache, head_dim_v):
+        if kv_format is not None:
+            raise ValueError(f"config: use_sm90 reads bf16/fp16 caches, not {kv_format}; FP8 caches run the "
+                             "portable kernel")
+        if not hopper:
             raise ValueError("config: use_sm90 needs an sm_90 GPU, Triton's Gluon, bf16/fp16 q and cache, head "
                              "dims 576/512, pages a multiple of 64 and a contiguous cache")
     elif (SCHED_BLOCK_N % config.block_n or config.block_m not in (16, 32, 64) or config.chunks not in (1, 2, 4)

@@ -29,7 +29,10 @@ from pagedmla.kernels.triton.common import (
     checked_length,
     checked_page,
     finish_rows,
+    fp8_nan_fixup,
     indptr_is_partition,
+    kv_format_args,
+    kv_format_width,
     report,
     store_nan,
 )
@@ -42,24 +45,26 @@ from pagedmla.kernels.triton.varlen import check_dtype, last_dim_contiguous, spl
 @triton.jit
 def _paged_tile(
     acc, l_i, m_i, bad, q1, q2, KV, bt_row, stride_slot,
-    lo, hi, row_limit, kv_len, num_pages, qk_scale,
+    lo, hi, row_limit, kv_len, num_pages, qk_scale, scale_ptr,
     PAGE_SIZE: tl.constexpr, DK: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, KV_FMT: tl.constexpr,
+    NAN_FIXUP: tl.constexpr,
 ):
     """Online-softmax update over latent rows [lo, hi) of one request. MASKED tiles apply the length
     and per-row causal limits (row_limit: last visible key per row) and never read slots past kv_len.
-    ``bad`` accumulates whether a page id was outside the cache (page 0 is read instead)."""
+    ``bad`` accumulates whether a page id was outside the cache (page 0 is read instead). FP8 rows (KV_FMT >
+    0) are dequantised as ``key_scores`` loads them."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N):
         n = start_n + offs_n
-        n_ok = n < kv_len
+        n_ok = n < kv_len  # all set on unmasked tiles (read there only by the FP8 rope part's column mask)
         if MASKED:
             page, page_bad = checked_page(tl.load(bt_row + n // PAGE_SIZE, mask=n_ok, other=0), num_pages)
         else:
             page, page_bad = checked_page(tl.load(bt_row + n // PAGE_SIZE), num_pages)
         bad = bad | (tl.max(page_bad.to(tl.int32), 0) > 0)
         rows = KV + (page.to(tl.int64) * PAGE_SIZE + n % PAGE_SIZE)[:, None] * stride_slot
-        s, kv1 = key_scores(q1, q2, rows, n_ok, DK, BLOCK_D1, BLOCK_D2, MASKED, DOT_PREC)
+        s, kv1 = key_scores(q1, q2, rows, n_ok, DK, BLOCK_D1, BLOCK_D2, MASKED, DOT_PREC, scale_ptr, KV_FMT, NAN_FIXUP)
         p, alpha, m_new = softmax_step(s, m_i, n_ok[None, :] & (n[None, :] <= row_limit[:, None]), qk_scale, MASKED)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -72,12 +77,13 @@ def _paged_tile(
 
 @triton.jit
 def _paged_varlen_kernel(
-    Q, KV, O, LSE, block_table, cache_seqlens, qo_indptr, err_ptr,
+    Q, KV, O, LSE, block_table, cache_seqlens, qo_indptr, err_ptr, scale_ptr,
     stride_qt, stride_qh, stride_slot, stride_bt, stride_ot, stride_oh,
     num_heads, batch, total_q, num_pages, max_pages, qk_scale,
     PAGE_SIZE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, SEARCH_STEPS: tl.constexpr, DOT_PREC: tl.constexpr,
+    CAUSAL: tl.constexpr, SEARCH_STEPS: tl.constexpr, DOT_PREC: tl.constexpr, KV_FMT: tl.constexpr,
+    NAN_FIXUP: tl.constexpr,
 ):
     """One program: BLOCK_M (token, head) rows of one request over the keys they see."""
     # Later tiles hold later tokens, which see more keys: launch them first.
@@ -124,11 +130,11 @@ def _paged_varlen_kernel(
         end = kv_len
     bad = bits < 0  # page ids outside the cache, accumulated over the tiles
     acc, l_i, m_i, bad = _paged_tile(acc, l_i, m_i, bad, q1, q2, KV, bt_row, stride_slot, 0, full_end, row_limit,
-                                     kv_len, num_pages, qk_scale, PAGE_SIZE, DK, BLOCK_D1, BLOCK_D2, BLOCK_N, False,
-                                     DOT_PREC)
+                                     kv_len, num_pages, qk_scale, scale_ptr, PAGE_SIZE, DK, BLOCK_D1, BLOCK_D2,
+                                     BLOCK_N, False, DOT_PREC, KV_FMT, NAN_FIXUP)
     acc, l_i, m_i, bad = _paged_tile(acc, l_i, m_i, bad, q1, q2, KV, bt_row, stride_slot, full_end, end, row_limit,
-                                     kv_len, num_pages, qk_scale, PAGE_SIZE, DK, BLOCK_D1, BLOCK_D2, BLOCK_N, True,
-                                     DOT_PREC)
+                                     kv_len, num_pages, qk_scale, scale_ptr, PAGE_SIZE, DK, BLOCK_D1, BLOCK_D2,
+                                     BLOCK_N, True, DOT_PREC, KV_FMT, NAN_FIXUP)
     bits = bits | tl.where(bad, BLOCK_TABLE, 0)
     report(err_ptr, bits)
     inv_l, lse2 = finish_rows(l_i, m_i, bits != 0)
@@ -160,6 +166,8 @@ def paged_varlen_attention(
     max_q_len: int | None = None,
     *,
     config: PrefillConfig | None = None,
+    kv_format: str | None = None,
+    k_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA attention with per-request q lengths over a paged latent cache (``paged_varlen`` op).
 
@@ -169,19 +177,22 @@ def paged_varlen_attention(
     including the new tokens; qo_indptr: int32 [b + 1]; head_dim_v: the value width, the first columns of
     each latent row (512; at most the power-of-two part of D). causal: bottom-right per token. max_q_len is not
     needed: the grid is sized from T, so nothing is read back from the device. ``config`` overrides the
-    tile shape (benchmarks). Without ``config`` an sm_90 GPU runs the Hopper kernel (``sm90/paged_varlen.py``)
-    where it applies (bf16/fp16, 576/512, pages a multiple of 64, contiguous cache); a ``PrefillConfig``
-    runs it when its ``use_sm90`` is set, else the portable kernel.
+    tile shape (benchmarks). FP8 caches (``kv_format`` "fp8_e4m3" with ``k_scale`` float32 [1], or
+    "fp8_ds_mla" [num_pages, page_size, 1, 656] bytes; ``pagedmla.kv_format``) run the portable kernel, which
+    dequantises each tile as it loads it. Without ``config`` an sm_90 GPU runs the Hopper kernel
+    (``sm90/paged_varlen.py``) where it applies (bf16/fp16, 576/512, pages a multiple of 64, contiguous cache);
+    a ``PrefillConfig`` runs it when its ``use_sm90`` is set, else the portable kernel.
     Returns out [T, H, head_dim_v] q.dtype and lse [T, H] float32 (natural log; rows that see no key give 0
     and -inf). Long for its checks, one per argument with its own message, ahead of the dispatch.
     """
     softmax_scale = checks.positive_scale(softmax_scale)
     config = PrefillConfig.checked(config)
     check_dtype(q, "q")
-    if k_cache.dtype != q.dtype:
+    if kv_format is None and k_cache.dtype != q.dtype:
         raise ValueError(f"k_cache: dtype {k_cache.dtype} differs from q's {q.dtype}")
-    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape[2] != 1 or k_cache.shape[3] != q.shape[2]:
-        raise ValueError(f"k_cache: expected [num_pages, page_size, 1, {q.shape[-1]}], got {tuple(k_cache.shape)}")
+    width = kv_format_width(kv_format, q.shape[-1])
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape[2] != 1 or k_cache.shape[3] != width:
+        raise ValueError(f"k_cache: expected [num_pages, page_size, 1, {width}], got {tuple(k_cache.shape)}")
     t, h, d = q.shape
     if d < 16:
         raise ValueError(f"q: the triton kernel needs a head dim >= 16, got {d}")
@@ -203,15 +214,18 @@ def paged_varlen_attention(
     if t == 0 or h == 0 or batch <= 0:
         return out, lse
     q = last_dim_contiguous(q)
-    kv = last_dim_contiguous(k_cache.reshape(-1, d))
+    kv, scale_arg, fmt_id = kv_format_args(last_dim_contiguous(k_cache.reshape(-1, width)), kv_format, k_scale)
     block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
     # The kernel indexes these 1-D tensors as dense arrays (a no-op when they already are).
     cache_seqlens, qo_indptr = cache_seqlens.contiguous(), qo_indptr.contiguous()
     if config is None:
         cfg = default_config(q.dtype)
-        use_sm90 = d == 576 and head_dim_v == 512 and sm90_supported(q, k_cache, head_dim_v)
+        use_sm90 = d == 576 and head_dim_v == 512 and kv_format is None and sm90_supported(q, k_cache, head_dim_v)
     else:
         cfg, use_sm90 = config.over(default_config(q.dtype)), config.use_sm90
+    if use_sm90 and kv_format is not None:
+        raise ValueError(f"config: use_sm90 reads bf16/fp16 caches, not {kv_format}; FP8 caches run the portable "
+                         "kernel")
     if use_sm90:
         if d != 576 or head_dim_v != 512:
             raise ValueError(f"config: use_sm90 needs head dims 576 / 512, got {d} / head_dim_v {head_dim_v}")
@@ -220,12 +234,13 @@ def paged_varlen_attention(
         return out, lse
     grid = ((t * h) // cfg.block_m + batch,)
     _paged_varlen_kernel[grid](
-        q, kv, out, lse, block_table, cache_seqlens, qo_indptr, errors.error_word(q.device),
+        q, kv, out, lse, block_table, cache_seqlens, qo_indptr, errors.error_word(q.device), scale_arg,
         q.stride(0), q.stride(1), kv.stride(0), block_table.stride(0), out.stride(0), out.stride(1),
         h, batch, t, k_cache.shape[0], block_table.shape[1], softmax_scale * LOG2E,
         PAGE_SIZE=page_size, DK=d, DV=head_dim_v, BLOCK_D1=d1, BLOCK_D2=d2,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=bool(causal),
         SEARCH_STEPS=max(1, batch.bit_length()), DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        KV_FMT=fmt_id, NAN_FIXUP=fmt_id > 0 and fp8_nan_fixup(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse

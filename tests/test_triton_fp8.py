@@ -1,0 +1,95 @@
+"""The portable Triton kernels on FP8 caches, beyond the conformance grid (``test_conformance.py``): a NaN stored
+in a live FP8 value reaches the output as on the torch reference (the interpreter decodes the NaN codes as
++-480, ``common.fp8_nan_fixup``), FlashMLA's padded page stride reads in place, and the Hopper kernels refuse
+FP8 caches by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oracle import TOLERANCES, assert_attention_close, cos_diff, dense_paged, gen, make_paged_cache
+
+import pagedmla
+from pagedmla.kernels.triton.common import PrefillConfig
+from pagedmla.kernels.triton.decode import DecodeConfig, paged_decode_triton, select_config
+from pagedmla.kernels.triton.paged_varlen import paged_varlen_attention
+
+K_SCALE = torch.tensor([0.004])
+
+
+def _cache(kv_format: str, lens: list[int], page: int, key):
+    ks = K_SCALE if kv_format == "fp8_e4m3" else None
+    cache = make_paged_cache(lens, page, 576, generator=gen("triton-fp8", kv_format, key), scale=0.3,
+                             kv_format=kv_format, k_scale=K_SCALE.item(),
+                             encode=lambda rows: pagedmla.quantize_latent(rows, kv_format, k_scale=ks))
+    kw = dict(k_scale=K_SCALE) if kv_format == "fp8_e4m3" else dict(is_fp8_kvcache=True)
+    return cache, kw
+
+
+def _decode(q, cache, lens, kw, provider):
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    md, ns = pagedmla.get_mla_metadata(seqlens, q.shape[1] * q.shape[2], 1, num_sm_parts=2)
+    return pagedmla.flash_mla_with_kvcache(q, cache.k_cache, cache.block_table, seqlens, 512, md, ns, causal=True,
+                                           provider=provider, **kw)
+
+
+@pytest.mark.parametrize("kv_format", ["fp8_e4m3", "fp8_ds_mla"])
+def test_nan_in_a_live_fp8_value_poisons_its_request_only(kv_format):
+    lens = [9, 20]
+    cache, kw = _cache(kv_format, lens, 16, "nan")
+    page = cache.pages[1][0]
+    cache.k_cache.view(torch.uint8)[page, 3, 0, 7] = 0x7F  # a latent code of request 1's token 3: NaN
+    q = torch.randn(2, 1, 4, 576, generator=gen("triton-fp8-nan-q")).half()
+    for provider in ("torch", "triton"):
+        out, lse = _decode(q, cache, lens, kw, provider)
+        assert torch.isfinite(out[0]).all() and torch.isnan(out[1]).all(), provider
+        qo = torch.tensor([0, 1, 2], dtype=torch.int32)
+        out_v, _ = pagedmla.flash_mla_varlen_with_kvcache(q[:, 0], cache.k_cache, cache.block_table,
+                                                          torch.tensor(lens, dtype=torch.int32), qo, 512,
+                                                          provider=provider, **kw)
+        assert torch.isfinite(out_v[0]).all() and torch.isnan(out_v[1]).all(), provider
+
+
+def test_decode_reads_flashmla_padded_page_stride():
+    """FlashMLA's quantiser strides pages by page_size + 1 rows: the decode kernel reads that view in place."""
+    lens = [5, 40]
+    cache, kw = _cache("fp8_ds_mla", lens, 16, "padded")
+    padded = torch.zeros(cache.k_cache.shape[0], 17, 1, 656, dtype=torch.float8_e4m3fn)[:, :16]
+    padded.view(torch.uint8).copy_(cache.k_cache)
+    q = torch.randn(2, 2, 4, 576, generator=gen("triton-fp8-padded-q")).half()
+    ref, ref_lse = _decode(q, cache, lens, kw, "torch")
+    out, lse = _decode(q, cache._replace(k_cache=padded), lens, kw, "triton")
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kv_format", ["fp8_e4m3", "fp8_ds_mla"])
+def test_hopper_kernels_refuse_fp8_caches(kv_format):
+    lens = [4]
+    cache, kw = _cache(kv_format, lens, 64, "hopper")
+    ks = kw.get("k_scale")
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(1, 1, 32, 576, generator=gen("triton-fp8-hopper-q")).half()
+    md, ns = pagedmla.get_mla_metadata(seqlens, 32, 1)
+    with pytest.raises(ValueError, match="^config: use_sm90 reads bf16/fp16 caches"):
+        paged_decode_triton(q, cache.k_cache, cache.block_table, seqlens, 512, md, ns, 576 ** -0.5, True,
+                            config=DecodeConfig(block_m=64, use_sm90=True), kv_format=kv_format, k_scale=ks)
+    with pytest.raises(ValueError, match="^config: use_sm90 reads bf16/fp16 caches"):
+        paged_varlen_attention(q[0], cache.k_cache, cache.block_table, seqlens, torch.tensor([0, 1], dtype=torch.int32),
+                               512, 576 ** -0.5, True, config=PrefillConfig(use_sm90=True), kv_format=kv_format,
+                               k_scale=ks)
+
+
+@pytest.mark.parametrize("kv_format", ["fp8_e4m3", "fp8_ds_mla"])
+def test_decode_64_row_tiles(kv_format):
+    """More than 32 query rows per request: the FP8 64-row config (four 128-column chunks), against the oracle."""
+    lens = [1, 40]
+    cache, kw = _cache(kv_format, lens, 16, "rows64")
+    q = (torch.randn(2, 2, 32, 576, generator=gen("triton-fp8-rows64-q")) * 0.3).half()
+    cfg = select_config(q, cache.k_cache, 512, None, kv_format)
+    assert (cfg.block_m, cfg.chunks, cfg.use_tma, cfg.use_sm90) == (64, 4, False, False)
+    out, lse = _decode(q, cache, lens, kw, "triton")
+    ref_out, ref_lse = dense_paged(q.reshape(4, 32, 576), [0, 2, 4], cache.rows, 576 ** -0.5, True, 512)
+    assert_attention_close(out, lse, ref_out.reshape(2, 2, 32, 512), ref_lse.reshape(2, 2, 32).transpose(1, 2),
+                           TOLERANCES[torch.float16], kv_format)
+    assert cos_diff(out, ref_out.reshape(2, 2, 32, 512)) < 1e-5
