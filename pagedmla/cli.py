@@ -75,6 +75,8 @@ def _ids_prompt(text: str) -> _Prompt:
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    """The ``pagedmla`` command line. Long (~80 lines) on purpose: one ``add_argument`` per flag, in the order
+    ``--help`` lists them, reads better than the same calls spread over helpers."""
     common = _Parser(add_help=False)
     common.add_argument("--debug", action="store_true", help="show the traceback of an error")
     parser = _Parser(prog="pagedmla", description="pagedmla: MLA attention serving tools")
