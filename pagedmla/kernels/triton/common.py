@@ -97,14 +97,18 @@ INTERPRETER_TILES = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stage
 
 
 @triton.jit
-def fp8_cols(rows, col0, mask, scale_ptr, WIDTH: tl.constexpr, KV_FMT: tl.constexpr, ROPE: tl.constexpr,
+def fp8_cols(rows, col0, mask, WIDTH: tl.constexpr, KV_FMT: tl.constexpr, ROPE: tl.constexpr,
              MASKED: tl.constexpr, NAN_FIXUP: tl.constexpr):
     """float32 values of columns col0 .. col0 + WIDTH - 1 of FP8 cache rows (``pagedmla.kv_format``) as a
     [N, WIDTH] tile: rows [N, 1] uint8 pointers to the rows' first bytes, mask [N, WIDTH] or [N, 1] (read only
-    when MASKED: masked-off values are 0, their bytes never read). KV_FMT 1 (fp8_e4m3): fp8 x *scale_ptr; 2
-    (fp8_ds_mla): latent columns fp8 x their 128-column tile's float32 scale (bytes 512..527 of the row; one
-    load per row when the columns lie in one tile, WIDTH <= 128 from a multiple of WIDTH), or with ROPE
-    (columns 512.. of that format) the bfloat16 values at bytes 528... NAN_FIXUP: ``fp8_nan_fixup``."""
+    when MASKED: masked-off values are 0, their bytes never read; [N, 1] where WIDTH > 128 for fp8_ds_mla).
+
+    KV_FMT 1 (fp8_e4m3): the fp8 values themselves, *not* times k_scale: they are exact in bf16 and fp16, so
+    the dots see them unrounded, and the kernel folds the one scale into the softmax scale and the output
+    normaliser (x * k_scale rounded to bf16 would err by up to 2^-9 relative per element). KV_FMT 2
+    (fp8_ds_mla): latent columns fp8 x their 128-column tile's float32 scale (bytes 512..527 of the row; a
+    power of two, so the product is exact), loaded once per row and tile, or with ROPE (columns 512.. of that
+    format) the bfloat16 values at bytes 528... NAN_FIXUP: ``fp8_nan_fixup``."""
     cols = col0 + tl.arange(0, WIDTH)[None, :]
     if KV_FMT == 2 and ROPE:
         ptrs = (rows + _DS_ROPE_OFFSET).to(tl.pointer_type(tl.bfloat16)) + (cols - _LATENT_DIM)
@@ -119,16 +123,25 @@ def fp8_cols(rows, col0, mask, scale_ptr, WIDTH: tl.constexpr, KV_FMT: tl.conste
     if NAN_FIXUP:
         x = tl.where((bits & 0x7F) == 0x7F, float("nan"), x)
     if KV_FMT == 1:
-        return x * tl.load(scale_ptr)
+        return x
+    scales = (rows + _DS_SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + col0 // _DS_TILE
     if WIDTH <= _DS_TILE:
-        scales = (rows + _DS_SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + col0 // _DS_TILE
         if MASKED:
-            return x * tl.load(scales, mask=mask, other=0.0)
-        return x * tl.load(scales)
-    scales = (rows + _DS_SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + cols // _DS_TILE
-    if MASKED:
-        return x * tl.load(scales, mask=mask, other=0.0)
-    return x * tl.load(scales)
+            x = x * tl.load(scales, mask=mask, other=0.0)
+        else:
+            x = x * tl.load(scales)
+    else:
+        # Several tiles: their WIDTH / 128 scales per row, broadcast over each tile's columns (a per-column
+        # gather of the scales would stage WIDTH float32 values per row in shared memory: 128 KB per stage
+        # of 64 rows).
+        n: tl.constexpr = x.shape[0]
+        tiles: tl.constexpr = WIDTH // _DS_TILE
+        if MASKED:
+            per_tile = tl.load(scales + tl.arange(0, tiles)[None, :], mask=mask, other=0.0)
+        else:
+            per_tile = tl.load(scales + tl.arange(0, tiles)[None, :])
+        x = tl.reshape(tl.reshape(x, [n, tiles, _DS_TILE]) * per_tile[:, :, None], [n, WIDTH])
+    return x
 
 
 @triton.jit

@@ -117,10 +117,10 @@ def default_config(rows: int, fp8: bool = False) -> DecodeConfig:
     where the pages allow (page size a multiple of 64); 128 heads or q_len x heads > 64 take several 64-row
     tiles per part, which read the same KV (the later from L2).
 
-    ``fp8``: an FP8 cache (no TMA: its tiles are dequantised from bytes), whose 64-row tiles take four
-    128-column chunks of 32 tokens: one fp8_ds_mla scale per row and chunk, and within the H200's shared memory
-    (sm_90 cross-compiles on CPU: 129-132 KB against 184 KB for e4m3 and 319 KB, over the 227 KB an SM has, for
-    fp8_ds_mla with the bf16 tiles' two 256-column chunks of 64 tokens). Not yet measured on the device.
+    ``fp8``: an FP8 cache (no TMA: its tiles are read from bytes), whose 64-row tiles take four 128-column
+    chunks of 32 tokens: one fp8_ds_mla scale per row and chunk, and 129-132 KB of shared memory in sm_90
+    cross-compiles on the CPU (184 KB for e4m3 with the bf16 tiles' two 256-column chunks of 64 tokens). Not
+    yet timed on the device.
     """
     block_m, _ = tile_plan(rows)
     if fp8 and block_m > 32:
@@ -132,15 +132,14 @@ def default_config(rows: int, fp8: bool = False) -> DecodeConfig:
 
 
 @triton.jit
-def _kv_cols(kv_ptr, desc, tok, row, in_seq, col0, scale_ptr,
+def _kv_cols(kv_ptr, desc, tok, row, in_seq, col0,
              WIDTH: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr, KV_FMT: tl.constexpr,
              ROPE: tl.constexpr, NAN_FIXUP: tl.constexpr):
     """Columns col0 .. col0 + WIDTH - 1 of one KV tile's rows; rows past the sequence end read as 0. FP8 caches
-    (KV_FMT > 0, ``common.fp8_cols``; never with TMA) come back dequantised, in float32; ROPE marks the
-    rope columns."""
+    (KV_FMT > 0, ``common.fp8_cols``; never with TMA) come back as its float32 values; ROPE marks the rope
+    columns."""
     if KV_FMT > 0:
-        x = fp8_cols(kv_ptr + tok[:, None], col0, in_seq[:, None], scale_ptr, WIDTH, KV_FMT, ROPE, MASKED,
-                     NAN_FIXUP)
+        x = fp8_cols(kv_ptr + tok[:, None], col0, in_seq[:, None], WIDTH, KV_FMT, ROPE, MASKED, NAN_FIXUP)
     elif USE_TMA:
         x = desc.load([row, col0])
         if MASKED:
@@ -159,7 +158,6 @@ def _kv_cols(kv_ptr, desc, tok, row, in_seq, col0, scale_ptr,
 def _attend_tile(
     acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, q_pe,
     kv_ptr, desc, desc_pe, bt_row, n0, seqlen, lim, stride_page, stride_tok, qk_scale, page_id, num_pages,
-    scale_ptr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DC: tl.constexpr, NC: tl.constexpr, DR: tl.constexpr,
     HAS_PE: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr, CARRY_PAGES: tl.constexpr,
     PRECISION: tl.constexpr, KV_FMT: tl.constexpr, NAN_FIXUP: tl.constexpr,
@@ -170,7 +168,8 @@ def _attend_tile(
     chunks serve as K in Q K^T and as V in P V. With CARRY_PAGES the caller passes the tile's page id
     (pages of at least BLOCK_N tokens, already checked); otherwise it is read and checked here. Returns the
     updated state and whether a page id of the tile was outside the cache (read as page 0 instead). FP8 rows
-    are dequantised as loaded and cast to q's dtype for the dots.
+    are read as ``common.fp8_cols`` gives them and cast to q's dtype for the dots (exact: fp8_e4m3's scale is
+    folded into qk_scale and the output by the caller).
     """
     offs_n = n0 + tl.arange(0, BLOCK_N)
     in_seq = offs_n < seqlen
@@ -189,25 +188,25 @@ def _attend_tile(
         pages, bad = checked_page(tl.load(bt_row + offs_n // PAGE, mask=in_seq, other=0), num_pages)
         bad_page = tl.max(bad.to(tl.int32), 0) > 0
         tok = pages.to(tl.int64) * stride_page + (offs_n % PAGE) * stride_tok
-    k0 = _kv_cols(kv_ptr, desc, tok, row, in_seq, 0, scale_ptr, DC, MASKED, USE_TMA, KV_FMT, False,
+    k0 = _kv_cols(kv_ptr, desc, tok, row, in_seq, 0, DC, MASKED, USE_TMA, KV_FMT, False,
                   NAN_FIXUP).to(q0.dtype)
     s = tl.dot(q0, tl.trans(k0), input_precision=PRECISION)
     k1 = k0
     k2 = k0
     k3 = k0
     if NC >= 2:
-        k1 = _kv_cols(kv_ptr, desc, tok, row, in_seq, DC, scale_ptr, DC, MASKED, USE_TMA, KV_FMT, False,
+        k1 = _kv_cols(kv_ptr, desc, tok, row, in_seq, DC, DC, MASKED, USE_TMA, KV_FMT, False,
                       NAN_FIXUP).to(q0.dtype)
         s = tl.dot(q1, tl.trans(k1), s, input_precision=PRECISION)
     if NC == 4:
-        k2 = _kv_cols(kv_ptr, desc, tok, row, in_seq, 2 * DC, scale_ptr, DC, MASKED, USE_TMA, KV_FMT, False,
+        k2 = _kv_cols(kv_ptr, desc, tok, row, in_seq, 2 * DC, DC, MASKED, USE_TMA, KV_FMT, False,
                       NAN_FIXUP).to(q0.dtype)
         s = tl.dot(q2, tl.trans(k2), s, input_precision=PRECISION)
-        k3 = _kv_cols(kv_ptr, desc, tok, row, in_seq, 3 * DC, scale_ptr, DC, MASKED, USE_TMA, KV_FMT, False,
+        k3 = _kv_cols(kv_ptr, desc, tok, row, in_seq, 3 * DC, DC, MASKED, USE_TMA, KV_FMT, False,
                       NAN_FIXUP).to(q0.dtype)
         s = tl.dot(q3, tl.trans(k3), s, input_precision=PRECISION)
     if HAS_PE:
-        k_pe = _kv_cols(kv_ptr, desc_pe, tok, row, in_seq, NC * DC, scale_ptr, DR, MASKED, USE_TMA, KV_FMT, True,
+        k_pe = _kv_cols(kv_ptr, desc_pe, tok, row, in_seq, NC * DC, DR, MASKED, USE_TMA, KV_FMT, True,
                         NAN_FIXUP).to(q0.dtype)
         s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PRECISION)
     s = s * qk_scale
@@ -233,7 +232,6 @@ def _attend_tile(
 def _attend_range(
     acc0, acc1, acc2, acc3, m_i, l_i, page_id, bad_page, q0, q1, q2, q3, q_pe,
     kv_ptr, desc, desc_pe, bt_row, lo, hi, tok_hi, seqlen, lim, stride_page, stride_tok, qk_scale, num_pages,
-    scale_ptr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DC: tl.constexpr, NC: tl.constexpr, DR: tl.constexpr,
     HAS_PE: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr, CARRY_PAGES: tl.constexpr,
     PRECISION: tl.constexpr, KV_FMT: tl.constexpr, NAN_FIXUP: tl.constexpr,
@@ -252,7 +250,7 @@ def _attend_range(
         acc0, acc1, acc2, acc3, m_i, l_i, tile_bad = _attend_tile(
             acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, q_pe,
             kv_ptr, desc, desc_pe, bt_row, n0, seqlen, lim, stride_page, stride_tok, qk_scale, page_id,
-            num_pages, scale_ptr, PAGE, BLOCK_N, DC, NC, DR, HAS_PE, MASKED, USE_TMA, CARRY_PAGES, PRECISION, KV_FMT,
+            num_pages, PAGE, BLOCK_N, DC, NC, DR, HAS_PE, MASKED, USE_TMA, CARRY_PAGES, PRECISION, KV_FMT,
             NAN_FIXUP)
         page_id = next_id
         bad_page = next_bad | tile_bad
@@ -290,6 +288,11 @@ def _decode_split_kernel(
     carried page id) stays in one body; Triton inlines helpers anyway, and a helper per stage would take
     and return all of it."""
     DC: tl.constexpr = DV // NC
+    k_scale = 1.0
+    if KV_FMT == 1:
+        # fp8_e4m3: keys and values are fp8 x k_scale; the tiles hold the fp8 values, the scale goes here.
+        k_scale = tl.load(scale_ptr)
+        qk_scale = qk_scale * k_scale
     pid_m = tl.program_id(0)
     part = tl.program_id(1)
     parts = tl.num_programs(1)
@@ -352,17 +355,19 @@ def _decode_split_kernel(
             acc0, acc1, acc2, acc3, m_i, l_i, page_id, bad_page = _attend_range(
                 acc0, acc1, acc2, acc3, m_i, l_i, page_id, bad_page, q0, q1, q2, q3, q_pe,
                 kv_ptr, desc, desc_pe, bt_row, tok_lo, tok_mid, tok_hi, seqlen, lim, stride_page, stride_tok, qk_scale,
-                NUM_PAGES, scale_ptr, PAGE, BLOCK_N, DC, NC, DR, HAS_PE, False, USE_TMA, carry, PRECISION, KV_FMT,
+                NUM_PAGES, PAGE, BLOCK_N, DC, NC, DR, HAS_PE, False, USE_TMA, carry, PRECISION, KV_FMT,
                 NAN_FIXUP)
             acc0, acc1, acc2, acc3, m_i, l_i, page_id, bad_page = _attend_range(
                 acc0, acc1, acc2, acc3, m_i, l_i, page_id, bad_page, q0, q1, q2, q3, q_pe,
                 kv_ptr, desc, desc_pe, bt_row, tok_mid, tok_hi, tok_hi, seqlen, lim, stride_page, stride_tok, qk_scale,
-                NUM_PAGES, scale_ptr, PAGE, BLOCK_N, DC, NC, DR, HAS_PE, True, USE_TMA, carry, PRECISION, KV_FMT,
+                NUM_PAGES, PAGE, BLOCK_N, DC, NC, DR, HAS_PE, True, USE_TMA, carry, PRECISION, KV_FMT,
                 NAN_FIXUP)
 
             bits = bits | tl.where(bad_page, BLOCK_TABLE, 0)
             report(err_ptr, bits)
             inv_l, lse2 = finish_rows(l_i, m_i, bits != 0)
+            if KV_FMT == 1:
+                inv_l = inv_l * k_scale
             s_lo = tl.load(splits_ptr + b)
             pieces = tl.load(splits_ptr + b + 1) - s_lo
             if pieces == 1:

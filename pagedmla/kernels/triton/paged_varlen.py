@@ -45,7 +45,7 @@ from pagedmla.kernels.triton.varlen import check_dtype, last_dim_contiguous, spl
 @triton.jit
 def _paged_tile(
     acc, l_i, m_i, bad, q1, q2, KV, bt_row, stride_slot,
-    lo, hi, row_limit, kv_len, num_pages, qk_scale, scale_ptr,
+    lo, hi, row_limit, kv_len, num_pages, qk_scale,
     PAGE_SIZE: tl.constexpr, DK: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, KV_FMT: tl.constexpr,
     NAN_FIXUP: tl.constexpr,
@@ -53,7 +53,7 @@ def _paged_tile(
     """Online-softmax update over latent rows [lo, hi) of one request. MASKED tiles apply the length
     and per-row causal limits (row_limit: last visible key per row) and never read slots past kv_len.
     ``bad`` accumulates whether a page id was outside the cache (page 0 is read instead). FP8 rows (KV_FMT >
-    0) are dequantised as ``key_scores`` loads them."""
+    0) are read as ``key_scores`` loads them (fp8_e4m3's scale is folded in by the caller)."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N):
         n = start_n + offs_n
@@ -64,7 +64,7 @@ def _paged_tile(
             page, page_bad = checked_page(tl.load(bt_row + n // PAGE_SIZE), num_pages)
         bad = bad | (tl.max(page_bad.to(tl.int32), 0) > 0)
         rows = KV + (page.to(tl.int64) * PAGE_SIZE + n % PAGE_SIZE)[:, None] * stride_slot
-        s, kv1 = key_scores(q1, q2, rows, n_ok, DK, BLOCK_D1, BLOCK_D2, MASKED, DOT_PREC, scale_ptr, KV_FMT, NAN_FIXUP)
+        s, kv1 = key_scores(q1, q2, rows, n_ok, DK, BLOCK_D1, BLOCK_D2, MASKED, DOT_PREC, KV_FMT, NAN_FIXUP)
         p, alpha, m_new = softmax_step(s, m_i, n_ok[None, :] & (n[None, :] <= row_limit[:, None]), qk_scale, MASKED)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -89,6 +89,11 @@ def _paged_varlen_kernel(
     # Later tiles hold later tokens, which see more keys: launch them first.
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
     d1 = tl.arange(0, BLOCK_D1)
+    k_scale = 1.0
+    if KV_FMT == 1:
+        # fp8_e4m3: keys and values are fp8 x k_scale; the tiles hold the fp8 values, the scale goes here.
+        k_scale = tl.load(scale_ptr)
+        qk_scale = qk_scale * k_scale
     if not indptr_is_partition(qo_indptr, batch, total_q, tl.arange(0, 1024)):
         # The tiles' request search and row offsets need a partition of the rows: without one, every row of
         # the call is NaN, tile pid covering flat (token, head) rows pid * BLOCK_M .. (there are at least
@@ -130,14 +135,16 @@ def _paged_varlen_kernel(
         end = kv_len
     bad = bits < 0  # page ids outside the cache, accumulated over the tiles
     acc, l_i, m_i, bad = _paged_tile(acc, l_i, m_i, bad, q1, q2, KV, bt_row, stride_slot, 0, full_end, row_limit,
-                                     kv_len, num_pages, qk_scale, scale_ptr, PAGE_SIZE, DK, BLOCK_D1, BLOCK_D2,
+                                     kv_len, num_pages, qk_scale, PAGE_SIZE, DK, BLOCK_D1, BLOCK_D2,
                                      BLOCK_N, False, DOT_PREC, KV_FMT, NAN_FIXUP)
     acc, l_i, m_i, bad = _paged_tile(acc, l_i, m_i, bad, q1, q2, KV, bt_row, stride_slot, full_end, end, row_limit,
-                                     kv_len, num_pages, qk_scale, scale_ptr, PAGE_SIZE, DK, BLOCK_D1, BLOCK_D2,
+                                     kv_len, num_pages, qk_scale, PAGE_SIZE, DK, BLOCK_D1, BLOCK_D2,
                                      BLOCK_N, True, DOT_PREC, KV_FMT, NAN_FIXUP)
     bits = bits | tl.where(bad, BLOCK_TABLE, 0)
     report(err_ptr, bits)
     inv_l, lse2 = finish_rows(l_i, m_i, bits != 0)
+    if KV_FMT == 1:
+        inv_l = inv_l * k_scale
     store_rows(O + (q_start.to(tl.int64) + tok)[:, None] * stride_ot + head[:, None] * stride_oh, acc, inv_l, lse2,
                LSE, q_start, tok, num_heads, head, row_ok, d1, DV)
 

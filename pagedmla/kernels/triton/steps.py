@@ -41,15 +41,15 @@ def load_split(ptrs, row_ok, DK: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2:
 
 @triton.jit
 def key_scores(q1, q2, k_rows, n_ok, DK: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
-               MASKED: tl.constexpr, DOT_PREC: tl.constexpr, scale_ptr=None, KV_FMT: tl.constexpr = 0,
+               MASKED: tl.constexpr, DOT_PREC: tl.constexpr, KV_FMT: tl.constexpr = 0,
                NAN_FIXUP: tl.constexpr = False):
     """(raw scores Q K^T [M, N], the key tile's first BLOCK_D1 columns) of the keys ``k_rows`` [N, 1] points
     at, for queries in ``load_split``'s parts q1 / q2; with MASKED keys outside ``n_ok`` [N] read as 0 (unused
     cache slots may hold NaN: no such value reaches an MMA). Keys are of q's dtype unless KV_FMT > 0: rows of
-    an FP8 cache (``common.fp8_cols``: k_rows uint8 pointers, its ``scale_ptr`` and ``NAN_FIXUP``), dequantised
-    as loaded and cast to q's dtype for the dots."""
+    an FP8 cache (``common.fp8_cols``: k_rows uint8 pointers, and ``NAN_FIXUP``), read as that gives them
+    (fp8_e4m3 without its scale, which the caller folds in) and cast to q's dtype for the dots."""
     if KV_FMT > 0:
-        k1 = fp8_cols(k_rows, 0, n_ok[:, None], scale_ptr, BLOCK_D1, KV_FMT, False, MASKED, NAN_FIXUP).to(q1.dtype)
+        k1 = fp8_cols(k_rows, 0, n_ok[:, None], BLOCK_D1, KV_FMT, False, MASKED, NAN_FIXUP).to(q1.dtype)
     else:
         k1 = load_cols(k_rows, 0, BLOCK_D1, n_ok, DK, MASKED)
     s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC)
@@ -57,7 +57,7 @@ def key_scores(q1, q2, k_rows, n_ok, DK: tl.constexpr, BLOCK_D1: tl.constexpr, B
         if KV_FMT > 0:
             # The FP8 rope part, always masked: the tile's columns past DK (a non-power-of-two remainder).
             cols = BLOCK_D1 + tl.arange(0, BLOCK_D2)
-            k2 = fp8_cols(k_rows, BLOCK_D1, n_ok[:, None] & (cols[None, :] < DK), scale_ptr, BLOCK_D2, KV_FMT, True,
+            k2 = fp8_cols(k_rows, BLOCK_D1, n_ok[:, None] & (cols[None, :] < DK), BLOCK_D2, KV_FMT, True,
                           True, NAN_FIXUP).to(q1.dtype)
         else:
             k2 = load_cols(k_rows, BLOCK_D1, BLOCK_D2, n_ok, DK, MASKED)
