@@ -24,13 +24,14 @@ test: $(STAMP)
 	$(VPY) -m ruff check pagedmla tests benchmarks
 	$(VPY) -m pytest -q -n 2 --durations=10
 
-# Test files run in GPU_WORKERS processes where pytest-xdist is installed (the kernels' compiles dominate a
-# fresh machine: ~7 minutes in one process, 3.6 minutes in 4 workers on the H200 machine), in one process
-# otherwise.
-GPU_WORKERS ?= 4
+# Tests run in GPU_WORKERS processes where pytest-xdist is installed, handed out one by one (`--dist load`:
+# the conformance file alone holds two thirds of the GPU cases, so whole files per worker left one worker
+# running long after the others); the kernels' compiles dominate a fresh machine and the Triton cache on disk
+# is shared between workers. In one process otherwise.
+GPU_WORKERS ?= 8
 test-gpu:
-	PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -q -m gpu -p no:cacheprovider \
-		$$($(PYTHON) -c 'import xdist' 2>/dev/null && echo '-n $(GPU_WORKERS) --dist loadfile') tests
+	PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -q -m gpu -p no:cacheprovider --durations=20 \
+		$$($(PYTHON) -c 'import xdist' 2>/dev/null && echo '-n $(GPU_WORKERS) --dist load') tests
 
 # `pagedmla bench decode|prefill` (the grids against the baselines installed, a table and bench-KIND.png): with
 # the .venv's python where it exists (CPU: tiny shapes under the Triton interpreter), else $(PYTHON) with the

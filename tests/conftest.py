@@ -25,10 +25,18 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def mtp_checkpoint(tmp_path_factory):
     """A directory holding the tiny model with a trained MTP layer (``trained_tiny.write_trained_mtp_checkpoint``),
-    trained once per test process: the test files that serve it share the training's minute on a CPU."""
+    trained once per test run: under xdist the first worker to ask trains it into the run's shared temporary
+    directory while the others wait on a file lock (the training is a minute of CPU time; eight GPU workers
+    each training it would contend for the cores the kernels' compiles need)."""
+    from filelock import FileLock
     from trained_tiny import write_trained_mtp_checkpoint
 
-    directory = tmp_path_factory.mktemp("mtp")
-    figures = write_trained_mtp_checkpoint(directory)
-    print(f"trained MTP checkpoint: {figures}")
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the run's directory, above each worker's own
+    directory = shared / "mtp_checkpoint"
+    with FileLock(str(directory) + ".lock"):
+        if not (directory / "model.safetensors").exists():
+            figures = write_trained_mtp_checkpoint(directory)
+            print(f"trained MTP checkpoint: {figures}")
     return directory
