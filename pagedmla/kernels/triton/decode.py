@@ -284,7 +284,7 @@ def _decode_split_kernel(
     PRECISION: tl.constexpr, KV_FMT: tl.constexpr, NAN_FIXUP: tl.constexpr,
 ):
     """One program: a row tile of one split-plan part's requests, every KV step of each and its result.
-    Long (~105 lines) on purpose: the loop-carried state (the accumulator chunks, row max and sum, the
+    Long (~110 lines) on purpose: the loop-carried state (the accumulator chunks, row max and sum, the
     carried page id) stays in one body; Triton inlines helpers anyway, and a helper per stage would take
     and return all of it."""
     DC: tl.constexpr = DV // NC
