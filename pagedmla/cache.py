@@ -258,10 +258,17 @@ class MLAKVCache:
         """``write`` without its argument checks, for a caller that checked them (the backend, once per layer):
         rows [T, kv_dim] of any float dtype, out_cache_loc int64 [T] on the cache's device, layer_id valid.
         A slot outside the cache is dropped and reported (``errors.CACHE_SLOT``), never written. FP8 caches
-        quantise the rows as they store them (torch ops on every device: a fused store kernel is future work)."""
+        quantise the rows as they store them: on CUDA in one kernel (``kernels/triton/rows.store_fp8_rows``,
+        byte for byte ``kv_format.quantize_latent``), elsewhere with torch ops."""
         if not 0 <= layer_id < len(self._flat):
             raise ValueError(f"layer_id: expected an int in 0..{len(self._flat) - 1}, got {layer_id!r}")
         flat = self._flat[layer_id]
+        if self.kv_format is not None and flat.is_cuda:
+            from pagedmla.kernels.triton.rows import store_fp8_rows
+
+            store_fp8_rows(flat, out_cache_loc, rows if rows.stride(-1) == 1 else rows.contiguous(), self.kv_format,
+                           self.k_scale(layer_id))
+            return
         if self.kv_format is not None:
             rows = kv_format.quantize_latent(rows, self.kv_format, k_scale=self.k_scale(layer_id)).view(torch.uint8)
         elif flat.is_cuda:

@@ -1,5 +1,6 @@
 """Row moves whose addresses come from index tensors: latent rows stored into and gathered from the paged
-cache by slot, and a step's request rows of the block table gathered by request slot.
+cache by slot (FP8 caches quantising the rows as they store them), and a step's request rows of the block
+table gathered by request slot.
 
 Each guards its indices on the device (``pagedmla.errors``): a store to a slot outside the cache is
 skipped, a gather from one yields a NaN row, a request slot outside the table yields page-0 rows and a
@@ -13,11 +14,19 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedmla import errors
-from pagedmla.kernels.triton.common import report
+from pagedmla import errors, kv_format
+from pagedmla.kernels.triton.common import KV_FORMATS, report
 from pagedmla.kernels.triton.launch import BoundLaunch, CachedKernel, current_stream
 
 _ROWS = 16  # rows per program: 16 x 576 x 2 bytes = 18 KB in flight
+_FP8_MAX = tl.constexpr(kv_format.FP8_MAX)
+_DS_TILE = tl.constexpr(kv_format.DS_TILE)
+_DS_TILES = tl.constexpr(kv_format.DS_TILES)
+_DS_SCALES_OFFSET = tl.constexpr(kv_format.DS_SCALES_OFFSET)
+_DS_ROPE_OFFSET = tl.constexpr(kv_format.DS_ROPE_OFFSET)
+_DS_MIN_SCALE_INV = tl.constexpr(kv_format.DS_MIN_SCALE_INV)
+_LATENT_DIM = tl.constexpr(kv_format.LATENT_DIM)
+_ROPE_DIM = tl.constexpr(kv_format.ROPE_DIM)
 
 
 @triton.jit
@@ -32,6 +41,86 @@ def _store_rows_kernel(buf_ptr, slots_ptr, rows_ptr, err_ptr, n, num_slots, stri
                 mask=live[:, None] & (cols[None, :] < D))
     tl.store(buf_ptr + slot[:, None] * stride_buf + cols[None, :], x.to(buf_ptr.dtype.element_ty),
              mask=ok[:, None] & (cols[None, :] < D))
+    report(err_ptr, tl.where(tl.max((live & ~ok).to(tl.int32), 0) > 0, ERR, 0))
+
+
+@triton.jit
+def _fp8_bytes(x):
+    """float32 values already divided by their scale as float8_e4m3fn bytes, rounded to nearest even and
+    saturating at +-448 as ``kv_format.quantize_latent`` does (NaN stays NaN). In integer arithmetic, so
+    that every backend gives the same bytes: Triton's interpreter rounds fp8 casts half up and truncates
+    subnormals."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = tl.minimum(tl.abs(x), _FP8_MAX)
+    # Below 2^-6 (subnormals, step 2^-9): a * 512 is exact and adding 2^23 rounds it to an integer, nearest
+    # even; 8 (the carry into the smallest normal) is that normal's byte too.
+    sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+    # Normals: the exponent rebiased (127 -> 7) and 23 mantissa bits rounded to 3, nearest even; a carry
+    # out of the mantissa increments the exponent, as the byte's layout does by itself.
+    abits = a.to(tl.int32, bitcast=True)
+    keep = (abits >> 20) & 7
+    rest = abits & 0xFFFFF
+    up = (rest > 0x80000) | ((rest == 0x80000) & ((keep & 1) == 1))
+    normal = ((((abits >> 23) & 0xFF) - 120) << 3) + keep + up.to(tl.int32)
+    q = tl.where(a < 0.015625, sub, normal)
+    q = tl.where(x != x, 0x7F, q)
+    return (q | sign).to(tl.uint8)
+
+
+@triton.jit
+def _bf16_bits(x):
+    """float32 values as bfloat16 bit patterns (int16 stored through a bfloat16 pointer's bytes), rounded to
+    nearest even (the interpreter's cast rounds half up); NaN stays NaN."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return tl.where(x != x, 0x7FC0, rounded).to(tl.int16)
+
+
+@triton.jit
+def _pow2_at_or_above(v):
+    """The smallest power of two >= v, for positive normal float32 v: exact, where exp2(ceil(log2(v))) would
+    depend on the device's approximate log2."""
+    bits = v.to(tl.int32, bitcast=True)
+    up = tl.where((bits & 0x007FFFFF) != 0, 0x00800000, 0)
+    return ((bits & 0x7F800000) + up).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _store_fp8_rows_kernel(buf_ptr, slots_ptr, rows_ptr, err_ptr, scale_ptr, n, num_slots, stride_buf, stride_rows,
+                           D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, KV_FMT: tl.constexpr,
+                           ERR: tl.constexpr):
+    """``_store_rows_kernel`` into an FP8 cache's bytes (buf uint8 [num_slots, row bytes]), quantising on the
+    way: KV_FMT 1 (fp8_e4m3) x / *scale_ptr; 2 (fp8_ds_mla, D = 576) the 656-byte row of
+    ``pagedmla.kv_format``: per 128-column tile the power-of-two scale at or above max(amax / 448, 1e-4), the
+    tile's values over it, the four scales, then the rope columns as bfloat16. Byte for byte what
+    ``kv_format.quantize_latent`` writes (IEEE division, round to nearest even)."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = r < n
+    slot = tl.load(slots_ptr + r, mask=live, other=0)
+    ok = live & (slot >= 0) & (slot < num_slots)
+    src = rows_ptr + r.to(tl.int64)[:, None] * stride_rows
+    dst = buf_ptr + tl.where(ok, slot, 0).to(tl.int64)[:, None] * stride_buf
+    if KV_FMT == 1:
+        cols = tl.arange(0, BLOCK_D)[None, :]
+        x = tl.load(src + cols, mask=live[:, None] & (cols < D)).to(tl.float32)
+        q = _fp8_bytes(tl.math.div_rn(x, tl.load(scale_ptr) + tl.zeros_like(x)))
+        tl.store(dst + cols, q, mask=ok[:, None] & (cols < D))
+    else:
+        cols = tl.arange(0, _LATENT_DIM)[None, :]
+        x = tl.load(src + cols, mask=live[:, None]).to(tl.float32)
+        tiles = tl.reshape(x, [ROWS, _DS_TILES, _DS_TILE])
+        amax = tl.max(tl.abs(tiles), axis=2)
+        inv = tl.math.div_rn(amax, _FP8_MAX + tl.zeros_like(amax))
+        scales = _pow2_at_or_above(tl.maximum(inv, _DS_MIN_SCALE_INV))  # [ROWS, 4]
+        scaled = tl.math.div_rn(tiles, scales[:, :, None] + tl.zeros_like(tiles))
+        q = _fp8_bytes(tl.reshape(scaled, [ROWS, _LATENT_DIM]))
+        tl.store(dst + cols, q, mask=ok[:, None])
+        tile_ids = tl.arange(0, _DS_TILES)[None, :]
+        tl.store((dst + _DS_SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + tile_ids, scales, mask=ok[:, None])
+        rope = tl.arange(0, _ROPE_DIM)[None, :]
+        pe = tl.load(src + _LATENT_DIM + rope, mask=live[:, None]).to(tl.float32)
+        tl.store((dst + _DS_ROPE_OFFSET).to(tl.pointer_type(tl.int16)) + rope, _bf16_bits(pe), mask=ok[:, None])
     report(err_ptr, tl.where(tl.max((live & ~ok).to(tl.int32), 0) > 0, ERR, 0))
 
 
@@ -66,6 +155,7 @@ def _select_requests_kernel(table_ptr, index_ptr, lens_ptr, out_table_ptr, out_l
 
 
 _STORE = CachedKernel(_store_rows_kernel)
+_STORE_FP8 = CachedKernel(_store_fp8_rows_kernel)
 _GATHER = CachedKernel(_gather_rows_kernel)
 _SELECT = CachedKernel(_select_requests_kernel)
 
@@ -98,6 +188,21 @@ def store_rows(buf: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, err_b
             _store_plans.clear()
         _store_plans[key] = _STORE.bind(dev, grid, *args, **options) or False
     _STORE.launch(dev, grid, *args, **options)
+
+
+def store_fp8_rows(buf: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, fmt: str,
+                   k_scale: torch.Tensor | None = None, err_bit: int = errors.CACHE_SLOT) -> None:
+    """buf[slots[i]] = quantize_latent(rows[i], fmt) for an FP8 cache's bytes: buf uint8 [num_slots,
+    row bytes] (``kv_format.row_bytes``), slots int [n], rows float [n, D] (unit last stride; D = 576 for
+    fp8_ds_mla), k_scale float32 [1] for fp8_e4m3 (read on the device). One launch, no host synchronisation;
+    rows whose slot is outside 0 .. num_slots - 1 are skipped and set ``err_bit``."""
+    n, d = rows.shape
+    if n == 0:
+        return
+    dev = buf.device
+    _STORE_FP8.launch(dev, (-(-n // _ROWS),), buf, slots, rows, errors.error_word(dev), k_scale, n, buf.shape[0],
+                      buf.stride(0), rows.stride(0), D=d, BLOCK_D=triton.next_power_of_2(d), ROWS=_ROWS,
+                      KV_FMT=KV_FORMATS[fmt], ERR=err_bit, num_warps=4)
 
 
 def gather_rows(buf: torch.Tensor, slots: torch.Tensor, err_bit: int = errors.CACHE_SLOT) -> torch.Tensor:
