@@ -97,6 +97,7 @@ def test_cache_store_on_cuda_matches_the_cpu_path(fmt):
     caches = {}
     for device in ("cpu", "cuda"):
         cache = MLAKVCache(2, 4, 32, 576, dtype=fmt, device=device)
+        cache.buffers[1].view(torch.uint8).fill_(77)  # the slots not stored to must stay as they were
         if fmt == "fp8_e4m3":
             cache.k_scale(1).fill_(0.37)
         cache.store(1, slots.to(device), rows.to(device))
