@@ -152,9 +152,18 @@ def _to_fp8(x: torch.Tensor) -> torch.Tensor:
 
 
 def ds_scales(latent: torch.Tensor) -> torch.Tensor:
-    """FlashMLA's per-tile scales of latent rows [..., 512] (float): float32 [..., 4], powers of two."""
-    amax = latent.abs().unflatten(-1, (DS_TILES, DS_TILE)).amax(dim=-1).to(torch.float32)
-    return torch.exp2(torch.ceil(torch.log2((amax / FP8_MAX).clamp(min=DS_MIN_SCALE_INV))))
+    """FlashMLA's per-tile scales of latent rows [..., 512] (float): float32 [..., 4], powers of two.
+
+    Exact: the power of two at or above max(amax / 448, 1e-4) is read off the float32 bits (exp2(ceil(log2 v))
+    rounds log2 to an integer for v a few ulps above a power of two, and gives half the scale). NaN values
+    do not count towards their tile's amax (they are stored as NaN; the rest of the tile as without them), as
+    the fused CUDA store does."""
+    mags = latent.abs().unflatten(-1, (DS_TILES, DS_TILE))
+    amax = torch.where(mags.isnan(), 0.0, mags).amax(dim=-1).to(torch.float32)
+    bits = (amax / FP8_MAX).clamp(min=DS_MIN_SCALE_INV).view(torch.int32)
+    up = torch.where((bits & 0x007FFFFF) != 0, 0x00800000, 0).to(torch.int32)
+    # amax = inf: bits 0x7F800000 with no mantissa, so the scale is inf and the tile's values NaN or 0.
+    return ((bits & 0x7F800000) + up).view(torch.float32)
 
 
 def quantize_latent(rows: torch.Tensor, format: str, *, k_scale: torch.Tensor | None = None) -> torch.Tensor:

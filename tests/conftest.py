@@ -36,7 +36,11 @@ def mtp_checkpoint(tmp_path_factory):
         shared = shared.parent  # the run's directory, above each worker's own
     directory = shared / "mtp_checkpoint"
     with FileLock(str(directory) + ".lock"):
-        if not (directory / "model.safetensors").exists():
-            figures = write_trained_mtp_checkpoint(directory)
+        if not directory.exists():
+            # Written aside and renamed into place: a worker that dies while training leaves no directory
+            # that another would take for a finished one.
+            partial = shared / f"mtp_checkpoint.partial.{os.getpid()}"
+            figures = write_trained_mtp_checkpoint(partial)
+            os.replace(partial, directory)
             print(f"trained MTP checkpoint: {figures}")
     return directory

@@ -119,8 +119,8 @@ def assert_matches(out, lse, ref_out, ref_lse, dtype, bounds: Bounds | None, wha
     assert_bounds(out, lse, ref_out, ref_lse, bounds, what)
 
 
-# FP8 caches: the fp8_e4m3 layer scale is not a power of two, so the kernels' fp8 x k_scale rounds as the oracle's
-# does not; FlashMLA's FP8 acceptance is a cosine difference.
+# FP8 caches: an fp8_e4m3 layer scale that is not a power of two (fp8 x k_scale is then inexact in bf16: the
+# kernels must fold it, not round it into the tiles); FlashMLA's FP8 acceptance, a cosine difference, on top.
 FP8_K_SCALE = 1.3 / 448
 FP8_COS = 1e-5
 

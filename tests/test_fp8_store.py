@@ -29,6 +29,9 @@ def _edge_rows(n: int, seed: str, dtype: torch.dtype, device: str = "cpu") -> to
     rows[0, :128] = 0.0
     rows[1, 128:256] = torch.linspace(-1, 1, 128) * 448 * 2.0 ** -3  # amax / 448 = 2^-3 exactly
     rows[2, 256:260] = torch.tensor([1e6, -1e6, 1e-12, -1e-12])
+    # amax / 448 one ulp above 2^-10 (float32 rows only): its scale is 2^-9 (log2 would round it to -10).
+    rows[3, 384:512] = torch.linspace(-1, 1, 128) * 448 * 2.0 ** -10
+    rows[3, 511] = 448 * 2.0 ** -10 * (1 + 2.0 ** -23)
     return rows.to(dtype).to(device)
 
 
@@ -67,18 +70,36 @@ def test_store_writes_quantize_latent_bytes(fmt, dtype, monkeypatch):
     _check_store(fmt, dtype, "cpu")
 
 
-def test_store_keeps_nan_as_nan():
-    """A NaN value stays NaN in the cache (never clamped to +-448)."""
-    rows = torch.ones(2, 576)
+def test_ds_scale_is_exact_just_above_a_power_of_two():
+    """quantize_latent's scales are read off the bits: amax / 448 one ulp above 2^-10 gets 2^-9."""
+    tile = torch.linspace(-1, 1, 128) * 448 * 2.0 ** -10
+    tile[-1] = 448 * 2.0 ** -10 * (1 + 2.0 ** -23)
+    assert kf.ds_scales(tile.repeat(4).unsqueeze(0)).tolist() == [[2.0 ** -9] * 4]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_nan_values_stay_nan_and_leave_their_tile_alone(fmt):
+    """A NaN value is stored as NaN (never clamped to +-448) by the kernel and quantize_latent alike; the other
+    values of its row (fp8_ds_mla: of its 128-column tile, whose scale ignores it) are stored as without it."""
+    rows = _edge_rows(4, f"nan {fmt}", torch.float32)
     rows[0, 3] = float("nan")
-    rows[1, 600 - 576 + 512] = float("nan")
-    k = torch.ones(1)
-    for fmt, scale in (("fp8_e4m3", k), ("fp8_ds_mla", None)):
-        buf = torch.zeros(4, kf.row_bytes(fmt), dtype=torch.uint8)
-        store_fp8_rows(buf, torch.tensor([1, 2]), rows, fmt, scale)
-        back = kf.dequantize_latent(buf[1:3].view(kf.FP8_DTYPE) if fmt == "fp8_e4m3" else buf[1:3], fmt,
-                                    k_scale=scale)
-        assert back[0, 3].isnan() and back[1, 536].isnan(), fmt
+    rows[1, 536] = float("nan")  # a rope column
+    k = _k_scale(rows) if fmt == "fp8_e4m3" else None
+    buf = torch.zeros(4, kf.row_bytes(fmt), dtype=torch.uint8)
+    store_fp8_rows(buf, torch.arange(4), rows, fmt, k)
+    want = kf.quantize_latent(rows, fmt, k_scale=k).view(torch.uint8)
+    for data in (buf, want):
+        back = kf.dequantize_latent(data.view(kf.FP8_DTYPE) if fmt == "fp8_e4m3" else data, fmt, k_scale=k)
+        assert back[0, 3].isnan() and back[1, 536].isnan()
+        assert torch.isfinite(back[0, :3]).all() and torch.isfinite(back[0, 4:]).all()
+    # The NaNs' own codes may differ (torch's bfloat16 NaN is 0xFFFF on the CPU): every other byte is equal.
+    same = buf == want
+    same[0, 3] = True
+    if fmt == "fp8_ds_mla":
+        same[1, kf.DS_ROPE_OFFSET + 2 * 24: kf.DS_ROPE_OFFSET + 2 * 25] = True  # rope column 536 = rope 24
+    else:
+        same[1, 536] = True
+    assert same.all(), same.logical_not().nonzero().tolist()
 
 
 @pytest.mark.gpu

@@ -93,3 +93,27 @@ def test_decode_64_row_tiles(kv_format):
     assert_attention_close(out, lse, ref_out.reshape(2, 2, 32, 512), ref_lse.reshape(2, 2, 32).transpose(1, 2),
                            TOLERANCES[torch.float16], kv_format)
     assert cos_diff(out, ref_out.reshape(2, 2, 32, 512)) < 1e-5
+
+
+def test_negative_k_scale_reads_as_its_sign_says():
+    """fp8_e4m3's k_scale is folded into the softmax scale, so a negative one (value = fp8 x k_scale, whatever
+    its sign) flips the scores' sign: the Triton decode and paged prefill must still match the reference
+    (the unmasked softmax of the paged prefill takes the row max before scaling, which needs a positive
+    scale: with the wrong max, exp2 overflows once the scores spread widely)."""
+    lens = [40, 70]
+    scale = torch.tensor([-0.004])
+    cache = make_paged_cache(lens, 16, 576, generator=gen("triton-fp8-negative"), scale=0.3, kv_format="fp8_e4m3",
+                             k_scale=scale.item(),
+                             encode=lambda rows: pagedmla.quantize_latent(rows, "fp8_e4m3", k_scale=scale))
+    q = torch.randn(2, 1, 4, 576, generator=gen("triton-fp8-negative-q")).half()
+    kw = dict(k_scale=scale)
+    outs = {p: _decode(q, cache, lens, kw, p) for p in ("torch", "triton")}
+    assert_attention_close(*outs["triton"], *outs["torch"], TOLERANCES[torch.float16], "decode")
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    # Scores spread over hundreds (in log2 units) so that a row max taken before a negative scale overflows.
+    qv = (torch.randn(2 * 20, 4, 576, generator=gen("triton-fp8-negative-qv")) * 300).half()
+    qo = torch.tensor([0, 20, 40], dtype=torch.int32)
+    varlen = {p: pagedmla.flash_mla_varlen_with_kvcache(qv, cache.k_cache, cache.block_table, seqlens, qo, 512,
+                                                        provider=p, **kw) for p in ("torch", "triton")}
+    assert all(torch.isfinite(t).all() for t in varlen["triton"])
+    assert_attention_close(*varlen["triton"], *varlen["torch"], TOLERANCES[torch.float16], "paged prefill")

@@ -134,9 +134,11 @@ def _paged_varlen_kernel(
         full_end = (kv_len // BLOCK_N) * BLOCK_N
         end = kv_len
     bad = bits < 0  # page ids outside the cache, accumulated over the tiles
+    # The unmasked softmax takes the row max before scaling, which needs qk_scale > 0: with fp8_e4m3's
+    # k_scale folded in (any sign the caller gave), every tile takes the masked path, which scales first.
     acc, l_i, m_i, bad = _paged_tile(acc, l_i, m_i, bad, q1, q2, KV, bt_row, stride_slot, 0, full_end, row_limit,
                                      kv_len, num_pages, qk_scale, PAGE_SIZE, DK, BLOCK_D1, BLOCK_D2,
-                                     BLOCK_N, False, DOT_PREC, KV_FMT, NAN_FIXUP)
+                                     BLOCK_N, KV_FMT == 1, DOT_PREC, KV_FMT, NAN_FIXUP)
     acc, l_i, m_i, bad = _paged_tile(acc, l_i, m_i, bad, q1, q2, KV, bt_row, stride_slot, full_end, end, row_limit,
                                      kv_len, num_pages, qk_scale, PAGE_SIZE, DK, BLOCK_D1, BLOCK_D2,
                                      BLOCK_N, True, DOT_PREC, KV_FMT, NAN_FIXUP)

@@ -94,7 +94,8 @@ def _store_fp8_rows_kernel(buf_ptr, slots_ptr, rows_ptr, err_ptr, scale_ptr, n, 
     way: KV_FMT 1 (fp8_e4m3) x / *scale_ptr; 2 (fp8_ds_mla, D = 576) the 656-byte row of
     ``pagedmla.kv_format``: per 128-column tile the power-of-two scale at or above max(amax / 448, 1e-4), the
     tile's values over it, the four scales, then the rope columns as bfloat16. Byte for byte what
-    ``kv_format.quantize_latent`` writes (IEEE division, round to nearest even)."""
+    ``kv_format.quantize_latent`` writes (IEEE division, round to nearest even), NaN values excepted: those
+    are stored as a NaN code of their own (torch's bfloat16 NaN differs by device)."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     live = r < n
     slot = tl.load(slots_ptr + r, mask=live, other=0)
@@ -110,7 +111,9 @@ def _store_fp8_rows_kernel(buf_ptr, slots_ptr, rows_ptr, err_ptr, scale_ptr, n, 
         cols = tl.arange(0, _LATENT_DIM)[None, :]
         x = tl.load(src + cols, mask=live[:, None]).to(tl.float32)
         tiles = tl.reshape(x, [ROWS, _DS_TILES, _DS_TILE])
-        amax = tl.max(tl.abs(tiles), axis=2)
+        # NaN values leave their tile's amax alone on every backend (the GPU's max ignores NaN, the
+        # interpreter's would propagate it): they are stored as NaN, the rest of the tile as without them.
+        amax = tl.max(tl.where(tiles != tiles, 0.0, tl.abs(tiles)), axis=2)
         inv = tl.math.div_rn(amax, _FP8_MAX + tl.zeros_like(amax))
         scales = _pow2_at_or_above(tl.maximum(inv, _DS_MIN_SCALE_INV))  # [ROWS, 4]
         scaled = tl.math.div_rn(tiles, scales[:, :, None] + tl.zeros_like(tiles))
@@ -197,6 +200,8 @@ def store_fp8_rows(buf: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, f
     fp8_ds_mla), k_scale float32 [1] for fp8_e4m3 (read on the device). One launch, no host synchronisation;
     rows whose slot is outside 0 .. num_slots - 1 are skipped and set ``err_bit``."""
     n, d = rows.shape
+    if fmt == "fp8_ds_mla" and d != kv_format.ROW_DIM:
+        raise ValueError(f"rows: the fp8_ds_mla format stores {kv_format.ROW_DIM} columns, got {d}")
     if n == 0:
         return
     dev = buf.device
