@@ -33,10 +33,15 @@ CACHE_SLOT = tl.constexpr(errors.CACHE_SLOT)
 
 # The cache formats as the kernels' KV_FMT constexpr: rows of q's float dtype, fp8_e4m3, fp8_ds_mla.
 KV_FORMATS = {None: 0, "fp8_e4m3": 1, "fp8_ds_mla": 2}
-_DS_SCALES_OFFSET = tl.constexpr(kv_format.DS_SCALES_OFFSET)
-_DS_ROPE_OFFSET = tl.constexpr(kv_format.DS_ROPE_OFFSET)
-_DS_TILE = tl.constexpr(kv_format.DS_TILE)
-_LATENT_DIM = tl.constexpr(kv_format.LATENT_DIM)
+# ``pagedmla.kv_format``'s row layout as the kernels' constants (the reader below, the FP8 store of rows.py).
+FP8_MAX = tl.constexpr(kv_format.FP8_MAX)
+DS_TILE = tl.constexpr(kv_format.DS_TILE)
+DS_TILES = tl.constexpr(kv_format.DS_TILES)
+DS_SCALES_OFFSET = tl.constexpr(kv_format.DS_SCALES_OFFSET)
+DS_ROPE_OFFSET = tl.constexpr(kv_format.DS_ROPE_OFFSET)
+DS_MIN_SCALE_INV = tl.constexpr(kv_format.DS_MIN_SCALE_INV)
+LATENT_DIM = tl.constexpr(kv_format.LATENT_DIM)
+ROPE_DIM = tl.constexpr(kv_format.ROPE_DIM)
 
 
 def fp8_nan_fixup() -> bool:
@@ -111,7 +116,7 @@ def fp8_cols(rows, col0, mask, WIDTH: tl.constexpr, KV_FMT: tl.constexpr, ROPE: 
     format) the bfloat16 values at bytes 528... NAN_FIXUP: ``fp8_nan_fixup``."""
     cols = col0 + tl.arange(0, WIDTH)[None, :]
     if KV_FMT == 2 and ROPE:
-        ptrs = (rows + _DS_ROPE_OFFSET).to(tl.pointer_type(tl.bfloat16)) + (cols - _LATENT_DIM)
+        ptrs = (rows + DS_ROPE_OFFSET).to(tl.pointer_type(tl.bfloat16)) + (cols - LATENT_DIM)
         if MASKED:
             return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
         return tl.load(ptrs).to(tl.float32)
@@ -124,8 +129,8 @@ def fp8_cols(rows, col0, mask, WIDTH: tl.constexpr, KV_FMT: tl.constexpr, ROPE: 
         x = tl.where((bits & 0x7F) == 0x7F, float("nan"), x)
     if KV_FMT == 1:
         return x
-    scales = (rows + _DS_SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + col0 // _DS_TILE
-    if WIDTH <= _DS_TILE:
+    scales = (rows + DS_SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + col0 // DS_TILE
+    if WIDTH <= DS_TILE:
         if MASKED:
             x = x * tl.load(scales, mask=mask, other=0.0)
         else:
@@ -135,12 +140,12 @@ def fp8_cols(rows, col0, mask, WIDTH: tl.constexpr, KV_FMT: tl.constexpr, ROPE: 
         # gather of the scales would stage WIDTH float32 values per row in shared memory: 128 KB per stage
         # of 64 rows).
         n: tl.constexpr = x.shape[0]
-        tiles: tl.constexpr = WIDTH // _DS_TILE
+        tiles: tl.constexpr = WIDTH // DS_TILE
         if MASKED:
             per_tile = tl.load(scales + tl.arange(0, tiles)[None, :], mask=mask, other=0.0)
         else:
             per_tile = tl.load(scales + tl.arange(0, tiles)[None, :])
-        x = tl.reshape(tl.reshape(x, [n, tiles, _DS_TILE]) * per_tile[:, :, None], [n, WIDTH])
+        x = tl.reshape(tl.reshape(x, [n, tiles, DS_TILE]) * per_tile[:, :, None], [n, WIDTH])
     return x
 
 

@@ -15,18 +15,21 @@ import triton
 import triton.language as tl
 
 from pagedmla import errors, kv_format
-from pagedmla.kernels.triton.common import KV_FORMATS, report
+from pagedmla.kernels.triton.common import (
+    DS_MIN_SCALE_INV,
+    DS_ROPE_OFFSET,
+    DS_SCALES_OFFSET,
+    DS_TILE,
+    DS_TILES,
+    FP8_MAX,
+    KV_FORMATS,
+    LATENT_DIM,
+    ROPE_DIM,
+    report,
+)
 from pagedmla.kernels.triton.launch import BoundLaunch, CachedKernel, current_stream
 
 _ROWS = 16  # rows per program: 16 x 576 x 2 bytes = 18 KB in flight
-_FP8_MAX = tl.constexpr(kv_format.FP8_MAX)
-_DS_TILE = tl.constexpr(kv_format.DS_TILE)
-_DS_TILES = tl.constexpr(kv_format.DS_TILES)
-_DS_SCALES_OFFSET = tl.constexpr(kv_format.DS_SCALES_OFFSET)
-_DS_ROPE_OFFSET = tl.constexpr(kv_format.DS_ROPE_OFFSET)
-_DS_MIN_SCALE_INV = tl.constexpr(kv_format.DS_MIN_SCALE_INV)
-_LATENT_DIM = tl.constexpr(kv_format.LATENT_DIM)
-_ROPE_DIM = tl.constexpr(kv_format.ROPE_DIM)
 
 
 @triton.jit
@@ -52,7 +55,7 @@ def _fp8_bytes(x):
     subnormals."""
     bits = x.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
-    a = tl.minimum(tl.abs(x), _FP8_MAX)
+    a = tl.minimum(tl.abs(x), FP8_MAX)
     # Below 2^-6 (subnormals, step 2^-9): a * 512 is exact and adding 2^23 rounds it to an integer, nearest
     # even; 8 (the carry into the smallest normal) is that normal's byte too.
     sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
@@ -108,22 +111,22 @@ def _store_fp8_rows_kernel(buf_ptr, slots_ptr, rows_ptr, err_ptr, scale_ptr, n, 
         q = _fp8_bytes(tl.math.div_rn(x, tl.load(scale_ptr) + tl.zeros_like(x)))
         tl.store(dst + cols, q, mask=ok[:, None] & (cols < D))
     else:
-        cols = tl.arange(0, _LATENT_DIM)[None, :]
+        cols = tl.arange(0, LATENT_DIM)[None, :]
         x = tl.load(src + cols, mask=live[:, None]).to(tl.float32)
-        tiles = tl.reshape(x, [ROWS, _DS_TILES, _DS_TILE])
+        tiles = tl.reshape(x, [ROWS, DS_TILES, DS_TILE])
         # NaN values leave their tile's amax alone on every backend (the GPU's max ignores NaN, the
         # interpreter's would propagate it): they are stored as NaN, the rest of the tile as without them.
         amax = tl.max(tl.where(tiles != tiles, 0.0, tl.abs(tiles)), axis=2)
-        inv = tl.math.div_rn(amax, _FP8_MAX + tl.zeros_like(amax))
-        scales = _pow2_at_or_above(tl.maximum(inv, _DS_MIN_SCALE_INV))  # [ROWS, 4]
+        inv = tl.math.div_rn(amax, FP8_MAX + tl.zeros_like(amax))
+        scales = _pow2_at_or_above(tl.maximum(inv, DS_MIN_SCALE_INV))  # [ROWS, 4]
         scaled = tl.math.div_rn(tiles, scales[:, :, None] + tl.zeros_like(tiles))
-        q = _fp8_bytes(tl.reshape(scaled, [ROWS, _LATENT_DIM]))
+        q = _fp8_bytes(tl.reshape(scaled, [ROWS, LATENT_DIM]))
         tl.store(dst + cols, q, mask=ok[:, None])
-        tile_ids = tl.arange(0, _DS_TILES)[None, :]
-        tl.store((dst + _DS_SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + tile_ids, scales, mask=ok[:, None])
-        rope = tl.arange(0, _ROPE_DIM)[None, :]
-        pe = tl.load(src + _LATENT_DIM + rope, mask=live[:, None]).to(tl.float32)
-        tl.store((dst + _DS_ROPE_OFFSET).to(tl.pointer_type(tl.int16)) + rope, _bf16_bits(pe), mask=ok[:, None])
+        tile_ids = tl.arange(0, DS_TILES)[None, :]
+        tl.store((dst + DS_SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + tile_ids, scales, mask=ok[:, None])
+        rope = tl.arange(0, ROPE_DIM)[None, :]
+        pe = tl.load(src + LATENT_DIM + rope, mask=live[:, None]).to(tl.float32)
+        tl.store((dst + DS_ROPE_OFFSET).to(tl.pointer_type(tl.int16)) + rope, _bf16_bits(pe), mask=ok[:, None])
     report(err_ptr, tl.where(tl.max((live & ~ok).to(tl.int32), 0) > 0, ERR, 0))
 
 
