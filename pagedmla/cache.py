@@ -241,6 +241,10 @@ class MLAKVCache:
         """The layer's fp8_e4m3 scale (float32 [1], on the cache's device; value = fp8 x scale), None for the
         other formats. Its value may be set in place (``k_scale(layer).fill_(s)``) before rows are written."""
         self.layer(layer_id)
+        return self._scale(layer_id)
+
+    def _scale(self, layer_id: int) -> torch.Tensor | None:
+        """``k_scale`` for a layer id the caller checked (the step path's stores and gathers)."""
         return None if self._k_scales is None else self._k_scales[layer_id]
 
     def layer(self, layer_id: int) -> torch.Tensor:
@@ -263,19 +267,17 @@ class MLAKVCache:
         if not 0 <= layer_id < len(self._flat):
             raise ValueError(f"layer_id: expected an int in 0..{len(self._flat) - 1}, got {layer_id!r}")
         flat = self._flat[layer_id]
-        if self.kv_format is not None and flat.is_cuda:
-            from pagedmla.kernels.triton.rows import store_fp8_rows
+        if flat.is_cuda:
+            from pagedmla.kernels.triton.rows import store_fp8_rows, store_rows
 
-            store_fp8_rows(flat, out_cache_loc, rows if rows.stride(-1) == 1 else rows.contiguous(), self.kv_format,
-                           self.k_scale(layer_id))
+            rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+            if self.kv_format is None:
+                store_rows(flat, out_cache_loc, rows)
+            else:
+                store_fp8_rows(flat, out_cache_loc, rows, self.kv_format, self._scale(layer_id))
             return
         if self.kv_format is not None:
-            rows = kv_format.quantize_latent(rows, self.kv_format, k_scale=self.k_scale(layer_id)).view(torch.uint8)
-        elif flat.is_cuda:
-            from pagedmla.kernels.triton.rows import store_rows
-
-            store_rows(flat, out_cache_loc, rows if rows.stride(-1) == 1 else rows.contiguous())
-            return
+            rows = kv_format.quantize_latent(rows, self.kv_format, k_scale=self._scale(layer_id)).view(torch.uint8)
         ok = self._live_slots(out_cache_loc)
         # A row with a bad slot rewrites slot 0 (the reserved page: no request's data) with what it holds.
         flat.index_copy_(0, torch.where(ok, out_cache_loc, 0), torch.where(ok.unsqueeze(1), rows.to(flat.dtype),
@@ -324,7 +326,7 @@ class MLAKVCache:
         if self.kv_format is not None:
             ok = self._live_slots(slots)
             raw = flat.index_select(0, torch.where(ok, slots, 0)).view(self.dtype)
-            rows = kv_format.dequantize_latent(raw, self.kv_format, k_scale=self.k_scale(layer_id),
+            rows = kv_format.dequantize_latent(raw, self.kv_format, k_scale=self._scale(layer_id),
                                                dtype=dtype or torch.float32)
             return rows.masked_fill(~ok.unsqueeze(1), float("nan"))
         if flat.is_cuda:

@@ -73,8 +73,8 @@ def _fp8_bytes(x):
 
 @triton.jit
 def _bf16_bits(x):
-    """float32 values as bfloat16 bit patterns (int16 stored through a bfloat16 pointer's bytes), rounded to
-    nearest even (the interpreter's cast rounds half up); NaN stays NaN."""
+    """float32 values as bfloat16 bit patterns (int16, stored through an int16 pointer to the row's rope
+    bytes), rounded to nearest even (the interpreter's cast rounds half up); NaN stays NaN."""
     bits = x.to(tl.int32, bitcast=True)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     return tl.where(x != x, 0x7FC0, rounded).to(tl.int16)
