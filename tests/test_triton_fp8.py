@@ -117,3 +117,34 @@ def test_negative_k_scale_reads_as_its_sign_says():
                                                         provider=p, **kw) for p in ("torch", "triton")}
     assert all(torch.isfinite(t).all() for t in varlen["triton"])
     assert_attention_close(*varlen["triton"], *varlen["torch"], TOLERANCES[torch.float16], "paged prefill")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_e4m3_decode_takes_query_rows_of_any_magnitude(device):
+    """The fp8_e4m3 decode runs its dots in fp16 on query rows scaled by a power of two into fp16's range
+    (``common.fp16_row_scale``): a row far above 2^15 (beyond fp16 altogether in bf16 on the GPU, where it
+    would overflow unscaled), one of ordinary size, a tiny one and a zero row match the oracle. The small
+    softmax scale keeps the large row's scores moderate."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    lens = [37, 70]
+    cache, kw = _cache("fp8_e4m3", lens, 16, "magnitudes")
+    heads = 4
+    q = torch.randn(2, 1, heads, 576, generator=gen("triton-fp8-magnitudes-q"))
+    big = 1e5 if dtype == torch.bfloat16 else 4e4
+    q[:, :, 0] *= big / q[:, :, 0].abs().amax()
+    q[:, :, 2] *= 1e-6
+    q[:, :, 3] = 0.0
+    q = q.to(dtype)
+    scale = 1e-4
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    md, ns = pagedmla.get_mla_metadata(seqlens, heads, 1, num_sm_parts=2)
+    dev = dict(device=device)
+    out, lse = pagedmla.flash_mla_with_kvcache(
+        q.to(**dev), cache.k_cache.to(**dev), cache.block_table.to(**dev), seqlens.to(**dev), 512, md.to(**dev),
+        ns.to(**dev), softmax_scale=scale, causal=True, provider="triton", k_scale=kw["k_scale"].to(**dev))
+    ref_out, ref_lse = dense_paged(q.reshape(2, heads, 576), [0, 1, 2], cache.rows, scale, True, 512)
+    assert_attention_close(out.cpu(), lse.cpu(), ref_out.reshape(2, 1, heads, 512),
+                           ref_lse.reshape(2, 1, heads).transpose(1, 2), TOLERANCES[dtype], "decode")
+    assert cos_diff(out.cpu(), ref_out.reshape(2, 1, heads, 512)) < 1e-5

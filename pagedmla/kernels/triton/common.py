@@ -104,12 +104,12 @@ INTERPRETER_TILES = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stage
 @triton.jit
 def fp8_cols(rows, col0, mask, WIDTH: tl.constexpr, KV_FMT: tl.constexpr, ROPE: tl.constexpr,
              MASKED: tl.constexpr, NAN_FIXUP: tl.constexpr):
-    """float32 values of columns col0 .. col0 + WIDTH - 1 of FP8 cache rows (``pagedmla.kv_format``) as a
+    """Values of columns col0 .. col0 + WIDTH - 1 of FP8 cache rows (``pagedmla.kv_format``) as a
     [N, WIDTH] tile: rows [N, 1] uint8 pointers to the rows' first bytes, mask [N, WIDTH] or [N, 1] (read only
     when MASKED: masked-off values are 0, their bytes never read; [N, 1] where WIDTH > 128 for fp8_ds_mla).
 
-    KV_FMT 1 (fp8_e4m3): the fp8 values themselves, *not* times k_scale: they are exact in bf16 and fp16, so
-    the dots see them unrounded, and the kernel folds the one scale into the softmax scale and the output
+    KV_FMT 1 (fp8_e4m3): the fp8 values themselves as float16, *not* times k_scale: they are exact in fp16 and
+    bf16, so the dots see them unrounded, and the kernel folds the one scale into the softmax scale and the output
     normaliser (x * k_scale rounded to bf16 would err by up to 2^-9 relative per element). KV_FMT 2
     (fp8_ds_mla): latent columns fp8 x their 128-column tile's float32 scale (bytes 512..527 of the row; a
     power of two, so the product is exact), loaded once per row and tile, or with ROPE (columns 512.. of that
@@ -124,11 +124,30 @@ def fp8_cols(rows, col0, mask, WIDTH: tl.constexpr, KV_FMT: tl.constexpr, ROPE: 
         bits = tl.load(rows + cols, mask=mask, other=0)
     else:
         bits = tl.load(rows + cols)
-    x = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return fp8_values(bits, rows, col0, mask, KV_FMT, MASKED, NAN_FIXUP)
+
+
+@triton.jit
+def fp8_values(bits, rows, col0, mask, KV_FMT: tl.constexpr, MASKED: tl.constexpr, NAN_FIXUP: tl.constexpr):
+    """``fp8_cols``'s values of latent bytes already loaded (uint8 [N, WIDTH], columns col0 ..; a TMA tile
+    in the decode kernel): rows and mask as there, read only for fp8_ds_mla's scales."""
+    if KV_FMT == 1:
+        # One conversion instruction per two values (cvt.rn.f16x2.e4m3x2); through float32 it took four, and
+        # the conversions, not the bytes, bounded the FP8 decode (benchmarks/NOTES.md, FP8).
+        x = bits.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    else:
+        x = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     if NAN_FIXUP:
         x = tl.where((bits & 0x7F) == 0x7F, float("nan"), x)
-    if KV_FMT == 1:
-        return x
+    if KV_FMT == 2:
+        x = _ds_scaled(x, rows, col0, mask, x.shape[1], MASKED)
+    return x
+
+
+@triton.jit
+def _ds_scaled(x, rows, col0, mask, WIDTH: tl.constexpr, MASKED: tl.constexpr):
+    """fp8_ds_mla latent values ``x`` (float32 [N, WIDTH], columns col0 ..) times their 128-column tile's
+    scale (``fp8_cols``)."""
     scales = (rows + DS_SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + col0 // DS_TILE
     if WIDTH <= DS_TILE:
         if MASKED:
@@ -155,6 +174,18 @@ def checked_page(page, num_pages):
     bad id reads the reserved page and the caller poisons the request's result."""
     bad = (page < 0) | (page >= num_pages)
     return tl.where(bad, 0, page), bad
+
+
+@triton.jit
+def fp16_row_scale(amax):
+    """(multiplier, its inverse) taking query rows whose largest magnitude is ``amax`` (float32 [R]) to just
+    below 2^15: a power of two, so that bf16 rows become fp16 without overflow and, up to fp16's finer
+    mantissa, without rounding (values down to 2^-24 of the row's largest keep full precision; a zero row, or a
+    NaN, keeps 1). The fp8_e4m3 decode runs its dots in fp16 on these rows (its tiles convert to fp16 in one
+    instruction per two values) and multiplies the scores by the inverse."""
+    e = tl.where(amax > 0.0, tl.ceil(tl.log2(amax)) - 15.0, 0.0)
+    e = tl.minimum(tl.maximum(e, -126.0), 126.0)
+    return tl.exp2(-e), tl.exp2(e)
 
 
 @triton.jit

@@ -42,6 +42,7 @@ from pagedmla.device import sm_count
 from pagedmla.kernels.triton.common import (
     _LN2,
     BLOCK_TABLE,
+    DS_ROPE_OFFSET,
     LOG2E,
     SCHEDULE,
     checked_length,
@@ -49,7 +50,10 @@ from pagedmla.kernels.triton.common import (
     finish_rows,
     fp8_cols,
     fp8_nan_fixup,
+    fp8_values,
+    fp16_row_scale,
     kv_format_args,
+    kv_format_width,
     report,
 )
 from pagedmla.kernels.triton.launch import CachedKernel, current_stream
@@ -117,16 +121,17 @@ def default_config(rows: int, fp8: bool = False) -> DecodeConfig:
     where the pages allow (page size a multiple of 64); 128 heads or q_len x heads > 64 take several 64-row
     tiles per part, which read the same KV (the later from L2).
 
-    ``fp8``: an FP8 cache (no TMA: its tiles are read from bytes), whose 64-row tiles take four 128-column
-    chunks of 32 tokens: one fp8_ds_mla scale per row and chunk, and 129-132 KB of shared memory in sm_90
-    cross-compiles on the CPU (184 KB for e4m3 with the bf16 tiles' two 256-column chunks of 64 tokens). Not
-    yet timed on the device.
+    ``fp8``: an FP8 cache. Up to 32 rows its tiles come by TMA where the pages allow (pointer loads feeding
+    the conversion were not pipelined: 1.44x faster by TMA on the H200); 64-row tiles take four 128-column
+    chunks of 32 tokens (one fp8_ds_mla scale per row and chunk) by pointer loads (TMA gained nothing there
+    for fp8_e4m3 and cost fp8_ds_mla 24%: benchmarks/NOTES.md, FP8).
     """
     block_m, _ = tile_plan(rows)
     if fp8 and block_m > 32:
         return DecodeConfig(block_m=block_m, block_n=32, num_warps=8, num_stages=2, chunks=4, carry_pages=True)
     if block_m <= 32:
-        return DecodeConfig(block_m=block_m, block_n=32, num_warps=4, num_stages=3, chunks=4, carry_pages=True)
+        return DecodeConfig(block_m=block_m, block_n=32, num_warps=4, num_stages=3, chunks=4, use_tma=fp8,
+                            carry_pages=True)
     return DecodeConfig(block_m=block_m, block_n=64, num_warps=8, num_stages=2, chunks=2, use_tma=True,
                         carry_pages=True)
 
@@ -138,7 +143,18 @@ def _kv_cols(kv_ptr, desc, tok, row, in_seq, col0,
     """Columns col0 .. col0 + WIDTH - 1 of one KV tile's rows; rows past the sequence end read as 0. FP8 caches
     (KV_FMT > 0, ``common.fp8_cols``; never with TMA) come back as its float32 values; ROPE marks the rope
     columns."""
-    if KV_FMT > 0:
+    if KV_FMT > 0 and USE_TMA:
+        # FP8 tiles by TMA (rows 16-byte aligned: 576 / 656 bytes): the loads pipeline as the bf16 ones do,
+        # where pointer loads feeding a conversion did not (benchmarks/NOTES.md, FP8). tok holds the rows'
+        # byte offsets for fp8_ds_mla's scales.
+        if KV_FMT == 2 and ROPE:
+            x = desc.load([row, DS_ROPE_OFFSET // 2]).to(tl.float32)
+        else:
+            x = fp8_values(desc.load([row, col0]), kv_ptr + tok[:, None], col0, in_seq[:, None], KV_FMT, MASKED,
+                           NAN_FIXUP)
+        if MASKED:
+            x = tl.where(in_seq[:, None], x, 0.0)
+    elif KV_FMT > 0:
         x = fp8_cols(kv_ptr + tok[:, None], col0, in_seq[:, None], WIDTH, KV_FMT, ROPE, MASKED, NAN_FIXUP)
     elif USE_TMA:
         x = desc.load([row, col0])
@@ -167,9 +183,10 @@ def _attend_tile(
     Each [BLOCK_N, 576] tile is loaded once, as NC value/key column chunks plus the rope-key part; the
     chunks serve as K in Q K^T and as V in P V. With CARRY_PAGES the caller passes the tile's page id
     (pages of at least BLOCK_N tokens, already checked); otherwise it is read and checked here. Returns the
-    updated state and whether a page id of the tile was outside the cache (read as page 0 instead). FP8 rows
-    are read as ``common.fp8_cols`` gives them and cast to q's dtype for the dots (exact: fp8_e4m3's scale is
-    folded into qk_scale and the output by the caller).
+    updated state and whether a page id of the tile was outside the cache (read as page 0 instead). qk_scale:
+    float32 [BLOCK_M], each row's score scale (log2 units). FP8 rows are read as ``common.fp8_cols`` gives
+    them and cast to q's dtype for the dots (exact: fp8_e4m3's scale is folded into qk_scale and the output by
+    the caller, which also hands its q over as fp16 rows on GPUs).
     """
     offs_n = n0 + tl.arange(0, BLOCK_N)
     in_seq = offs_n < seqlen
@@ -181,6 +198,8 @@ def _attend_tile(
         # Pages hold a multiple of BLOCK_N tokens: the tile is BLOCK_N consecutive cache rows.
         row = page_id * PAGE + n0 % PAGE
         tok = offs_n
+        if KV_FMT == 2:
+            tok = (row + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_tok
     elif PAGE >= BLOCK_N:
         tok = page_id.to(tl.int64) * stride_page + (n0 % PAGE + tl.arange(0, BLOCK_N)) * stride_tok
     else:
@@ -209,7 +228,7 @@ def _attend_tile(
         k_pe = _kv_cols(kv_ptr, desc_pe, tok, row, in_seq, NC * DC, DR, MASKED, USE_TMA, KV_FMT, True,
                         NAN_FIXUP).to(q0.dtype)
         s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PRECISION)
-    s = s * qk_scale
+    s = s * qk_scale[:, None]
     if MASKED:
         s = tl.where(offs_n[None, :] < lim[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -329,6 +348,25 @@ def _decode_split_kernel(
             q_pe = q0
             if HAS_PE:
                 q_pe = tl.load(q_ptrs + DV + tl.arange(0, DR)[None, :], mask=row_ok[:, None], other=0.0)
+            qk_row = tl.zeros([BLOCK_M], dtype=tl.float32) + qk_scale
+            if KV_FMT == 1 and q_ptr.dtype.element_ty != tl.float32:
+                # fp8_e4m3 tiles are fp16 values (``fp8_cols``): the dots run in fp16 on q rows scaled into
+                # its range by a power of two, which the scores take back.
+                amax = tl.max(tl.abs(q0.to(tl.float32)), 1)
+                if NC >= 2:
+                    amax = tl.maximum(amax, tl.max(tl.abs(q1.to(tl.float32)), 1))
+                if NC == 4:
+                    amax = tl.maximum(amax, tl.max(tl.abs(q2.to(tl.float32)), 1))
+                    amax = tl.maximum(amax, tl.max(tl.abs(q3.to(tl.float32)), 1))
+                if HAS_PE:
+                    amax = tl.maximum(amax, tl.max(tl.abs(q_pe.to(tl.float32)), 1))
+                q_mul, q_inv = fp16_row_scale(amax)
+                qk_row = qk_row * q_inv
+                q0 = (q0.to(tl.float32) * q_mul[:, None]).to(tl.float16)
+                q1 = (q1.to(tl.float32) * q_mul[:, None]).to(tl.float16)
+                q2 = (q2.to(tl.float32) * q_mul[:, None]).to(tl.float16)
+                q3 = (q3.to(tl.float32) * q_mul[:, None]).to(tl.float16)
+                q_pe = (q_pe.to(tl.float32) * q_mul[:, None]).to(tl.float16)
             bt_row = bt_ptr + tl.cast(b, tl.int64) * stride_btb
             # Keys a row may see: [0, lim); with causal, query t of Q_LEN sees keys 0 .. seqlen - Q_LEN + t.
             # Tiles before the first key some row cannot see run unmasked; the rest run masked.
@@ -354,12 +392,12 @@ def _decode_split_kernel(
                 page_id, bad_page = checked_page(tl.load(bt_row + tok_lo // PAGE), NUM_PAGES)
             acc0, acc1, acc2, acc3, m_i, l_i, page_id, bad_page = _attend_range(
                 acc0, acc1, acc2, acc3, m_i, l_i, page_id, bad_page, q0, q1, q2, q3, q_pe,
-                kv_ptr, desc, desc_pe, bt_row, tok_lo, tok_mid, tok_hi, seqlen, lim, stride_page, stride_tok, qk_scale,
+                kv_ptr, desc, desc_pe, bt_row, tok_lo, tok_mid, tok_hi, seqlen, lim, stride_page, stride_tok, qk_row,
                 NUM_PAGES, PAGE, BLOCK_N, DC, NC, DR, HAS_PE, False, USE_TMA, carry, PRECISION, KV_FMT,
                 NAN_FIXUP)
             acc0, acc1, acc2, acc3, m_i, l_i, page_id, bad_page = _attend_range(
                 acc0, acc1, acc2, acc3, m_i, l_i, page_id, bad_page, q0, q1, q2, q3, q_pe,
-                kv_ptr, desc, desc_pe, bt_row, tok_mid, tok_hi, tok_hi, seqlen, lim, stride_page, stride_tok, qk_scale,
+                kv_ptr, desc, desc_pe, bt_row, tok_mid, tok_hi, tok_hi, seqlen, lim, stride_page, stride_tok, qk_row,
                 NUM_PAGES, PAGE, BLOCK_N, DC, NC, DR, HAS_PE, True, USE_TMA, carry, PRECISION, KV_FMT,
                 NAN_FIXUP)
 
@@ -494,15 +532,18 @@ def _portable_main_args(q, k_cache, block_table, cache_seqlens, metadata, num_sp
     dr = d - head_dim_v
     page = k_cache.shape[1]
     m_tiles = -(-rows // cfg.block_m)  # plain arithmetic: triton.cdiv costs microseconds of host time per call
-    use_tma = kv_fmt is None and _tma_ok(cfg, k_cache, d)
+    width = kv_format_width(kv_fmt, d)
+    use_tma = _tma_ok(cfg, k_cache, width)
     kv, scale_arg, fmt_id = kv_format_args(k_cache, kv_fmt, k_scale)
     desc = desc_pe = None
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        flat = k_cache.view(-1, d)
-        desc = TensorDescriptor(flat, list(flat.shape), [d, 1], [cfg.block_n, head_dim_v // cfg.chunks])
-        desc_pe = TensorDescriptor(flat, list(flat.shape), [d, 1], [cfg.block_n, max(dr, 16)])
+        flat = kv.view(-1, width)
+        desc = TensorDescriptor(flat, list(flat.shape), [width, 1], [cfg.block_n, head_dim_v // cfg.chunks])
+        # fp8_ds_mla's rope columns are bf16 values at a 16-byte aligned offset of the row.
+        pe = flat.view(torch.bfloat16) if kv_fmt == "fp8_ds_mla" else flat
+        desc_pe = TensorDescriptor(pe, list(pe.shape), [pe.shape[1], 1], [cfg.block_n, max(dr, 16)])
     args = (q, kv, block_table, cache_seqlens, metadata, num_splits, out, lse, partials, err, desc, desc_pe,
             scale_arg, b, h, q_len, rows, k_cache.shape[0], block_table.shape[1], softmax_scale * LOG2E,
             q.stride(0), q.stride(1), q.stride(2),

@@ -49,7 +49,8 @@ def key_scores(q1, q2, k_rows, n_ok, DK: tl.constexpr, BLOCK_D1: tl.constexpr, B
     an FP8 cache (``common.fp8_cols``: k_rows uint8 pointers, and ``NAN_FIXUP``), read as that gives them
     (fp8_e4m3 without its scale, which the caller folds in) and cast to q's dtype for the dots."""
     if KV_FMT > 0:
-        k1 = fp8_cols(k_rows, 0, n_ok[:, None], BLOCK_D1, KV_FMT, False, MASKED, NAN_FIXUP).to(q1.dtype)
+        # Through float32: fp8_e4m3's fp16 values cast to bf16 directly took 19% longer (H200, paged prefill).
+        k1 = fp8_cols(k_rows, 0, n_ok[:, None], BLOCK_D1, KV_FMT, False, MASKED, NAN_FIXUP).to(tl.float32).to(q1.dtype)
     else:
         k1 = load_cols(k_rows, 0, BLOCK_D1, n_ok, DK, MASKED)
     s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC)
@@ -58,7 +59,7 @@ def key_scores(q1, q2, k_rows, n_ok, DK: tl.constexpr, BLOCK_D1: tl.constexpr, B
             # The FP8 rope part, always masked: the tile's columns past DK (a non-power-of-two remainder).
             cols = BLOCK_D1 + tl.arange(0, BLOCK_D2)
             k2 = fp8_cols(k_rows, BLOCK_D1, n_ok[:, None] & (cols[None, :] < DK), BLOCK_D2, KV_FMT, True,
-                          True, NAN_FIXUP).to(q1.dtype)
+                          True, NAN_FIXUP).to(tl.float32).to(q1.dtype)
         else:
             k2 = load_cols(k_rows, BLOCK_D1, BLOCK_D2, n_ok, DK, MASKED)
         s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PREC)
