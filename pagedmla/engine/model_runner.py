@@ -32,6 +32,7 @@ from pagedmla.engine.cuda_graph import Graph, GraphRunner
 from pagedmla.engine.sequence import Sequence
 from pagedmla.model.context import StepContext
 from pagedmla.model.deepseek import DeepseekForCausalLM
+from pagedmla.model.moe import grouped_mm_supported
 from pagedmla.parallel import SINGLE, Group
 
 
@@ -77,6 +78,10 @@ class ModelRunner:
         self.model = model
         self.dtype = model.model.embed_tokens.weight.dtype
         self.device = model.model.embed_tokens.weight.device
+        if cfg.n_routed_experts:
+            # The experts' one-time grouped-GEMM probe synchronises (it captures a tiny graph): here, not in
+            # the first step's forward.
+            grouped_mm_supported(self.device, self.dtype)
         options = dict(backend_options or {})
         if num_speculative_tokens:
             options["num_draft_tokens"] = num_speculative_tokens + 1
