@@ -30,6 +30,9 @@ from pagedmla.kernels.triton.common import (
 from pagedmla.kernels.triton.launch import BoundLaunch, CachedKernel, current_stream
 
 _ROWS = 16  # rows per program: 16 x 576 x 2 bytes = 18 KB in flight
+# Rows per program of the FP8 store, whose division and rounding per value make it ALU-latency bound: a
+# decode step's 128 rows over 32 SMs, not 8.
+_FP8_ROWS = 4
 
 
 @triton.jit
@@ -91,28 +94,34 @@ def _pow2_at_or_above(v):
 
 @triton.jit
 def _store_fp8_rows_kernel(buf_ptr, slots_ptr, rows_ptr, err_ptr, scale_ptr, n, num_slots, stride_buf, stride_rows,
-                           D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, KV_FMT: tl.constexpr,
-                           ERR: tl.constexpr):
+                           D: tl.constexpr, D_MAIN: tl.constexpr, BLOCK_REST: tl.constexpr, ROWS: tl.constexpr,
+                           KV_FMT: tl.constexpr, ERR: tl.constexpr):
     """``_store_rows_kernel`` into an FP8 cache's bytes (buf uint8 [num_slots, row bytes]), quantising on the
     way: KV_FMT 1 (fp8_e4m3) x / *scale_ptr; 2 (fp8_ds_mla, D = 576) the 656-byte row of
     ``pagedmla.kv_format``: per 128-column tile the power-of-two scale at or above max(amax / 448, 1e-4), the
     tile's values over it, the four scales, then the rope columns as bfloat16. Byte for byte what
     ``kv_format.quantize_latent`` writes (IEEE division, round to nearest even), NaN values excepted: those
-    are stored as a NaN code of their own (torch's bfloat16 NaN differs by device)."""
+    are stored as a NaN code of their own (torch's bfloat16 NaN differs by device).
+
+    A row is read as its first D_MAIN columns (a power of two: 512 of 576) and the rest padded to BLOCK_REST,
+    not padded whole to 1024: the division and the rounding are ALU work per value, and a few rows per
+    program spread one step's rows over many SMs (benchmarks/NOTES.md, FP8: the store)."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     live = r < n
     slot = tl.load(slots_ptr + r, mask=live, other=0)
     ok = live & (slot >= 0) & (slot < num_slots)
     src = rows_ptr + r.to(tl.int64)[:, None] * stride_rows
     dst = buf_ptr + tl.where(ok, slot, 0).to(tl.int64)[:, None] * stride_buf
+    cols = tl.arange(0, D_MAIN)[None, :]
+    x = tl.load(src + cols, mask=live[:, None]).to(tl.float32)
     if KV_FMT == 1:
-        cols = tl.arange(0, BLOCK_D)[None, :]
-        x = tl.load(src + cols, mask=live[:, None] & (cols < D)).to(tl.float32)
-        q = _fp8_bytes(tl.math.div_rn(x, tl.load(scale_ptr) + tl.zeros_like(x)))
-        tl.store(dst + cols, q, mask=ok[:, None] & (cols < D))
+        scale = tl.load(scale_ptr)
+        tl.store(dst + cols, _fp8_bytes(tl.math.div_rn(x, scale + tl.zeros_like(x))), mask=ok[:, None])
+        if BLOCK_REST > 0:
+            rest = D_MAIN + tl.arange(0, BLOCK_REST)[None, :]
+            y = tl.load(src + rest, mask=live[:, None] & (rest < D)).to(tl.float32)
+            tl.store(dst + rest, _fp8_bytes(tl.math.div_rn(y, scale + tl.zeros_like(y))), mask=ok[:, None] & (rest < D))
     else:
-        cols = tl.arange(0, LATENT_DIM)[None, :]
-        x = tl.load(src + cols, mask=live[:, None]).to(tl.float32)
         tiles = tl.reshape(x, [ROWS, DS_TILES, DS_TILE])
         # NaN values leave their tile's amax alone on every backend (the GPU's max ignores NaN, the
         # interpreter's would propagate it): they are stored as NaN, the rest of the tile as without them.
@@ -208,9 +217,11 @@ def store_fp8_rows(buf: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, f
     if n == 0:
         return
     dev = buf.device
-    _STORE_FP8.launch(dev, (-(-n // _ROWS),), buf, slots, rows, errors.error_word(dev), k_scale, n, buf.shape[0],
-                      buf.stride(0), rows.stride(0), D=d, BLOCK_D=triton.next_power_of_2(d), ROWS=_ROWS,
-                      KV_FMT=KV_FORMATS[fmt], ERR=err_bit, num_warps=4)
+    d_main = 1 << (d.bit_length() - 1)
+    rest = triton.next_power_of_2(d - d_main) if d > d_main else 0
+    _STORE_FP8.launch(dev, (-(-n // _FP8_ROWS),), buf, slots, rows, errors.error_word(dev), k_scale, n,
+                      buf.shape[0], buf.stride(0), rows.stride(0), D=d, D_MAIN=d_main, BLOCK_REST=rest,
+                      ROWS=_FP8_ROWS, KV_FMT=KV_FORMATS[fmt], ERR=err_bit, num_warps=4)
 
 
 def gather_rows(buf: torch.Tensor, slots: torch.Tensor, err_bit: int = errors.CACHE_SLOT) -> torch.Tensor:
