@@ -122,13 +122,15 @@ def default_config(rows: int, fp8: bool = False) -> DecodeConfig:
     tiles per part, which read the same KV (the later from L2).
 
     ``fp8``: an FP8 cache. Up to 32 rows its tiles come by TMA where the pages allow (pointer loads feeding
-    the conversion were not pipelined: 1.44x faster by TMA on the H200); 64-row tiles take four 128-column
-    chunks of 32 tokens (one fp8_ds_mla scale per row and chunk) by pointer loads (TMA gained nothing there
-    for fp8_e4m3 and cost fp8_ds_mla 24%: benchmarks/NOTES.md, FP8).
+    the conversion were not pipelined: 1.44x faster by TMA on the H200); 32- and 64-row tiles take 64-token
+    steps in four 128-column chunks with 8 warps (1.2-1.5x over 32-token steps: an FP8 step moves half a bf16
+    step's bytes), 64-row ones by pointer loads three stages deep (TMA gained nothing there for fp8_e4m3 and
+    cost fp8_ds_mla 18-24%; the third stage gained 10%: benchmarks/NOTES.md, FP8).
     """
     block_m, _ = tile_plan(rows)
-    if fp8 and block_m > 32:
-        return DecodeConfig(block_m=block_m, block_n=32, num_warps=8, num_stages=2, chunks=4, carry_pages=True)
+    if fp8 and block_m > 16:
+        return DecodeConfig(block_m=block_m, block_n=64, num_warps=8, num_stages=2 if block_m <= 32 else 3, chunks=4,
+                            use_tma=block_m <= 32, carry_pages=True)
     if block_m <= 32:
         return DecodeConfig(block_m=block_m, block_n=32, num_warps=4, num_stages=3, chunks=4, use_tma=fp8,
                             carry_pages=True)
