@@ -64,3 +64,21 @@ def test_mtp_rows_beside_plain_decoding(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--preset", "tiny", "--device", "cpu", "--speculative", "mtp", "--num-speculative-tokens", "5"])
     assert "--num-speculative-tokens" in capsys.readouterr().err
+
+
+def test_fp8_cache_rows_beside_the_model_dtype(capsys):
+    """``--kv-cache-dtype``: each format served in turn, its cache tokens per GiB in the table and its decode
+    step and capacity against the model-dtype row's (float32 on the CPU: 2304-byte rows, 4x fp8_e4m3's 576,
+    3.51x fp8_ds_mla's 656); a bad format is named."""
+    bench = _bench()
+    assert bench.main(["--preset", "tiny", "--device", "cpu", "--num-requests", "3", "--prompt-len", "8:12",
+                       "--output-len", "3:5", "--batch-size", "4", "--page-size", "16", "--no-hf",
+                       "--kv-cache-dtype", "auto,fp8_e4m3,fp8_ds_mla"]) == 0
+    out = capsys.readouterr().out
+    for name in ("pagedmla torch", "pagedmla torch fp8_e4m3", "pagedmla torch fp8_ds_mla"):
+        assert re.search(rf"\| {name} \| [\d.]+ \| .* \| \d+ \|$", out, re.M), out
+    assert re.search(r"pagedmla torch fp8_e4m3: decode step [\d.]+x pagedmla torch's, 4\.00x its cache tokens", out)
+    assert re.search(r"pagedmla torch fp8_ds_mla: decode step [\d.]+x pagedmla torch's, 3\.51x its cache tokens", out)
+    with pytest.raises(SystemExit):
+        bench.main(["--preset", "tiny", "--device", "cpu", "--kv-cache-dtype", "auto,fp9"])
+    assert "--kv-cache-dtype" in capsys.readouterr().err

@@ -31,3 +31,22 @@ def test_an_output_off_the_reference_fails_the_run(capsys, monkeypatch):
     monkeypatch.setattr(bench, "COS_LIMIT", -1.0)  # no cos diff passes: every FP8 check must report it
     assert bench.main(["--quick", "--only", "prefill"]) == 1
     assert "BAD: FP8 outputs off the reference in ['2x16 over 48 h16']" in capsys.readouterr().out
+
+
+def test_accuracy_script_measures_each_layer_on_shadow_caches(tmp_path, capsys):
+    """benchmarks/fp8_accuracy.py part 2 on the tiny preset (torch provider): one row per format and layer,
+    each error a real FP8 rounding error: above 0 (a shadow call that read the bf16 cache would give exactly
+    0) and a few percent at most."""
+    bench = load("fp8_accuracy")
+    path = tmp_path / "acc.csv"
+    assert bench.main(["--device", "cpu", "--preset", "tiny", "--skip-tiny", "--num-requests", "2",
+                       "--prompt-len", "24", "--output-len", "3", "--csv", str(path)]) == 0
+    out = capsys.readouterr().out
+    layers = bench.PRESETS["tiny"]["num_hidden_layers"]
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["format"], int(r["layer"])) for r in rows] == [(f, i) for f in bench.FORMATS for i in range(layers)]
+    for r in rows:
+        assert 1e-4 < float(r["decode_rel_err"]) < 0.1, r
+    for fmt in bench.FORMATS:
+        assert re.search(rf"{fmt}: decode relative error mean [\d.e+-]+, max [\d.e+-]+ over {layers} layers", out)

@@ -9,6 +9,9 @@ comparison). ``--speculative mtp`` serves each configuration a second time with 
 target's embedding and head) and reports its acceptance rate and tokens per request and verify step
 beside plain decoding; random weights draft poorly, so this measures the cost of the draft and verify
 path rather than a speed-up (``benchmarks/bench_mtp.py`` measures the trained test model's).
+``--kv-cache-dtype auto,fp8_e4m3,fp8_ds_mla`` serves each configuration once per cache format: the table's
+last column is the latent cache tokens one GiB holds in that format (the concurrent tokens at the same
+memory), and each FP8 row's decode step and capacity are given against the model-dtype row's.
 transformers then generates the same prompts greedily in left-padded batches of ``--batch-size`` (its
 tokens/s counts the requested output tokens only, although it runs every row of a batch to the longest
 output). ``match`` counts requests whose greedy tokens equal transformers'
@@ -39,6 +42,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pagedmla import kv_format
 from pagedmla.bench.common import bar_plot, check_plotting, command
 from pagedmla.bench.options import PRESETS, engine_arguments
 from pagedmla.config import resolve_dtype
@@ -115,18 +119,19 @@ def random_mtp(model, seed: int) -> DeepseekMTP:
 
 
 def run_engine(model, prompts, out_lens, args, provider: str, graphs: bool, profile: bool = False,
-               mtp: DeepseekMTP | None = None) -> dict:
+               mtp: DeepseekMTP | None = None, kv_cache_dtype: str = "auto") -> dict:
     """Serve the burst once (after a warm-up); returns the row of the results table. ``profile``
     times every attention call with a device synchronisation on both sides (eager only); ``mtp`` drafts
-    ``args.num_speculative_tokens`` tokens per step with that draft model."""
+    ``args.num_speculative_tokens`` tokens per step with that draft model; ``kv_cache_dtype`` is LLM's."""
     device = model.model.embed_tokens.weight.device
     context = max(map(len, prompts)) + max(out_lens) + 1
     pages_per_request = -(-context // args.page_size) + 1
     llm = LLM(model, page_size=args.page_size, num_pages=args.batch_size * pages_per_request + 1, provider=provider,
               max_batch_size=args.batch_size, max_context_len=context, enable_cuda_graph=graphs,
               max_num_batched_tokens=args.max_num_batched_tokens, mixed_batching=args.mixed,
-              profile_attention=profile, **(dict(speculative="mtp", num_speculative_tokens=args.num_speculative_tokens,
-                                                 draft_model=mtp, draft_graph=args.draft_graph) if mtp else {}))
+              profile_attention=profile, kv_cache_dtype=kv_cache_dtype,
+              **(dict(speculative="mtp", num_speculative_tokens=args.num_speculative_tokens, draft_model=mtp,
+                      draft_graph=args.draft_graph) if mtp else {}))
     # Warm-up: the same burst on other tokens (no prefix-cache hits later), prompt and output lengths alike, so
     # that every kernel specialisation the burst reaches (the shrinking decode batches and their context
     # lengths included) is compiled before the clock starts. A warm-up of 3 output tokens let the first row of
@@ -145,10 +150,15 @@ def run_engine(model, prompts, out_lens, args, provider: str, graphs: bool, prof
     itl = [b - a for o in outs for a, b in zip(o.token_times, o.token_times[1:])]
     s = llm.stats
     name = f"pagedmla {provider}" + (" +graphs" if graphs else "") + \
-        (f" +mtp k={args.num_speculative_tokens}" if mtp else "")
+        (f" +mtp k={args.num_speculative_tokens}" if mtp else "") + \
+        (f" {kv_cache_dtype}" if kv_cache_dtype != "auto" else "")
+    cache = llm.runner.cache
+    # Tokens per GiB of latent cache (every layer): what the same memory holds in this format.
+    cache_bytes = sum(b.numel() * b.element_size() for b in cache.buffers)
     row = {"name": name, "tokens": [o.token_ids for o in outs],
            "tok_s": sum(out_lens) / wall, "wall": wall, "ttft": percentiles(ttft), "itl": percentiles(itl),
-           "step_ms": 1e3 * s.decode_seconds / max(1, s.decode_steps), "stats": s}
+           "step_ms": 1e3 * s.decode_seconds / max(1, s.decode_steps), "stats": s,
+           "tokens_per_gib": cache.num_slots * 2 ** 30 / cache_bytes}
     del llm
     gc.collect()
     if device.type == "cuda":
@@ -174,7 +184,7 @@ def run_hf(hf, prompts, out_lens, args, device: torch.device) -> dict:
         total += time.perf_counter() - t0
         tokens += [row[width:width + n].tolist() for row, n in zip(out, lens)]
     return {"name": "transformers generate", "tokens": tokens, "tok_s": sum(out_lens) / total, "wall": total,
-            "ttft": None, "itl": None, "step_ms": None}
+            "ttft": None, "itl": None, "step_ms": None, "tokens_per_gib": None}
 
 
 def print_attention_profile(rows: list[dict], num_layers: int) -> None:
@@ -233,28 +243,33 @@ def run(args: argparse.Namespace) -> int:
     if args.speculative and not 1 <= args.num_speculative_tokens <= MAX_DRAFT_TOKENS:
         raise ValueError(f"--num-speculative-tokens: MTP drafts 1..{MAX_DRAFT_TOKENS} tokens, "
                          f"got {args.num_speculative_tokens}")
+    formats = args.kv_cache_dtype.split(",")
+    for f in formats:
+        if f != "auto" and kv_format.fp8_storage(f) is None:
+            resolve_dtype(f, "--kv-cache-dtype")
     ours, hf = build_models(args.preset, device, dtype, args.seed, not args.no_hf)
     print(f"preset {args.preset}, {device}, {str(dtype).replace('torch.', '')}: {args.num_requests} requests, "
           f"prompts {args.prompt_len}, outputs {args.output_len} tokens ({sum(out_lens)} in all), "
           f"batch {args.batch_size}, page {args.page_size}")
     mtp = random_mtp(ours, args.seed) if args.speculative == "mtp" else None
     drafts = [None, mtp] if mtp is not None else [None]
-    rows = [run_engine(ours, prompts, out_lens, args, p, g, mtp=m) for p in providers for g in graph_settings
-            for m in drafts]
+    rows = [run_engine(ours, prompts, out_lens, args, p, g, mtp=m, kv_cache_dtype=f) for p in providers
+            for g in graph_settings for m in drafts for f in formats]
     if hf is not None:
         rows.append(run_hf(hf, prompts, out_lens, args, device))
     reference = rows[-1]["tokens"] if hf is not None else None
     print("| run | output tok/s | wall s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | decode step ms | match | "
-          "drafts accepted | tokens / verify step |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "drafts accepted | tokens / verify step | cache tokens / GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         match = "-" if reference is None or r is rows[-1] else \
             f"{sum(a == b for a, b in zip(r['tokens'], reference))}/{len(reference)}"
         step = f"{r['step_ms']:.2f}" if r["step_ms"] is not None else "-"
         s = r.get("stats")
         spec = f"{s.acceptance_rate:.1%} | {s.tokens_per_verify:.2f}" if s is not None and s.draft_tokens else "- | -"
+        per_gib = f"{r['tokens_per_gib']:.0f}" if r["tokens_per_gib"] else "-"
         print(f"| {r['name']} | {r['tok_s']:.1f} | {r['wall']:.2f} | {_fmt(r['ttft'])} | {_fmt(r['itl'])} | "
-              f"{step} | {match} | {spec} |")
+              f"{step} | {match} | {spec} | {per_gib} |")
     if args.profile_attention:
         profiled = [run_engine(ours, prompts, out_lens, args, p, False, profile=True) for p in providers]
         print_attention_profile(profiled, PRESETS[args.preset]["num_hidden_layers"])
@@ -262,12 +277,19 @@ def run(args: argparse.Namespace) -> int:
         best = max(r["tok_s"] for r in rows[:-1])
         print(f"best engine throughput / transformers: {best / rows[-1]['tok_s']:.1f}x")
     for p in providers:
-        steps = {r["name"]: r["step_ms"] for r in rows
-                 if r["name"].startswith(f"pagedmla {p}") and "+mtp" not in r["name"]}
-        if len(steps) == 2:
-            eager, graphed = steps[f"pagedmla {p}"], steps[f"pagedmla {p} +graphs"]
-            print(f"{p}: decode step {eager:.2f} ms eager, {graphed:.2f} ms with CUDA graphs "
-                  f"({eager / graphed:.2f}x)")
+        for f in formats:
+            tail = f" {f}" if f != "auto" else ""
+            steps = {r["name"]: r["step_ms"] for r in rows}
+            eager, graphed = steps.get(f"pagedmla {p}{tail}"), steps.get(f"pagedmla {p} +graphs{tail}")
+            if eager is not None and graphed is not None:
+                print(f"{p}{tail}: decode step {eager:.2f} ms eager, {graphed:.2f} ms with CUDA graphs "
+                      f"({eager / graphed:.2f}x)")
+    by_name = {r["name"]: r for r in rows}
+    for r in rows:
+        base = by_name.get(r["name"].rsplit(" ", 1)[0]) if r["name"].rsplit(" ", 1)[-1].startswith("fp8") else None
+        if base is not None and base["step_ms"] and r["step_ms"]:
+            print(f"{r['name']}: decode step {r['step_ms'] / base['step_ms']:.3f}x {base['name']}'s, "
+                  f"{r['tokens_per_gib'] / base['tokens_per_gib']:.2f}x its cache tokens per GiB")
     if args.plot:
         bar_plot(args.plot, [r["name"] for r in rows], {"output tokens/s": [r["tok_s"] for r in rows]},
                  "output tokens/s", f"engine, preset {args.preset}, {device}, {args.num_requests} requests "

@@ -70,6 +70,9 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--mixed", action="store_true", help="MIXED prefill + decode steps")
     parser.add_argument("--providers", default=None, help="comma list (default: torch,triton,flashmla available)")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="comma list of cache formats to serve with (auto, bf16, fp8_e4m3, fp8_ds_mla; "
+                             "default: auto, the model's dtype)")
     parser.add_argument("--cuda-graph", choices=("on", "off", "both"), default=None,
                         help="default: both on CUDA, off on CPU")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
