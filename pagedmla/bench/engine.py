@@ -276,15 +276,14 @@ def run(args: argparse.Namespace) -> int:
     if hf is not None:
         best = max(r["tok_s"] for r in rows[:-1])
         print(f"best engine throughput / transformers: {best / rows[-1]['tok_s']:.1f}x")
+    by_name = {r["name"]: r for r in rows}
     for p in providers:
         for f in formats:
             tail = f" {f}" if f != "auto" else ""
-            steps = {r["name"]: r["step_ms"] for r in rows}
-            eager, graphed = steps.get(f"pagedmla {p}{tail}"), steps.get(f"pagedmla {p} +graphs{tail}")
+            eager, graphed = by_name.get(f"pagedmla {p}{tail}"), by_name.get(f"pagedmla {p} +graphs{tail}")
             if eager is not None and graphed is not None:
-                print(f"{p}{tail}: decode step {eager:.2f} ms eager, {graphed:.2f} ms with CUDA graphs "
-                      f"({eager / graphed:.2f}x)")
-    by_name = {r["name"]: r for r in rows}
+                print(f"{p}{tail}: decode step {eager['step_ms']:.2f} ms eager, {graphed['step_ms']:.2f} ms with "
+                      f"CUDA graphs ({eager['step_ms'] / graphed['step_ms']:.2f}x)")
     for r in rows:
         base = by_name.get(r["name"].rsplit(" ", 1)[0]) if r["name"].rsplit(" ", 1)[-1].startswith("fp8") else None
         if base is not None and base["step_ms"] and r["step_ms"]:

@@ -143,8 +143,8 @@ def _kv_cols(kv_ptr, desc, tok, row, in_seq, col0,
              WIDTH: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr, KV_FMT: tl.constexpr,
              ROPE: tl.constexpr, NAN_FIXUP: tl.constexpr):
     """Columns col0 .. col0 + WIDTH - 1 of one KV tile's rows; rows past the sequence end read as 0. FP8 caches
-    (KV_FMT > 0, ``common.fp8_cols``; never with TMA) come back as its float32 values; ROPE marks the rope
-    columns."""
+    (KV_FMT > 0) come back as ``common.fp8_cols`` gives them (fp8_e4m3 as fp16, fp8_ds_mla as float32), by TMA
+    or pointer loads; ROPE marks the rope columns."""
     if KV_FMT > 0 and USE_TMA:
         # FP8 tiles by TMA (rows 16-byte aligned: 576 / 656 bytes): the loads pipeline as the bf16 ones do,
         # where pointer loads feeding a conversion did not (benchmarks/NOTES.md, FP8). tok holds the rows'
