@@ -137,7 +137,7 @@ if HAVE_GLUON:
                 o, m_i, l_i, it, npm = mla.softmax_tiles(it, npm, tok_lo, tok_hi, first_masked, lim, seqlen, qk_scale,
                                                          q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem,
                                                          q_free, kv_ready, kv_empty, p_ready, p_free, s_layout,
-                                                         o_layout)
+                                                         o_layout, False)
                 bits = bits | gl.where(mla.pages_ok(page_flags.index(nq % 2)), 0, BLOCK_TABLE)
                 report(err_ptr, bits)
                 inv_l, lse2 = mla.softmax_finish(m_i, l_i, qk_scale, bits != 0, npm, scale_smem, p_ready, p_free)
@@ -165,7 +165,7 @@ if HAVE_GLUON:
                                                      CAPACITY, mla._BN)
             if tok_lo < tok_hi:
                 o, inv_l, it, npm = mla.value_tiles(it, npm, tok_lo, tok_hi, seqlen, kv_ring, p_smem, scale_smem,
-                                                    kv_ready, kv_empty, p_ready, p_free, o_layout)
+                                                    kv_ready, kv_empty, p_ready, p_free, o_layout, False)
                 is_direct, piece = _piece(splits_ptr, b, begin_req, begin_split, PIECES)
                 _store_half(o, inv_l, inv_l, 256, is_direct, out_ptr, lse_ptr, partials_ptr, PIECES, b, piece,
                             pid_m, H, Q_LEN, ROWS, stride_ob, stride_ot, stride_oh, False, o_layout)

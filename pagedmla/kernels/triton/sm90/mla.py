@@ -116,10 +116,11 @@ if HAVE_GLUON:
     @gluon.jit
     def softmax_tile(o, m_i, l_i, it, npm, n0, first_masked, lim, seqlen, release_q, qk_scale,
                       q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_free, kv_ready, kv_empty,
-                      p_ready, p_free, s_layout: gl.constexpr, o_layout: gl.constexpr):
+                      p_ready, p_free, s_layout: gl.constexpr, o_layout: gl.constexpr, KEEP_LAST: gl.constexpr):
         """Warpgroup 0's step over KV tokens n0 .. n0 + 63 (ring slot it, P message npm): S = Q K^T, the
         online softmax (scores of keys >= lim masked once the tile reaches first_masked), P and the rescale
-        factor to shared memory for warpgroup 1, O[:, :256] += P V[:, :256]. Returns (o, m_i, l_i)."""
+        factor to shared memory for warpgroup 1, O[:, :256] += P V[:, :256]. ``release_q`` marks the last
+        tile, whose slot ``KEEP_LAST`` keeps (the caller stages its output there). Returns (o, m_i, l_i)."""
         s = it % _STAGES
         kv = kv_ring.index(s)
         kv_pe = kv_pe_ring.index(s)
@@ -151,16 +152,21 @@ if HAVE_GLUON:
         o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         o = warpgroup_mma(p_smem, kv.slice(0, 256, dim=1), o, is_async=True)
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o, p_smem, kv))[0]
-        mbarrier.arrive(kv_empty.index(s), count=1)
+        if KEEP_LAST:
+            if not release_q:
+                mbarrier.arrive(kv_empty.index(s), count=1)
+        else:
+            mbarrier.arrive(kv_empty.index(s), count=1)
         return o, m_new, l_i
 
     @gluon.jit
     def softmax_tiles(it, npm, lo, hi, first_masked, lim, seqlen, qk_scale, q_smem, q_pe_smem, kv_ring, kv_pe_ring,
                       p_smem, scale_smem, q_free, kv_ready, kv_empty, p_ready, p_free, s_layout: gl.constexpr,
-                      o_layout: gl.constexpr):
+                      o_layout: gl.constexpr, KEEP_LAST: gl.constexpr):
         """Warpgroup 0's ``softmax_tile`` steps over one request's (tile's) KV tokens lo .. hi - 1 (Q loaded):
-        ring slots from it, P messages from npm; the last S hands Q back to the loader. Returns (o, m_i, l_i,
-        it, npm) after the last step."""
+        ring slots from it, P messages from npm; the last S hands Q back to the loader; with ``KEEP_LAST`` the
+        last slot stays held (the caller frees it after its output). Returns (o, m_i, l_i, it, npm) after the
+        last step."""
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         m_i = gl.full([_BM], float("-inf"), dtype=gl.float32, layout=row_l)
         l_i = gl.zeros([_BM], dtype=gl.float32, layout=row_l)
@@ -168,7 +174,7 @@ if HAVE_GLUON:
         for n0 in range(lo, hi, _BN):
             o, m_i, l_i = softmax_tile(o, m_i, l_i, it, npm, n0, first_masked, lim, seqlen, n0 + _BN >= hi, qk_scale,
                                        q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_free, kv_ready,
-                                       kv_empty, p_ready, p_free, s_layout, o_layout)
+                                       kv_empty, p_ready, p_free, s_layout, o_layout, KEEP_LAST)
             npm += 1
             it += 1
         return o, m_i, l_i, it, npm
@@ -186,9 +192,10 @@ if HAVE_GLUON:
         return inv_l, lse2
 
     @gluon.jit
-    def value_tile(o, it, npm, n0, seqlen, kv_ring, p_smem, scale_smem, kv_ready, kv_empty, p_ready, p_free,
-                    o_layout: gl.constexpr):
-        """Warpgroup 1's step: O[:, 256:] = O[:, 256:] * rescale + P V[:, 256:] for ring slot it."""
+    def value_tile(o, it, npm, n0, seqlen, last, kv_ring, p_smem, scale_smem, kv_ready, kv_empty, p_ready, p_free,
+                    o_layout: gl.constexpr, KEEP_LAST: gl.constexpr):
+        """Warpgroup 1's step: O[:, 256:] = O[:, 256:] * rescale + P V[:, 256:] for ring slot it (the
+        ``last`` tile's slot kept with ``KEEP_LAST``)."""
         s = it % _STAGES
         kv = kv_ring.index(s)
         mbarrier.wait(kv_ready.index(s), phase(it, _STAGES))
@@ -201,19 +208,24 @@ if HAVE_GLUON:
         o = warpgroup_mma(p_smem, kv.slice(256, 256, dim=1), o, is_async=True)
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o, p_smem, kv))[0]
         mbarrier.arrive(p_free, count=1)
-        mbarrier.arrive(kv_empty.index(s), count=1)
+        if KEEP_LAST:
+            if not last:
+                mbarrier.arrive(kv_empty.index(s), count=1)
+        else:
+            mbarrier.arrive(kv_empty.index(s), count=1)
         return o
 
     @gluon.jit
     def value_tiles(it, npm, lo, hi, seqlen, kv_ring, p_smem, scale_smem, kv_ready, kv_empty, p_ready, p_free,
-                    o_layout: gl.constexpr):
+                    o_layout: gl.constexpr, KEEP_LAST: gl.constexpr):
         """Warpgroup 1's ``value_tile`` steps over one request's (tile's) KV tokens lo .. hi - 1 (ring slots
         from it, P messages from npm), then its 1 / l from warpgroup 0 (NaN for a request warpgroup 0 found
-        bad). Returns (o, 1 / l, it, npm) after the last message."""
+        bad); with ``KEEP_LAST`` the last slot stays held (the caller frees it after its output). Returns (o,
+        1 / l, it, npm) after the last message."""
         o = gl.zeros([_BM, 256], dtype=gl.float32, layout=o_layout)
         for n0 in range(lo, hi, _BN):
-            o = value_tile(o, it, npm, n0, seqlen, kv_ring, p_smem, scale_smem, kv_ready, kv_empty, p_ready, p_free,
-                           o_layout)
+            o = value_tile(o, it, npm, n0, seqlen, n0 + _BN >= hi, kv_ring, p_smem, scale_smem, kv_ready, kv_empty,
+                           p_ready, p_free, o_layout, KEEP_LAST)
             npm += 1
             it += 1
         inv_l = value_finish(npm, scale_smem, p_ready, p_free, o_layout)

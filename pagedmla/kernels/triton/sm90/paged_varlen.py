@@ -5,7 +5,9 @@ Work tiles as in ``paged_varlen.py``: 64 (token, head) rows of one request over 
 see (request b's tiles start at ``qo_indptr[b] * H // 64 + b``, found by binary search). Each tile runs the
 decode kernel's partitions and steps (``sm90/decode.py``, ``sm90/mla.py``): a TMA loader warp, warpgroup 0
 computing S once per 64-key tile and the online softmax, both warpgroups accumulating half of the 512 value
-columns from the shared P. No split of the keys, so no partials: each tile writes its rows' output and LSE directly.
+columns from the shared P. No split of the keys, so no partials: each tile writes its rows' output and LSE directly,
+each warpgroup's half of the output through its own columns of the tile's last KV slot, so that rows go out in
+128-byte lines (``_store_rows``).
 
 The kernel is persistent: one program per SM, whose loader claims tiles from a global counter (last tile
 first: requests from the last, and within a request the heaviest causal tiles first; the tiles in flight
@@ -42,7 +44,7 @@ from pagedmla.kernels.triton.steps import paged_tile
 if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
     from pagedmla.kernels.triton.sm90.pipeline import ONE_WARP, WARPGROUP, claim_tile, free_phase, phase, receive_fields
 
@@ -101,15 +103,33 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _store_rows(o, scale, lse2, col0, out_ptr, lse_ptr, row0, r0, n_rows, WRITE_LSE: gl.constexpr,
-                    layout: gl.constexpr):
+                    layout: gl.constexpr, staged=False, kv=None, kv_free=None):
         """Columns col0 .. col0 + 255 of rows r0 .. r0 + 63 (of n_rows), normalised, at flat rows row0 + r of
-        out [T * H, 512]; with WRITE_LSE the natural-log LSE at lse[row0 + r]."""
+        out [T * H, 512]; with WRITE_LSE the natural-log LSE at lse[row0 + r]. ``staged``: through the same
+        columns of the tile's last KV slot ``kv`` (which only this warpgroup still reads there), written as the
+        MMA layout holds them and read back eight consecutive columns per thread, so that rows go out as whole
+        128-byte lines instead of the MMA layout's 4-byte pieces of 8 rows; then frees the slot (``kv_free``)."""
         r = r0 + gl.arange(0, mla._BM, layout=gl.SliceLayout(1, layout))
-        cols = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, layout))
         flat = row0.to(gl.int64) + r
         ok = r < n_rows
-        gl.store(out_ptr + flat[:, None] * mla._DV + cols[None, :], (o * scale[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=ok[:, None])
+        y = (o * scale[:, None]).to(out_ptr.dtype.element_ty)
+        if staged:
+            part = kv.slice(col0, 256, dim=1)
+            part.store(y)
+            gl.thread_barrier()
+            rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+            x = part.load(rows_l)
+            rs = r0 + gl.arange(0, mla._BM, layout=gl.SliceLayout(1, rows_l))
+            cs = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, rows_l))
+            gl.store(out_ptr + (row0.to(gl.int64) + rs)[:, None] * mla._DV + cs[None, :], x,
+                     mask=(rs < n_rows)[:, None])
+            # Every warp's reads are done (and ordered before the loader's next TMA write) before the slot is freed.
+            gl.thread_barrier()
+            fence_async_shared()
+            mbarrier.arrive(kv_free, count=1)
+        else:
+            cols = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, layout))
+            gl.store(out_ptr + flat[:, None] * mla._DV + cols[None, :], y, mask=ok[:, None])
         if WRITE_LSE:
             gl.store(lse_ptr + flat, lse2 * _LN2, mask=ok)
 
@@ -187,7 +207,7 @@ if HAVE_GLUON:
                     o, m_i, l_i, it, npm = mla.softmax_tiles(it, npm, 0, end, first_masked, lim, kv_len, qk_scale,
                                                              q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem,
                                                              scale_smem, q_free, kv_ready, kv_empty, p_ready, p_free,
-                                                             s_layout, o_layout)
+                                                             s_layout, o_layout, True)
                     if end > 0:  # the loader's page check of this tile's keys (nq counted its Q load)
                         bits = bits | gl.where(mla.pages_ok(page_flags.index((nq - 1) % 2)), 0, BLOCK_TABLE)
                     if r0 == 0:
@@ -196,7 +216,8 @@ if HAVE_GLUON:
                     npm += 1
                     _store_rows(o, gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)),
                                 gl.convert_layout(lse2, gl.SliceLayout(1, o_layout)), 0, out_ptr, lse_ptr, row0, r0,
-                                n_rows, True, o_layout)
+                                n_rows, True, o_layout, end > 0, kv_ring.index((it - 1) % mla._STAGES),
+                                kv_empty.index((it - 1) % mla._STAGES))
 
     @gluon.jit
     def _prefill_value_warpgroup(kv_ring, p_smem, scale_smem, tile_info, tile_ready, tile_free, kv_ready, kv_empty,
@@ -214,8 +235,9 @@ if HAVE_GLUON:
                 i += 1
                 if (claim < T) & (r0 < q_len * H):
                     o, inv_l, it, npm = mla.value_tiles(it, npm, 0, end, kv_len, kv_ring, p_smem, scale_smem, kv_ready,
-                                                        kv_empty, p_ready, p_free, o_layout)
-                    _store_rows(o, inv_l, inv_l, 256, out_ptr, lse_ptr, row0, r0, q_len * H, False, o_layout)
+                                                        kv_empty, p_ready, p_free, o_layout, True)
+                    _store_rows(o, inv_l, inv_l, 256, out_ptr, lse_ptr, row0, r0, q_len * H, False, o_layout, end > 0,
+                                kv_ring.index((it - 1) % mla._STAGES), kv_empty.index((it - 1) % mla._STAGES))
 
     @gluon.jit
     def _paged_varlen_sm90_kernel(

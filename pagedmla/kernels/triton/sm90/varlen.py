@@ -26,7 +26,10 @@ split rings keep the loader a tile ahead. The warpgroups share every K/V tile bu
 so one's softmax also overlaps the other's MMAs. A key tile that runs past a sequence's end holds the next
 sequence's rows, spare rows of the caller's buffer (anything, NaN included) or TMA's zero fill: their scores
 are masked, and each warpgroup zeroes those value rows in shared memory before its P V (0 * NaN would poison
-the output).
+the output). A tile's output goes out through its last value slot (both warpgroups' P V done with it, each
+writing its 64 rows there and reading them back as whole rows) so that it is stored in 128-byte lines: from
+the MMA layout every store instruction wrote 4-byte pieces of 8 rows, and at 128-token prompts those partial
+sectors held the L2 at 88% of its throughput with DRAM at 66% (benchmarks/NOTES.md, Prefill v10).
 
 ``varlen_attention`` runs it by default where ``varlen_sm90_supported`` accepts a call (it was the faster
 kernel on the H200: benchmarks/NOTES.md, Prefill); ``PrefillConfig(use_sm90=False)`` asks for the portable one.
@@ -55,6 +58,7 @@ if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma,
@@ -298,9 +302,31 @@ if HAVE_GLUON:
         return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
 
     @gluon.jit
+    def _store_staged(o, v, v_free, out_ptr, q_start, mw, lq, h, stride_ot, stride_oh, W: gl.constexpr,
+                      DV: gl.constexpr):
+        """Warpgroup W's normalised output rows mw .. mw + 63 (of lq) through rows 64 W .. of the tile's last
+        value slot v, once both warpgroups' P V have read it: written as the MMA layout holds them, read back
+        eight consecutive columns per thread, so each row goes out as whole 128-byte lines (stored from the
+        MMA layout, each instruction wrote 4-byte pieces of 8 rows: partial L2 sectors). Releases the slot."""
+        half = v.slice(W * _WM, _WM, dim=0)
+        half.store(o.to(v.dtype))
+        gl.thread_barrier()
+        rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        x = half.load(rows_l)
+        r = mw + gl.arange(0, _WM, layout=gl.SliceLayout(1, rows_l))
+        cols = gl.arange(0, DV, layout=gl.SliceLayout(0, rows_l))
+        tok = q_start.to(gl.int64) + r
+        gl.store(out_ptr + (tok * stride_ot + h * stride_oh)[:, None] + cols[None, :], x.to(out_ptr.dtype.element_ty),
+                 mask=(r < lq)[:, None])
+        # Every warp's reads are done (and ordered before the loader's next TMA write) before the slot is freed.
+        gl.thread_barrier()
+        fence_async_shared()
+        mbarrier.arrive(v_free, count=1)
+
+    @gluon.jit
     def _varlen_consumer(q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids, tile_ready, tile_free, q_ready,
-                         q_free, k_ready, k_empty, v_ready, v_empty, out_ptr, lse_ptr, cu_q, cu_k, err_ptr, H, NM, T,
-                         batch, Tq, Tk, MAXQ, qk_scale, stride_ot, stride_oh, W: gl.constexpr, DK2: gl.constexpr,
+                         q_free, k_ready, k_empty, v_ready, v_empty, o_done, out_ptr, lse_ptr, cu_q, cu_k, err_ptr, H,
+                         NM, T, batch, Tq, Tk, MAXQ, qk_scale, stride_ot, stride_oh, W: gl.constexpr, DK2: gl.constexpr,
                          DV: gl.constexpr,
                          CAUSAL: gl.constexpr, PER_SEQ: gl.constexpr):
         """Warpgroup W: query rows m0 + 64 W .. m0 + 64 W + 63 of each tile. FA3's intra-warpgroup overlap:
@@ -349,6 +375,7 @@ if HAVE_GLUON:
                         first_masked = lk
                         my_end = lk
                     n_my = gl.cdiv(gl.where(mw < lq, my_end, 0), _BN)
+                    n_tiles = gl.cdiv(hi, _BN)
                     m_i = gl.full([_WM], float("-inf"), dtype=gl.float32, layout=row_l)
                     l_i = gl.zeros([_WM], dtype=gl.float32, layout=row_l)
                     o = gl.zeros([_WM, DV], dtype=gl.float32, layout=o_layout)
@@ -390,17 +417,18 @@ if HAVE_GLUON:
                             zero_tail_rows(v, 0, lk - j * _BN, DV // 64, 4)
                         o = warpgroup_mma(p_op, v, o, is_async=True)
                         o = warpgroup_mma_wait(num_outstanding=0, deps=(o, v))[0]
-                        mbarrier.arrive(v_empty.index(sv), count=1)
+                        if n_my < n_tiles:  # the last tile's slot is released after the epilogue
+                            mbarrier.arrive(v_empty.index(sv), count=1)
                     else:
                         mbarrier.arrive(q_free.index(W), count=1)
                     # Key tiles past this warpgroup's last visible key are only released (the other needs them).
-                    n_tiles = gl.cdiv(hi, _BN)
                     for j in range(n_my, n_tiles):
                         c = base + j
                         mbarrier.wait(k_ready.index(c % _STAGES), phase(c, _STAGES))
                         mbarrier.arrive(k_empty.index(c % _STAGES), count=1)
                         mbarrier.wait(v_ready.index(c % _STAGES), phase(c, _STAGES))
-                        mbarrier.arrive(v_empty.index(c % _STAGES), count=1)
+                        if j < n_tiles - 1:
+                            mbarrier.arrive(v_empty.index(c % _STAGES), count=1)
                     base += n_tiles
                     if (W == 0) & (m0 == 0) & (h == 0):
                         report(err_ptr, bits)
@@ -408,10 +436,17 @@ if HAVE_GLUON:
                     r = mw + gl.arange(0, _WM, layout=gl.SliceLayout(1, o_layout))
                     ok = r < lq
                     tok = q_start.to(gl.int64) + r
-                    cols = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
                     o = o * gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))[:, None]
-                    gl.store(out_ptr + (tok * stride_ot + h * stride_oh)[:, None] + cols[None, :],
-                             o.to(out_ptr.dtype.element_ty), mask=ok[:, None])
+                    # Both warpgroups' P V of this tile are done (nq counts the tiles both took Q for).
+                    mbarrier.arrive(o_done, count=1)
+                    mbarrier.wait(o_done, phase(nq - 1, 1))
+                    if n_tiles > 0:
+                        _store_staged(o, v_ring.index((base - 1) % _STAGES), v_empty.index((base - 1) % _STAGES),
+                                      out_ptr, q_start, mw, lq, h, stride_ot, stride_oh, W, DV)
+                    else:
+                        cols = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
+                        gl.store(out_ptr + (tok * stride_ot + h * stride_oh)[:, None] + cols[None, :],
+                                 o.to(out_ptr.dtype.element_ty), mask=ok[:, None])
                     gl.store(lse_ptr + tok * H + h, gl.convert_layout(lse2 * _LN2, gl.SliceLayout(1, o_layout)),
                              mask=ok)
                     if not PER_SEQ:
@@ -473,6 +508,8 @@ if HAVE_GLUON:
         k_empty = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], bar_layout)
         v_ready = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], bar_layout)
         v_empty = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], bar_layout)
+        o_done = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+        mbarrier.init(o_done, count=2)  # both warpgroups' last P V of a tile
         for i in gl.static_range(2):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_free.index(i), count=1)  # each warpgroup frees its own half
@@ -485,13 +522,13 @@ if HAVE_GLUON:
             mbarrier.init(v_empty.index(i), count=2)
         gl.warp_specialize(
             [(_varlen_consumer, (q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids, tile_ready, tile_free, q_ready,
-                                 q_free, k_ready, k_empty, v_ready, v_empty, out_ptr, lse_ptr, cu_q, cu_k, err_ptr, H,
-                                 NM, T, batch, Tq, Tk, MAXQ, qk_scale, stride_ot, stride_oh, 0, DK2, DV, CAUSAL,
-                                 PER_SEQ)),
+                                 q_free, k_ready, k_empty, v_ready, v_empty, o_done, out_ptr, lse_ptr, cu_q, cu_k,
+                                 err_ptr, H, NM, T, batch, Tq, Tk, MAXQ, qk_scale, stride_ot, stride_oh, 0, DK2, DV,
+                                 CAUSAL, PER_SEQ)),
              (_varlen_consumer, (q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids, tile_ready, tile_free, q_ready,
-                                 q_free, k_ready, k_empty, v_ready, v_empty, out_ptr, lse_ptr, cu_q, cu_k, err_ptr, H,
-                                 NM, T, batch, Tq, Tk, MAXQ, qk_scale, stride_ot, stride_oh, 1, DK2, DV, CAUSAL,
-                                 PER_SEQ)),
+                                 q_free, k_ready, k_empty, v_ready, v_empty, o_done, out_ptr, lse_ptr, cu_q, cu_k,
+                                 err_ptr, H, NM, T, batch, Tq, Tk, MAXQ, qk_scale, stride_ot, stride_oh, 1, DK2, DV,
+                                 CAUSAL, PER_SEQ)),
              (_varlen_loader, (q_desc, q_pe_desc, k_desc, k_pe_desc, v_desc, cu_q, cu_k, counter, GROUP, H, NM, T,
                                batch, Tq, Tk, MAXQ, q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids, tile_ready,
                                tile_free, q_ready, q_free, k_ready, k_empty, v_ready, v_empty, DK1, DK2, CAUSAL,
