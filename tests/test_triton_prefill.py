@@ -179,6 +179,9 @@ SM90_VARLEN_CASES = [
     ([300, 5, 190], [700, 2, 190], 16, 2, 192, 128),
     ([33, 5, 260], [70, 2, 100], 8, 1, 128, 128),
     ([20, 200, 0], [7, 500, 9], 4, 2, 64, 64),
+    # sequences without keys between ones with keys: tiles with no key tile (output stored from the MMA
+    # layout) among staged ones, both warpgroups still meeting at every tile's end
+    ([30, 100, 64, 7, 129], [0, 150, 0, 7, 0], 4, 4, 192, 128),
 ]
 
 
