@@ -44,9 +44,18 @@ from pagedmla.kernels.triton.steps import paged_tile
 if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-    from pagedmla.kernels.triton.sm90.pipeline import ONE_WARP, WARPGROUP, claim_tile, free_phase, phase, receive_fields
+    from pagedmla.kernels.triton.sm90.pipeline import (
+        ONE_WARP,
+        WARPGROUP,
+        claim_tile,
+        free_phase,
+        phase,
+        receive_fields,
+        release_staged,
+        restage,
+    )
 
 if HAVE_GLUON:
 
@@ -106,27 +115,20 @@ if HAVE_GLUON:
                     layout: gl.constexpr, staged=False, kv=None, kv_free=None):
         """Columns col0 .. col0 + 255 of rows r0 .. r0 + 63 (of n_rows), normalised, at flat rows row0 + r of
         out [T * H, 512]; with WRITE_LSE the natural-log LSE at lse[row0 + r]. ``staged``: through the same
-        columns of the tile's last KV slot ``kv`` (which only this warpgroup still reads there), written as the
-        MMA layout holds them and read back eight consecutive columns per thread, so that rows go out as whole
-        128-byte lines instead of the MMA layout's 4-byte pieces of 8 rows; then frees the slot (``kv_free``)."""
+        columns of the tile's last KV slot ``kv`` (``restage``; only this warpgroup still reads them there),
+        then frees the slot (``kv_free``)."""
         r = r0 + gl.arange(0, mla._BM, layout=gl.SliceLayout(1, layout))
         flat = row0.to(gl.int64) + r
         ok = r < n_rows
         y = (o * scale[:, None]).to(out_ptr.dtype.element_ty)
         if staged:
-            part = kv.slice(col0, 256, dim=1)
-            part.store(y)
-            gl.thread_barrier()
             rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-            x = part.load(rows_l)
+            x = restage(kv.slice(col0, 256, dim=1), y, rows_l)
             rs = r0 + gl.arange(0, mla._BM, layout=gl.SliceLayout(1, rows_l))
             cs = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, rows_l))
             gl.store(out_ptr + (row0.to(gl.int64) + rs)[:, None] * mla._DV + cs[None, :], x,
                      mask=(rs < n_rows)[:, None])
-            # Every warp's reads are done (and ordered before the loader's next TMA write) before the slot is freed.
-            gl.thread_barrier()
-            fence_async_shared()
-            mbarrier.arrive(kv_free, count=1)
+            release_staged(kv_free)
         else:
             cols = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, layout))
             gl.store(out_ptr + flat[:, None] * mla._DV + cols[None, :], y, mask=ok[:, None])

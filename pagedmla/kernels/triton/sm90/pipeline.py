@@ -1,5 +1,6 @@
 """What the Hopper (sm_90a) Gluon kernels share: the Gluon imports, TMA descriptors, the shared-memory
-rings' barrier phases, the persistent kernels' tile claim and hand-off, and zeroing a value tile's tail.
+rings' barrier phases, the persistent kernels' tile claim and hand-off, zeroing a value tile's tail, and
+staging an output through a ring slot.
 
 A ring of ``STAGES`` slots is filled in order: use i of the ring takes slot ``i % STAGES``; its ``ready``
 barrier completes once per fill and its ``empty`` barrier once per release, so use i waits for ready
@@ -115,3 +116,20 @@ if HAVE_GLUON:
             x = part.load(layout)
             part.store(gl.where(rows[:, None] < valid, x, gl.zeros_like(x)))
         fence_async_shared()
+
+    @gluon.jit
+    def restage(part, y, layout: gl.constexpr):
+        """``y`` (a warpgroup's output in its MMA layout) written into the shared-memory view ``part`` and read
+        back in ``layout``: with eight consecutive columns per thread there, rows go to global memory as whole
+        128-byte lines, where stores from the MMA layout write 4-byte pieces of 8 rows (partial L2 sectors)."""
+        part.store(y)
+        gl.thread_barrier()
+        return part.load(layout)
+
+    @gluon.jit
+    def release_staged(free):
+        """Hand a slot ``restage`` used back to the loader: every warp's reads done, and ordered before the
+        loader's next TMA write into it."""
+        gl.thread_barrier()
+        fence_async_shared()
+        mbarrier.arrive(free, count=1)

@@ -58,7 +58,6 @@ if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma,
@@ -72,6 +71,8 @@ if HAVE_GLUON:
         phase,
         receive_fields,
         receive_slot,
+        release_staged,
+        restage,
         zero_tail_rows,
     )
 
@@ -305,23 +306,15 @@ if HAVE_GLUON:
     def _store_staged(o, v, v_free, out_ptr, q_start, mw, lq, h, stride_ot, stride_oh, W: gl.constexpr,
                       DV: gl.constexpr):
         """Warpgroup W's normalised output rows mw .. mw + 63 (of lq) through rows 64 W .. of the tile's last
-        value slot v, once both warpgroups' P V have read it: written as the MMA layout holds them, read back
-        eight consecutive columns per thread, so each row goes out as whole 128-byte lines (stored from the
-        MMA layout, each instruction wrote 4-byte pieces of 8 rows: partial L2 sectors). Releases the slot."""
-        half = v.slice(W * _WM, _WM, dim=0)
-        half.store(o.to(v.dtype))
-        gl.thread_barrier()
+        value slot v (``restage``), once both warpgroups' P V have read it; releases the slot."""
         rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-        x = half.load(rows_l)
+        x = restage(v.slice(W * _WM, _WM, dim=0), o.to(v.dtype), rows_l)
         r = mw + gl.arange(0, _WM, layout=gl.SliceLayout(1, rows_l))
         cols = gl.arange(0, DV, layout=gl.SliceLayout(0, rows_l))
         tok = q_start.to(gl.int64) + r
         gl.store(out_ptr + (tok * stride_ot + h * stride_oh)[:, None] + cols[None, :], x.to(out_ptr.dtype.element_ty),
                  mask=(r < lq)[:, None])
-        # Every warp's reads are done (and ordered before the loader's next TMA write) before the slot is freed.
-        gl.thread_barrier()
-        fence_async_shared()
-        mbarrier.arrive(v_free, count=1)
+        release_staged(v_free)
 
     @gluon.jit
     def _varlen_consumer(q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids, tile_ready, tile_free, q_ready,
