@@ -11,6 +11,7 @@ budgets (``setmaxnreg``) of warp-specialised kernels. Triton-internal APIs (3.6)
     python benchmarks/compile_report.py                          # the default configs for 16, 32, 128 rows
     python benchmarks/compile_report.py --config m16n32w4s3c4p   # one config (bench_decode's spec syntax)
     python benchmarks/compile_report.py --config m64n64w8s2c1h   # the Hopper kernel
+    python benchmarks/compile_report.py --decode-seesaw          # the Hopper seesaw decode kernel (>= 128 rows)
     python benchmarks/compile_report.py --paged-varlen-sm90           # the Hopper paged-prefill kernel
     python benchmarks/compile_report.py --varlen-sm90            # the Hopper ragged kernel, 192/128
     python benchmarks/compile_report.py --varlen-sm90 --per-seq  # the same, per-sequence tile numbering
@@ -96,13 +97,12 @@ def compile_varlen_sm90(arch: int = 90, dk: int = 192, dv: int = 128, per_seq: b
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
 
 
-def compile_sm90(arch: int = 90):
-    """The Hopper Gluon main kernel compiled for bf16, page 64, causal."""
+def _compile_hopper_decode(kernel, descs: dict[str, str], arch: int):
+    """One of the two Hopper decode kernels (the same arguments, ``descs`` their descriptor types) for bf16,
+    page 64, causal."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from pagedmla.kernels.triton.sm90.decode import _decode_sm90_kernel
-
-    signature = _gluon_descs()
+    signature = dict(descs)
     signature.update({name: "*i32" for name in ("bt_ptr", "seqlens_ptr", "meta_ptr", "splits_ptr")})
     signature.update(out_ptr="*bf16", lse_ptr="*fp32", partials_ptr="*fp32", err_ptr="*i32")
     signature.update({name: "i32" for name in ("B", "PARTS", "H", "Q_LEN", "ROWS")}, qk_scale="fp32")
@@ -110,8 +110,24 @@ def compile_sm90(arch: int = 90):
                                                 "stride_ot", "stride_oh")})
     constexprs = dict(CAUSAL=True, PAGE=PAGE, META_W=METADATA_WIDTH, PDL=True)
     signature.update({name: "constexpr" for name in constexprs})
-    src = GluonASTSource(_decode_sm90_kernel, signature, constexprs=constexprs)
+    src = GluonASTSource(kernel, signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
+
+
+def compile_sm90(arch: int = 90):
+    """The Hopper Gluon main kernel compiled for bf16, page 64, causal."""
+    from pagedmla.kernels.triton.sm90.decode import _decode_sm90_kernel
+
+    return _compile_hopper_decode(_decode_sm90_kernel, _gluon_descs(), arch)
+
+
+def compile_seesaw(arch: int = 90):
+    """The Hopper Gluon seesaw main kernel (``sm90/seesaw.py``) compiled for bf16, page 64, causal."""
+    from pagedmla.kernels.triton.sm90.seesaw import _decode_seesaw_kernel
+
+    descs = {"q_desc": _gluon_desc(DV // 2), "q_pe_desc": _gluon_desc(D - DV), "kv_desc": _gluon_desc(DV // 2),
+             "kv_pe_desc": _gluon_desc(D - DV)}
+    return _compile_hopper_decode(_decode_seesaw_kernel, descs, arch)
 
 
 def compile_decode(cfg: DecodeConfig, heads: int, arch: int = 90):
@@ -188,12 +204,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", action="append", help="a config spec (repeatable); default: the shipped ones")
     ap.add_argument("--heads", type=int, default=None, help="query heads (default: the config's rows)")
     ap.add_argument("--json", action="store_true", help="print one JSON list of the reports instead")
+    ap.add_argument("--decode-seesaw", action="store_true", help="report the Hopper seesaw decode kernel instead")
     ap.add_argument("--paged-varlen-sm90", action="store_true", help="report the Hopper paged-prefill kernel instead")
     ap.add_argument("--varlen-sm90", action="store_true", help="report the Hopper ragged kernel (192/128) instead")
     ap.add_argument("--per-seq", action="store_true", help="with --varlen-sm90: the per-sequence tile numbering")
     args = ap.parse_args(argv)
-    if args.paged_varlen_sm90 or args.varlen_sm90:
-        kernel = compile_paged_varlen_sm90() if args.paged_varlen_sm90 else compile_varlen_sm90(per_seq=args.per_seq)
+    if args.decode_seesaw or args.paged_varlen_sm90 or args.varlen_sm90:
+        if args.decode_seesaw:
+            kernel = compile_seesaw()
+        elif args.paged_varlen_sm90:
+            kernel = compile_paged_varlen_sm90()
+        else:
+            kernel = compile_varlen_sm90(per_seq=args.per_seq)
         rep = report(kernel)
         print(json.dumps([rep]) if args.json else "\n".join(f"  {k}: {v}" for k, v in rep.items()))
         return 0

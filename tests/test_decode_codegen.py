@@ -53,6 +53,21 @@ def test_hopper_kernel_structure():
     assert rep["shared_bytes"] <= 227 * 1024 and 32 in rep["setmaxnreg"], rep
 
 
+def test_hopper_seesaw_kernel_structure():
+    """The seesaw decode kernel (sm90/seesaw.py, 128-row requests): per pair of KV tiles each warpgroup
+    computes one S (36 m64n64k16 each) and four P V k-steps per tile it adds (warpgroup 1's P_A V_A,R is
+    compiled twice, for pairs with and without a tile B: 20 m64n256k16 in all); 27 TMA boxes (Q and two KV
+    slots, each as 4 + 4 + 1 boxes of 64 columns); per-partition register budgets and, in the partitions,
+    no spill: the 8 bytes are one value passed to the loader before the partitions split (read off the SASS
+    on 2026-12-02). A Triton that hoists the loop's wgmma descriptors again spills ~540 bytes here."""
+    pytest.importorskip("triton.experimental.gluon")
+    (rep,) = _reports(extra=("--decode-seesaw",))
+    assert rep["wgmma"] == {"m64n64k16": 72, "m64n256k16": 20}, rep
+    assert rep["tma_loads"] == 27 and not rep["mma_sync"], rep
+    assert rep["spill_store_load_bytes"][0] <= 8 and rep["spill_store_load_bytes"][1] <= 8, rep
+    assert rep["shared_bytes"] <= 227 * 1024 and {32, 232} <= set(rep["setmaxnreg"]), rep
+
+
 def test_hopper_prefill_kernel_structure():
     """The paged-prefill Hopper kernel reuses the decode kernel's steps: the same MMAs and ring. Its loader
     warp (32 registers) carries the next tile's bounds and the next page id and spills a few words per tile

@@ -168,11 +168,14 @@ def _sm90_or_skip():
 @pytest.mark.parametrize("page", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_sm90_kernel(heads, q_len, page, dtype):
-    """The Hopper main kernel forced on every shape it takes: padded row tiles (16, 12 rows), pages of 64-256
-    tokens, empty and one-token requests, sequence ends inside a tile (NaN slots behind them), parts cut
-    mid-request and parts holding many requests."""
+    """The Hopper main kernels forced on every shape they take: the seesaw kernel at 128 rows (128 x 1, 64 x
+    2), the one-softmax kernel below with padded row tiles (16, 12 rows); pages of 64-256 tokens, empty and
+    one-token requests, sequence ends inside a tile (NaN slots behind them), slices of one tile, of whole
+    pairs and of pairs plus one tile (128, 129, 192, 193), parts cut mid-request and parts holding many
+    requests."""
     _sm90_or_skip()
-    lens = [0, 1, 63, 64, 65, q_len - 1 if q_len > 1 else 2, 1000, 3001] + varlen_lens(12, 700, q_len, seed=heads)
+    lens = [0, 1, 63, 64, 65, 128, 129, 192, 193, q_len - 1 if q_len > 1 else 2, 1000, 3001] + varlen_lens(
+        12, 700, q_len, seed=heads)
     bounds = DECODE_BOUNDS[("cuda", dtype)]
     for parts in (3, 19, 132):
         case = DecodeCase(f"sm90-parts{parts}", lens, q_len, heads, page, parts)

@@ -58,6 +58,7 @@ from pagedmla.kernels.triton.common import (
 )
 from pagedmla.kernels.triton.launch import CachedKernel, current_stream
 from pagedmla.kernels.triton.metadata import part_bounds, request_span, schedule_matches
+from pagedmla.kernels.triton.sm90 import seesaw
 from pagedmla.kernels.triton.sm90.decode import sm90_main_args
 from pagedmla.kernels.triton.sm90.mla import sm90_supported
 from pagedmla.kernels.triton.sm90.pipeline import tma_rows
@@ -78,9 +79,10 @@ class DecodeConfig:
     on a load of its own step. Compiled for sm_90a with 3 stages, this turns the small tiles' single KV
     buffer with ``cp.async.wait_group 0`` into two buffers with the next tile in flight (benchmarks/NOTES.md
     v5); on the H200 it made 16-row tiles 6-13% and 32-row tiles 14-16% faster;
-    use_sm90: run the Hopper Gluon main kernel (``sm90/decode.py``: 64-row tiles, warp-specialised, wgmma)
-    instead; the other fields do not apply to it. Without a config, requests of more than 16 query rows
-    use it wherever ``sm90_supported`` holds.
+    use_sm90: run a Hopper Gluon main kernel (64-row tiles, warp-specialised, wgmma) instead: the seesaw one
+    (``sm90/seesaw.py``) for requests of at least ``SEESAW_MIN_ROWS`` query rows, ``sm90/decode.py``'s below;
+    the other fields do not apply to them. Without a config, requests of more than 16 query rows use one
+    wherever ``sm90_supported`` holds.
     """
 
     block_m: int
@@ -631,9 +633,10 @@ class _DecodePlan:
             q = q.contiguous()
         if self.cfg.use_sm90:
             q_rows = tma_rows(q.reshape(-1, q.shape[-1]))
-            kernel, grid, args, options = sm90_main_args(q_rows, k_cache, block_table, cache_seqlens, metadata,
-                                                         num_splits, self.scale, self.causal, out, lse, partials,
-                                                         err, self.pdl)
+            main_args = seesaw.seesaw_main_args if self.rows >= seesaw.SEESAW_MIN_ROWS else sm90_main_args
+            kernel, grid, args, options = main_args(q_rows, k_cache, block_table, cache_seqlens, metadata,
+                                                    num_splits, self.scale, self.causal, out, lse, partials,
+                                                    err, self.pdl)
             own_q = q_rows.data_ptr() == q.data_ptr()
         else:
             kernel, grid, args, options = _portable_main_args(q, k_cache, block_table, cache_seqlens, metadata,
@@ -689,7 +692,8 @@ def paged_decode_triton(
     other lengths makes every row NaN. ``out`` / ``lse`` (contiguous, those shapes and dtypes) receive the
     results when given, e.g. a CUDA graph's static buffers; ``config`` overrides the tile shape (benchmarks
     sweep it). On sm_90 GPUs, bf16/fp16 with pages a multiple of 64, requests of more than 16 query rows run
-    the Hopper main kernel (``sm90/decode.py``). No host synchronisation: capturable in a CUDA graph.
+    a Hopper main kernel (``sm90/seesaw.py`` from 128 rows, ``sm90/decode.py`` below). No host
+    synchronisation: capturable in a CUDA graph.
     """
     key = (q.shape, q.stride(), q.dtype, q.get_device(), k_cache.shape, k_cache.stride(), k_cache.dtype,
            block_table.shape, block_table.stride(), cache_seqlens.is_contiguous(), tile_scheduler_metadata.shape,

@@ -16,6 +16,10 @@ Each KV tile is the key (576 columns) and the value (its first 512) of one load.
 sequence may hold unused cache slots (NaN-poisoned in the tests): their scores are masked and their value
 rows are zeroed in shared memory before P V (0 * NaN would poison the output).
 
+The decode plan runs it for requests of fewer than ``seesaw.SEESAW_MIN_ROWS`` (128) query rows, the
+memory-bound ones; from 128 rows ``seesaw.py``'s kernel, where each warpgroup's softmax overlaps the other's
+MMAs, is faster (benchmarks/NOTES.md, decode v18).
+
 Requirements (``mla.sm90_supported`` checks them): CUDA capability 9.0, Triton with Gluon, q and cache bf16 or
 fp16, head dims 576 / 512, page size a multiple of 64, a contiguous cache, 64-row tiles.
 """
@@ -35,7 +39,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-    from pagedmla.kernels.triton.sm90.pipeline import free_phase, phase
+    from pagedmla.kernels.triton.sm90.pipeline import free_phase, launch_dependents, phase
 
 
 if HAVE_GLUON:
@@ -74,22 +78,40 @@ if HAVE_GLUON:
                 gl.store(partials_ptr + PIECES.to(gl.int64) * ROWS * mla._DV + p_row, lse2, mask=row_ok)
 
     @gluon.jit
+    def slice_start(bt_ptr, stride_btb, seqlens_ptr, b, begin_req, begin_blk, end_req, end_blk, CAPACITY,
+                    PAGE: gl.constexpr):
+        """Loader: (block-table row, first page id, first token, end token) of request b's slice of a part.
+        The first page id does not depend on the length: it loads alongside it (masked: an empty slice may
+        start past the row's last entry)."""
+        bt_row = bt_ptr + b.to(gl.int64) * stride_btb
+        first = gl.where(b == begin_req, begin_blk, 0) * mla._BN // PAGE
+        first_page = gl.load(bt_row + first, mask=first * PAGE < CAPACITY, other=0)
+        _, tok_lo, tok_hi, _ = request_span(seqlens_ptr, b, begin_req, begin_blk, end_req, end_blk, CAPACITY,
+                                            mla._BN)
+        return bt_row, first_page, tok_lo, tok_hi
+
+    @gluon.jit
+    def schedule_verdict(seqlens_ptr, meta_ptr, splits_ptr, partials_ptr, err_ptr, B, PARTS, PIECES, ROWS):
+        """Loader of (m-tile 0, part 0), once its loads are issued (it has nothing else to do while the
+        warpgroups finish): whether the metadata describes these lengths, into the word after the partials
+        (decode.py's layout) for the combine, and the error word."""
+        if (gl.program_id(0) == 0) & (gl.program_id(1) == 0):
+            lanes = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
+            ok = schedule_matches(seqlens_ptr, meta_ptr, splits_ptr, B, PARTS, lanes, mla._BN)
+            gl.store(partials_ptr + PIECES.to(gl.int64) * ROWS * (mla._DV + 1), gl.where(ok, 1.0, 0.0))
+            report(err_ptr, gl.where(ok, 0, SCHEDULE))
+
+    @gluon.jit
     def _loader(q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, PIECES, CAPACITY, num_pages, seqlens_ptr,
                 meta_ptr, splits_ptr, partials_ptr, err_ptr, B, PARTS, ROWS, q_smem, q_pe_smem, kv_ring, kv_pe_ring,
                 q_ready, q_free, kv_ready, kv_empty, page_flags, PAGE: gl.constexpr, META_W: gl.constexpr):
         pid_m = gl.program_id(0)
-        part = gl.program_id(1)
-        begin_req, begin_blk, end_req, end_blk, _ = part_bounds(meta_ptr, part, B - 1, META_W)
+        begin_req, begin_blk, end_req, end_blk, _ = part_bounds(meta_ptr, gl.program_id(1), B - 1, META_W)
         it = 0
         nq = 0
         for b in range(begin_req, end_req + 1):
-            bt_row = bt_ptr + b.to(gl.int64) * stride_btb
-            # The slice's first page id does not depend on the length: it loads alongside it (masked: an
-            # empty slice may start past the row's last entry).
-            first = gl.where(b == begin_req, begin_blk, 0) * mla._BN // PAGE
-            first_page = gl.load(bt_row + first, mask=first * PAGE < CAPACITY, other=0)
-            seqlen, tok_lo, tok_hi, _ = request_span(seqlens_ptr, b, begin_req, begin_blk, end_req, end_blk,
-                                                     CAPACITY, mla._BN)
+            bt_row, first_page, tok_lo, tok_hi = slice_start(bt_ptr, stride_btb, seqlens_ptr, b, begin_req,
+                                                             begin_blk, end_req, end_blk, CAPACITY, PAGE)
             if tok_lo < tok_hi:
                 # Q of the previous request stays until warpgroup 0's last S of it is done.
                 mbarrier.wait(q_free, free_phase(nq, 1))
@@ -97,13 +119,7 @@ if HAVE_GLUON:
                 it = mla.load_kv_tiles(kv_desc, kv_pe_desc, bt_row, first_page, tok_lo, tok_hi, it, kv_ring,
                                        kv_pe_ring, kv_ready, kv_empty, page_flags.index(nq % 2), num_pages, PAGE)
                 nq += 1
-        if (pid_m == 0) & (part == 0):
-            # The schedule verdict (decode.py's partials layout), once the loads are issued: the loader has
-            # nothing else to do while the warpgroups finish.
-            lanes = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
-            ok = schedule_matches(seqlens_ptr, meta_ptr, splits_ptr, B, PARTS, lanes, mla._BN)
-            gl.store(partials_ptr + PIECES.to(gl.int64) * ROWS * (mla._DV + 1), gl.where(ok, 1.0, 0.0))
-            report(err_ptr, gl.where(ok, 0, SCHEDULE))
+        schedule_verdict(seqlens_ptr, meta_ptr, splits_ptr, partials_ptr, err_ptr, B, PARTS, PIECES, ROWS)
 
     @gluon.jit
     def _softmax_warpgroup(
@@ -180,8 +196,7 @@ if HAVE_GLUON:
         if PDL:
             # One program per SM part, all resident at once: let the combine kernel's programs be scheduled
             # now (they wait for this grid's end before reading partials).
-            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                                      is_pure=False, pack=1)
+            launch_dependents()
         (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, p_ready, p_free, kv_ready,
          kv_empty, page_flags) = mla.mla_buffers(q_desc, q_pe_desc, kv_desc, kv_pe_desc)
         gl.warp_specialize(

@@ -71,6 +71,14 @@ if HAVE_GLUON:
         return phase(i, STAGES) ^ 1
 
     @gluon.jit
+    def launch_dependents():
+        """Programmatic dependent launch: the next kernel's programs (launched with the PDL attribute) may
+        be scheduled from here on; they wait (``griddepcontrol.wait``) for this grid's end before reading what
+        it wrote."""
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
     def claim_tile(counter, slots, s):
         """Loader warp: take the next work tile from the global ``counter``; one lane's atomic result goes
         through word 0 of hand-off slot ``s`` of ``slots`` (int32 [2, words] in shared memory) so that every
