@@ -110,15 +110,21 @@ def test_a_stepping_thread_and_a_thread_adding_and_aborting(tiny):
             for out in llm.step():
                 assert out.request_id not in finished
                 finished[out.request_id] = out
+            # Let the adder in between steps: Python's lock is not fair, and a stepper that takes it back at
+            # once can finish every request before any abort gets the lock (a flaky empty ``aborted``).
+            time.sleep(0)
 
     def adder():
         rng = random.Random(2)
         try:
             for i, (prompt, params) in enumerate(requests):
                 time.sleep(rng.uniform(0, 0.02))  # spread the calls over the steps (pacing, nothing timed)
-                ids[llm.add_request(prompt, params)] = i
-                if rng.random() < 0.25:
-                    victim = rng.choice(list(ids))
+                rid = llm.add_request(prompt, params)
+                ids[rid] = i
+                # Until one abort has landed, the second half of the requests also abort the one just added
+                # (most earlier ones may be done): the test needs aborts to check.
+                if rng.random() < 0.25 or (not aborted and 2 * i >= len(requests)):
+                    victim = rng.choice(list(ids)) if aborted else rid
                     try:
                         aborted[victim] = llm.abort(victim)
                     except ValueError:
