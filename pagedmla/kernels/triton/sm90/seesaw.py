@@ -38,7 +38,7 @@ from __future__ import annotations
 from pagedmla.kernels.triton.common import BLOCK_TABLE, LOG2E, checked_page, finish_rows, report
 from pagedmla.kernels.triton.launch import CachedKernel
 from pagedmla.kernels.triton.metadata import part_bounds, request_span
-from pagedmla.kernels.triton.sm90.mla import BLOCK_M, D_QK
+from pagedmla.kernels.triton.sm90.mla import BLOCK_M, D_QK, D_V
 from pagedmla.kernels.triton.sm90.pipeline import HAVE_GLUON, descriptor, shared_layout
 from pagedmla.split_plan import METADATA_WIDTH
 
@@ -390,6 +390,7 @@ if HAVE_GLUON:
         half_l: gl.constexpr = q_desc.layout
         pe_l: gl.constexpr = q_pe_desc.layout
         q_h = gl.allocate_shared_memory(dtype, [2, mla._BM, _H], half_l)
+        # One-slot buffers: each branch that reads them takes its own ``.index`` view (module docstring).
         q_pe = gl.allocate_shared_memory(dtype, [1, mla._BM, _PE], pe_l)
         kv_l = gl.allocate_shared_memory(dtype, [2, mla._BN, _H], kv_desc.layout)
         kv_r = gl.allocate_shared_memory(dtype, [2, mla._BN, _H], kv_desc.layout)
@@ -455,10 +456,11 @@ def seesaw_main_args(q_rows, k_cache, block_table, cache_seqlens, metadata, num_
     b, q_len, h, _ = out.shape
     rows = q_len * h
     parts = metadata.shape[0]
-    half, pe = shared_layout(BLOCK_M, 256, q_rows.dtype), shared_layout(BLOCK_M, D_QK - 512, q_rows.dtype)
+    half_w, pe_w = D_V // 2, D_QK - D_V
+    half, pe = shared_layout(BLOCK_M, half_w, q_rows.dtype), shared_layout(BLOCK_M, pe_w, q_rows.dtype)
     kv_flat = k_cache.view(-1, D_QK)
-    args = (descriptor(q_rows, [BLOCK_M, 256], half), descriptor(q_rows, [BLOCK_M, D_QK - 512], pe),
-            descriptor(kv_flat, [BLOCK_M, 256], half), descriptor(kv_flat, [BLOCK_M, D_QK - 512], pe),
+    args = (descriptor(q_rows, [BLOCK_M, half_w], half), descriptor(q_rows, [BLOCK_M, pe_w], pe),
+            descriptor(kv_flat, [BLOCK_M, half_w], half), descriptor(kv_flat, [BLOCK_M, pe_w], pe),
             block_table, cache_seqlens, metadata, num_splits, out, lse, partials, err,
             b, parts, h, q_len, rows, softmax_scale * LOG2E, block_table.stride(0), b + parts,
             block_table.shape[1] * k_cache.shape[1], k_cache.shape[0],
