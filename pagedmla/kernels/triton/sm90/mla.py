@@ -85,6 +85,19 @@ if HAVE_GLUON:
         tma.async_copy_global_to_shared(q_pe_desc, [q_row, _DV], q_ready, q_pe_smem)
 
     @gluon.jit
+    def next_kv_page(bt_row, n0, tok_hi, bad, flag, num_pages, PAGE: gl.constexpr):
+        """Loader step over a request's KV tokens n0 .. n0 + 63 (tok_hi its end, bad whether any page so far
+        was outside the cache): (the next tile's checked page id, bad with it). Page ids are read one tile
+        ahead, so no refill waits on a block-table read (the last tile's look-ahead re-reads its own entry:
+        inside the row, tok_hi <= the row's capacity); before the last tile the request's page check goes
+        into ``flag`` (``pages_ok``)."""
+        next_page, next_bad = checked_page(gl.load(bt_row + gl.minimum(n0 + _BN, tok_hi - 1) // PAGE), num_pages)
+        if n0 + _BN >= tok_hi:
+            flag.store(gl.full([1], 0, gl.int32, gl.BlockedLayout([1], [32], [1], [0])) + bad.to(gl.int32))
+            gl.thread_barrier()  # the whole warp's store before the one thread that signals the tile
+        return next_page, bad | next_bad
+
+    @gluon.jit
     def load_kv_tiles(kv_desc, kv_pe_desc, bt_row, first_page, tok_lo, tok_hi, it, kv_ring, kv_pe_ring, kv_ready,
                        kv_empty, flag, num_pages, PAGE: gl.constexpr):
         """Loader: KV tokens tok_lo .. tok_hi - 1 of one request (tok_lo a multiple of 64, tok_lo < tok_hi,
@@ -95,13 +108,7 @@ if HAVE_GLUON:
         0 to poison the request (``pages_ok``). Returns the ring position after the last tile."""
         page_id, bad = checked_page(first_page, num_pages)
         for n0 in range(tok_lo, tok_hi, _BN):
-            # The last tile's look-ahead re-reads its own entry (inside the row: tok_hi <= the row's capacity).
-            next_page, next_bad = checked_page(gl.load(bt_row + gl.minimum(n0 + _BN, tok_hi - 1) // PAGE),
-                                               num_pages)
-            if n0 + _BN >= tok_hi:
-                flag.store(gl.full([1], 0, gl.int32, gl.BlockedLayout([1], [32], [1], [0])) + bad.to(gl.int32))
-                gl.thread_barrier()  # the whole warp's store before the one thread that signals the tile
-            bad = bad | next_bad
+            next_page, bad = next_kv_page(bt_row, n0, tok_hi, bad, flag, num_pages, PAGE)
             s = it % _STAGES
             mbarrier.wait(kv_empty.index(s), free_phase(it, _STAGES))
             row = page_id * PAGE + n0 % PAGE

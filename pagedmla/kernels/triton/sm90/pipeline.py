@@ -1,6 +1,6 @@
 """What the Hopper (sm_90a) Gluon kernels share: the Gluon imports, TMA descriptors, the shared-memory
-rings' barrier phases, the persistent kernels' tile claim and hand-off, zeroing a value tile's tail, and
-staging an output through a ring slot.
+rings' barrier phases, the persistent kernels' tile claim and hand-off, the online-softmax step, zeroing a
+value tile's tail, and staging an output through a ring slot.
 
 A ring of ``STAGES`` slots is filled in order: use i of the ring takes slot ``i % STAGES``; its ``ready``
 barrier completes once per fill and its ``empty`` barrier once per release, so use i waits for ready
@@ -113,6 +113,22 @@ if HAVE_GLUON:
                 gl.sum(gl.where(k == 2, info, 0), axis=0), gl.sum(gl.where(k == 3, info, 0), axis=0),
                 gl.sum(gl.where(k == 4, info, 0), axis=0), gl.sum(gl.where(k == 5, info, 0), axis=0),
                 gl.sum(gl.where(k == 6, info, 0), axis=0))
+
+    @gluon.jit
+    def online_softmax(acc, m_i, l_i, n0, first_masked, lim, qk_scale, s_layout: gl.constexpr):
+        """(P, rescale factor, row max, row sum) after a tile of raw scores acc [rows, keys] at keys n0 ..,
+        scores of keys >= lim (per row) masked once the tile reaches first_masked; the max is kept unscaled
+        (qk_scale > 0) so that the scale folds into one FMA per score."""
+        BN: gl.constexpr = acc.shape[1]
+        if n0 + BN > first_masked:
+            cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+            acc = gl.where(cols[None, :] < lim[:, None], acc, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(acc, axis=1))
+        # A row with no visible key yet keeps max -inf: subtract 0 instead so exp2 gives 0, not NaN.
+        m_sc = gl.where(m_new == float("-inf"), 0.0, m_new * qk_scale)
+        alpha = gl.exp2(m_i * qk_scale - m_sc)
+        p = gl.exp2(acc * qk_scale - m_sc[:, None])
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
 
     @gluon.jit
     def zero_tail_rows(kv, col0, valid, CHUNKS: gl.constexpr, num_warps: gl.constexpr):

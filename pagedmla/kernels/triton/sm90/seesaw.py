@@ -59,7 +59,13 @@ if HAVE_GLUON:
 
     from pagedmla.kernels.triton.sm90 import mla
     from pagedmla.kernels.triton.sm90.decode import _piece, _store_half, schedule_verdict, slice_start
-    from pagedmla.kernels.triton.sm90.pipeline import free_phase, launch_dependents, phase, zero_tail_rows
+    from pagedmla.kernels.triton.sm90.pipeline import (
+        free_phase,
+        launch_dependents,
+        online_softmax,
+        phase,
+        zero_tail_rows,
+    )
 
     _H = gl.constexpr(256)  # columns of a value half
     _PE = gl.constexpr(64)  # rope columns
@@ -114,14 +120,8 @@ if HAVE_GLUON:
                 flag = page_flags.index(nq % 2)
                 page_id, bad = checked_page(first_page, num_pages)
                 for n0 in range(tok_lo, tok_hi, mla._BN):
-                    # The last tile's look-ahead re-reads its own entry (inside the row: tok_hi <= capacity).
-                    next_page, next_bad = checked_page(gl.load(bt_row + gl.minimum(n0 + mla._BN, tok_hi - 1) // PAGE),
-                                                       num_pages)
-                    if n0 + mla._BN >= tok_hi:
-                        # The page check of the request before any half of its last tile is signalled.
-                        flag.store(gl.full([1], 0, gl.int32, gl.BlockedLayout([1], [32], [1], [0])) + bad.to(gl.int32))
-                        gl.thread_barrier()
-                    bad = bad | next_bad
+                    # (The page check of the request goes into the flag before any half of its last tile.)
+                    next_page, bad = mla.next_kv_page(bt_row, n0, tok_hi, bad, flag, num_pages, PAGE)
                     row = page_id * PAGE + n0 % PAGE
                     if ((n0 - tok_lo) // mla._BN) % 2 == 0:
                         # Tile A: its left half is freed first (warpgroup 0's P_A V_A,L).
@@ -140,27 +140,13 @@ if HAVE_GLUON:
         schedule_verdict(seqlens_ptr, meta_ptr, splits_ptr, partials_ptr, err_ptr, B, PARTS, PIECES, ROWS)
 
     @gluon.jit
-    def _softmax_step(acc, m_prev, n0, first_masked, lim, qk_scale):
-        """(P, rescale factor, new row max, row sum of P) of the raw scores acc of keys n0 .. n0 + 63 against the
-        running max m_prev (kept unscaled so that the scale folds into one FMA per score)."""
-        if n0 + mla._BN > first_masked:
-            cols = n0 + gl.arange(0, mla._BN, layout=gl.SliceLayout(0, mla.S_LAYOUT))
-            acc = gl.where(cols[None, :] < lim[:, None], acc, float("-inf"))
-        m_new = gl.maximum(m_prev, gl.max(acc, axis=1))
-        # A row with no visible key yet keeps max -inf: subtract 0 instead so exp2 gives 0, not NaN.
-        m_sc = gl.where(m_new == float("-inf"), 0.0, m_new * qk_scale)
-        alpha = gl.exp2(m_prev * qk_scale - m_sc)
-        p = gl.exp2(acc * qk_scale - m_sc[:, None])
-        return p, alpha, m_new, gl.sum(p, axis=1)
-
-    @gluon.jit
     def _publish(buf, x):
         """A per-row vector into the statistics buffer, every warp's part written before the caller signals."""
         buf.store(x)
         gl.thread_barrier()
 
     @gluon.jit
-    def _request_rows(b, pid_m, H, Q_LEN, ROWS, seqlens_ptr, begin_req, begin_blk, end_req, end_blk, CAPACITY,
+    def _request_rows(b, pid_m, H, Q_LEN, seqlens_ptr, begin_req, begin_blk, end_req, end_blk, CAPACITY,
                       CAUSAL: gl.constexpr):
         """(length, slice tokens, error bits, first masked key, per-row key limit) of request b's slice."""
         seqlen, tok_lo, tok_hi, bits = request_span(seqlens_ptr, b, begin_req, begin_blk, end_req, end_blk,
@@ -221,7 +207,7 @@ if HAVE_GLUON:
         nq = 0
         for b in range(begin_req, end_req + 1):
             seqlen, tok_lo, tok_hi, bits, first_masked, lim = _request_rows(
-                b, pid_m, H, Q_LEN, ROWS, seqlens_ptr, begin_req, begin_blk, end_req, end_blk, CAPACITY, CAUSAL)
+                b, pid_m, H, Q_LEN, seqlens_ptr, begin_req, begin_blk, end_req, end_blk, CAPACITY, CAUSAL)
             if tok_lo < tok_hi:
                 q_pe_op, m_i, l_i, o = _request_start(q_ready, q_pe, nq)
                 # Warpgroup 1 writes P_B into the rope buffer only after this copy.
@@ -243,8 +229,7 @@ if HAVE_GLUON:
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, q_l, q_r, ka, kv_r.index(s0),
                                                                       kv_pe.index(s0)))[0]
                     mbarrier.arrive(empty_r.index(0), count=1)
-                    p, scale_a, m_i, rs = _softmax_step(acc, m_i, n0, first_masked, lim, qk_scale)
-                    l_i = l_i * scale_a + rs
+                    p, scale_a, m_i, l_i = online_softmax(acc, m_i, l_i, n0, first_masked, lim, qk_scale, mla.S_LAYOUT)
                     p_bf = p.to(q_l.dtype)
                     # P_A (in m_A's reference), m_A and its rescale factor for warpgroup 1.
                     mbarrier.wait(pa_free, free_phase(g, 1))
@@ -300,7 +285,7 @@ if HAVE_GLUON:
         nq = 0
         for b in range(begin_req, end_req + 1):
             seqlen, tok_lo, tok_hi, bits, first_masked, lim = _request_rows(
-                b, pid_m, H, Q_LEN, ROWS, seqlens_ptr, begin_req, begin_blk, end_req, end_blk, CAPACITY, CAUSAL)
+                b, pid_m, H, Q_LEN, seqlens_ptr, begin_req, begin_blk, end_req, end_blk, CAPACITY, CAUSAL)
             if tok_lo < tok_hi:
                 q_pe_op, m_i, l_i, o = _request_start(q_ready, q_pe, nq)
                 for n0 in range(tok_lo, tok_hi, 2 * mla._BN):
@@ -331,8 +316,8 @@ if HAVE_GLUON:
                         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, q_l, q_r, kv_l.index(s0 + 1), kr,
                                                                           kv_pe.index(s0 + 1)))[0]
                         mbarrier.arrive(empty_l.index(1), count=1)
-                        p, scale_b, m_i, rs = _softmax_step(acc, m_a, n0 + mla._BN, first_masked, lim, qk_scale)
-                        l_i = l_i * scale_b + rs
+                        p, scale_b, m_i, l_i = online_softmax(acc, m_a, l_i, n0 + mla._BN, first_masked, lim, qk_scale,
+                                                              mla.S_LAYOUT)
                         p_bf = p.to(q_l.dtype)
                         if n0 == tok_lo:
                             # P_B goes into Q's rope buffer: warpgroup 0 has its copy of this request's rope part.

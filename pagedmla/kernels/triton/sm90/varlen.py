@@ -68,6 +68,7 @@ if HAVE_GLUON:
         WARPGROUP,
         claim_tile,
         free_phase,
+        online_softmax,
         phase,
         receive_fields,
         receive_slot,
@@ -289,20 +290,6 @@ if HAVE_GLUON:
         return acc
 
     @gluon.jit
-    def _online_softmax(acc, m_i, l_i, n0, first_masked, lim, qk_scale, s_layout: gl.constexpr):
-        """(P, rescale factor, row max, row sum) after the tile of raw scores acc at keys n0 ..; the max is
-        kept unscaled so that the scale folds into one FMA per score."""
-        if n0 + _BN > first_masked:
-            cols = n0 + gl.arange(0, _BN, layout=gl.SliceLayout(0, s_layout))
-            acc = gl.where(cols[None, :] < lim[:, None], acc, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(acc, axis=1))
-        # A row with no visible key yet keeps max -inf: subtract 0 instead so exp2 gives 0, not NaN.
-        m_sc = gl.where(m_new == float("-inf"), 0.0, m_new * qk_scale)
-        alpha = gl.exp2(m_i * qk_scale - m_sc)
-        p = gl.exp2(acc * qk_scale - m_sc[:, None])
-        return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
-
-    @gluon.jit
     def _store_staged(o, v, v_free, out_ptr, q_start, mw, lq, h, stride_ot, stride_oh, W: gl.constexpr,
                       DV: gl.constexpr):
         """Warpgroup W's normalised output rows mw .. mw + 63 (of lq) through rows 64 W .. of the tile's last
@@ -379,7 +366,7 @@ if HAVE_GLUON:
                         acc = _scores(q, q_pe, k_ring, k_pe_ring, base, DK2, s_layout)
                         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, q))[0]
                         mbarrier.arrive(k_empty.index(base % _STAGES), count=1)
-                        p, alpha, m_i, l_i = _online_softmax(acc, m_i, l_i, 0, first_masked, lim, qk_scale, s_layout)
+                        p, alpha, m_i, l_i = online_softmax(acc, m_i, l_i, 0, first_masked, lim, qk_scale, s_layout)
                         p_op = gl.convert_layout(p.to(q.dtype), p_layout)
                         for j in range(1, n_my):
                             c = base + j
@@ -391,7 +378,7 @@ if HAVE_GLUON:
                             o = warpgroup_mma(p_op, v, o, is_async=True)
                             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, q))[0]
                             mbarrier.arrive(k_empty.index(c % _STAGES), count=1)
-                            p, alpha, m_i, l_i = _online_softmax(acc, m_i, l_i, j * _BN, first_masked, lim, qk_scale,
+                            p, alpha, m_i, l_i = online_softmax(acc, m_i, l_i, j * _BN, first_masked, lim, qk_scale,
                                                                  s_layout)
                             o = warpgroup_mma_wait(num_outstanding=0, deps=(o, v))[0]
                             mbarrier.arrive(v_empty.index(sv), count=1)
