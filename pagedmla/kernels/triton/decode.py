@@ -188,9 +188,9 @@ def _attend_tile(
     chunks serve as K in Q K^T and as V in P V. With CARRY_PAGES the caller passes the tile's page id
     (pages of at least BLOCK_N tokens, already checked); otherwise it is read and checked here. Returns the
     updated state and whether a page id of the tile was outside the cache (read as page 0 instead). qk_scale:
-    float32 [BLOCK_M], each row's score scale (log2 units). FP8 rows are read as ``common.fp8_cols`` gives
-    them and cast to q's dtype for the dots (exact: fp8_e4m3's scale is folded into qk_scale and the output by
-    the caller, which also hands its q over as fp16 rows on GPUs).
+    the score scale (log2 units), per row (float32 [BLOCK_M]) for fp8_e4m3 and one scalar otherwise. FP8 rows
+    are read as ``common.fp8_cols`` gives them and cast to q's dtype for the dots (exact: fp8_e4m3's scale is
+    folded into qk_scale and the output by the caller, which also hands its q over as fp16 rows on GPUs).
     """
     offs_n = n0 + tl.arange(0, BLOCK_N)
     in_seq = offs_n < seqlen
@@ -232,7 +232,10 @@ def _attend_tile(
         k_pe = _kv_cols(kv_ptr, desc_pe, tok, row, in_seq, NC * DC, DR, MASKED, USE_TMA, KV_FMT, True,
                         NAN_FIXUP).to(q0.dtype)
         s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PRECISION)
-    s = s * qk_scale[:, None]
+    if KV_FMT == 1:
+        s = s * qk_scale[:, None]
+    else:
+        s = s * qk_scale
     if MASKED:
         s = tl.where(offs_n[None, :] < lim[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -352,7 +355,12 @@ def _decode_split_kernel(
             q_pe = q0
             if HAS_PE:
                 q_pe = tl.load(q_ptrs + DV + tl.arange(0, DR)[None, :], mask=row_ok[:, None], other=0.0)
-            qk_row = tl.zeros([BLOCK_M], dtype=tl.float32) + qk_scale
+            # One scale for every row unless fp8_e4m3 rescales q rows below: with a per-row vector the bf16
+            # 16-row kernel compiled to 186 registers instead of 252 and ran 4-5% slower on the H200
+            # (benchmarks/NOTES.md, decode v19).
+            qk_row = qk_scale
+            if KV_FMT == 1:
+                qk_row = tl.zeros([BLOCK_M], dtype=tl.float32) + qk_scale
             if KV_FMT == 1 and q_ptr.dtype.element_ty != tl.float32:
                 # fp8_e4m3 tiles are fp16 values (``fp8_cols``): the dots run in fp16 on q rows scaled into
                 # its range by a power of two, which the scores take back.
