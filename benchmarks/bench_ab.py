@@ -1,20 +1,23 @@
-"""This checkout's public calls against another checkout's, in one process, on the decode and prefill grids.
+"""This checkout's public calls against other checkouts', in one process, on the decode and prefill grids.
 
 A refactor that should not change speed (or a kernel change that should) is judged by timing both versions
 in the same process on the same inputs, alternating, so that clocks, the driver and the other tenants of the
-machine affect both alike. The other checkout's ``pagedmla/`` is copied to a temporary folder as the package
-``pagedmla_other`` (every ``pagedmla`` name in its source rewritten, its ``torch.library`` namespace
-included), and both are imported side by side.
+machine affect all alike. Each other checkout's ``pagedmla/`` is copied to a temporary folder as the package
+``pagedmla_other``, ``pagedmla_other1``, ... (every ``pagedmla`` name in its source rewritten, its
+``torch.library`` namespace included), and all are imported side by side: several ``--other`` checkouts
+bisect a change of speed in one run (benchmarks/NOTES.md, decode v19).
 
 Cells: ``pagedmla.bench.decode.grid`` (decode, ``flash_mla_with_kvcache`` after ``get_mla_metadata``, eager, as
 a user calls it) and ``pagedmla.bench.prefill``'s ragged (``flash_attn_varlen_func``, causal 192/128) and paged
 (``flash_mla_varlen_with_kvcache``, causal 576/512) grids. Each version is timed ``--rounds`` times per cell,
 alternating (``triton.testing.do_bench`` median, L2 flushed); the table gives each version's best median,
 the ratio other / this (above 1: this checkout is faster) and the spread of each version's rounds (the
-noise the ratio should be read against). ``same`` says whether both versions returned bit-identical outputs.
+noise the ratio should be read against). ``same`` says whether the versions returned bit-identical outputs.
+``--match`` keeps the cells whose name holds one of its strings (e.g. ``h16 s4096``).
 
     git archive REV pagedmla | tar -x -C /tmp/rev     # the other checkout (a directory holding pagedmla/)
-    python3 benchmarks/bench_ab.py --other /tmp/rev [--quick] [--rounds 2] [--only decode|ragged|paged] [--csv F]
+    python3 benchmarks/bench_ab.py --other /tmp/rev [--other /tmp/rev2 ...] [--quick] [--rounds 2]
+        [--only decode|ragged|paged] [--match SUBSTRING] [--csv F]
 """
 
 from __future__ import annotations
@@ -40,18 +43,28 @@ from pagedmla.bench import prefill as bprefill
 OTHER = "pagedmla_other"
 
 
-def import_other(checkout: Path, into: Path) -> ModuleType:
-    """``checkout``/pagedmla imported as ``pagedmla_other`` (a rewritten copy under ``into``)."""
+def import_other(checkout: Path, into: Path, name: str = OTHER) -> ModuleType:
+    """``checkout``/pagedmla imported as the package ``name`` (a rewritten copy under ``into``)."""
     src = checkout / "pagedmla"
     if not (src / "__init__.py").is_file():
         raise SystemExit(f"--other: {checkout} holds no pagedmla/ package")
-    dst = into / OTHER
+    dst = into / name
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
     word = re.compile(r"\bpagedmla\b")
     for path in dst.rglob("*.py"):
-        path.write_text(word.sub(OTHER, path.read_text()))
-    sys.path.insert(0, str(into))
-    return importlib.import_module(OTHER)
+        path.write_text(word.sub(name, path.read_text()))
+    if str(into) not in sys.path:
+        sys.path.insert(0, str(into))
+    return importlib.import_module(name)
+
+
+def labels(checkouts: list[Path]) -> list[str]:
+    """Column names of the other checkouts: ``other`` for one; for several their folder names, numbered where
+    two coincide or one is called ``this``."""
+    if len(checkouts) == 1:
+        return ["other"]
+    names = [c.resolve().name for c in checkouts]
+    return [n if names.count(n) == 1 and n != "this" else f"{n}#{i}" for i, n in enumerate(names)]
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -109,52 +122,77 @@ def paged_cells(quick: bool) -> Cells:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--other", type=Path, required=True, help="a directory holding the other pagedmla/ package")
+    ap.add_argument("--other", type=Path, action="append", required=True,
+                    help="a directory holding another pagedmla/ package (repeatable)")
     ap.add_argument("--quick", action="store_true", help="a few cells of each grid")
     ap.add_argument("--rounds", type=int, default=2, help="timings of each version per cell, alternating")
     ap.add_argument("--only", choices=("decode", "ragged", "paged"), action="append", help="run only these grids")
+    ap.add_argument("--match", action="append", metavar="SUBSTRING",
+                    help="only the cells whose name holds one of these (repeatable)")
     ap.add_argument("--csv", metavar="PATH", help="write every cell's figures to PATH")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_ab.py times CUDA kernels: no CUDA device here")
     parts = {"decode": decode_cells, "ragged": ragged_cells, "paged": paged_cells}
+    names = labels(args.other)
     with tempfile.TemporaryDirectory() as tmp:
-        other = import_other(args.other, Path(tmp))
-        versions = {"this": pagedmla, "other": other}
+        versions = {"this": pagedmla}
+        for i, (label, checkout) in enumerate(zip(names, args.other)):
+            versions[label] = import_other(checkout, Path(tmp), OTHER if i == 0 else f"{OTHER}{i}")
         rows = []
         for part in args.only or list(parts):
             for name, setup in parts[part](args.quick):
-                bind = setup()
-                fns = {v: bind(lib) for v, lib in versions.items()}
-                outs = {v: fn() for v, fn in fns.items()}
-                same = torch.equal(outs["this"], outs["other"])
-                del outs
-                times: dict[str, list[float]] = {v: [] for v in versions}
-                for _ in range(args.rounds):
-                    for v, fn in fns.items():
-                        times[v].append(timed(fn))
-                best = {v: min(t) for v, t in times.items()}
-                spread = {v: (max(t) - min(t)) / min(t) for v, t in times.items()}
-                rows.append({"cell": name, "this_us": best["this"], "other_us": best["other"],
-                             "ratio": best["other"] / best["this"], "spread_this": spread["this"],
-                             "spread_other": spread["other"], "same": same})
-                print(f"{name}: this {best['this']:.1f} us, other {best['other']:.1f} us", flush=True)
-                del fns, bind
+                if args.match and not any(m in name for m in args.match):
+                    continue
+                rows.append(time_cell(name, setup, versions, args.rounds))
                 torch.cuda.empty_cache()
-    print("\n| cell | this µs | other µs | other / this | spread this / other | same |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['cell']} | {r['this_us']:.1f} | {r['other_us']:.1f} | {r['ratio']:.3f} | "
-              f"{100 * r['spread_this']:.1f}% / {100 * r['spread_other']:.1f}% | {'yes' if r['same'] else 'NO'} |")
-    ratios = [r["ratio"] for r in rows]
-    if ratios:
-        geo = float(torch.tensor(ratios).log().mean().exp())
-        print(f"\ngeomean other / this {geo:.3f}, min {min(ratios):.3f}, max {max(ratios):.3f} over {len(rows)} cells")
+    print_table(rows, names)
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["cell"])
             w.writeheader()
             w.writerows(rows)
+
+
+def time_cell(name: str, setup: Callable[[], Bind], versions: dict[str, ModuleType], rounds: int) -> dict:
+    """One cell's row: each version's best median over ``rounds`` alternating timings, its spread, the ratio
+    other / this per other version, and whether every version's output equals this checkout's bit for bit."""
+    bind = setup()
+    fns = {v: bind(lib) for v, lib in versions.items()}
+    outs = {v: fn() for v, fn in fns.items()}
+    same = all(torch.equal(outs["this"], o) for o in outs.values())
+    del outs
+    times: dict[str, list[float]] = {v: [] for v in versions}
+    for _ in range(rounds):
+        for v, fn in fns.items():
+            times[v].append(timed(fn))
+    row: dict = {"cell": name}
+    for v, t in times.items():
+        row[f"{v}_us"] = min(t)
+        row[f"spread_{v}"] = (max(t) - min(t)) / min(t)
+        if v != "this":
+            row[f"ratio_{v}"] = min(t) / min(times["this"])
+    row["same"] = same
+    print(f"{name}: " + ", ".join(f"{v} {min(t):.1f} us" for v, t in times.items()), flush=True)
+    return row
+
+
+def print_table(rows: list[dict], others: list[str]) -> None:
+    """The markdown table (µs, ratios other / this, spreads) and each other version's geometric mean."""
+    head = ["cell", "this µs"] + [f"{o} µs" for o in others] + [f"{o} / this" for o in others]
+    print("\n| " + " | ".join(head + ["spread this / " + " / ".join(others), "same"]) + " |")
+    print("|" + "---|" * (len(head) + 2))
+    for r in rows:
+        cells = [r["cell"], f"{r['this_us']:.1f}"] + [f"{r[f'{o}_us']:.1f}" for o in others]
+        cells += [f"{r[f'ratio_{o}']:.3f}" for o in others]
+        cells.append(" / ".join(f"{100 * r[f'spread_{v}']:.1f}%" for v in ["this", *others]))
+        print("| " + " | ".join(cells + ["yes" if r["same"] else "NO"]) + " |")
+    for o in others:
+        ratios = [r[f"ratio_{o}"] for r in rows]
+        if ratios:
+            geo = float(torch.tensor(ratios).log().mean().exp())
+            print(f"\n{o} / this: geomean {geo:.3f}, min {min(ratios):.3f}, max {max(ratios):.3f} over "
+                  f"{len(rows)} cells")
 
 
 if __name__ == "__main__":

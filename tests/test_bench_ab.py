@@ -1,0 +1,92 @@
+"""benchmarks/bench_ab.py off the GPU: several checkouts import side by side, their column names, the errors."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from benchmark_script import load
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _checkout(into: Path, marker: str) -> Path:
+    """A copy of this checkout's pagedmla/ under ``into`` whose package says ``marker``."""
+    shutil.copytree(ROOT / "pagedmla", into / "pagedmla", ignore=shutil.ignore_patterns("__pycache__"))
+    init = into / "pagedmla" / "__init__.py"
+    init.write_text(init.read_text() + f"\nAB_MARKER = {marker!r}\n")
+    return into
+
+
+def test_two_other_checkouts_import_side_by_side(tmp_path):
+    bench = load("bench_ab")
+    a = _checkout(tmp_path / "rev_a", "a")
+    b = _checkout(tmp_path / "rev_b", "b")
+    into = tmp_path / "imported"
+    into.mkdir()
+    try:
+        lib_a = bench.import_other(a, into, "pagedmla_other")
+        lib_b = bench.import_other(b, into, "pagedmla_other1")
+        assert (lib_a.AB_MARKER, lib_b.AB_MARKER) == ("a", "b")
+        # Each copy is its own package with its own public calls (and torch.library namespace).
+        assert lib_a.flash_mla_with_kvcache is not lib_b.flash_mla_with_kvcache
+        assert lib_a.__name__ == "pagedmla_other" and lib_b.__name__ == "pagedmla_other1"
+        assert "pagedmla_other1" in sys.modules and "pagedmla_other" in sys.modules
+    finally:
+        for name in [m for m in sys.modules if m.startswith("pagedmla_other")]:
+            del sys.modules[name]
+        sys.path[:] = [p for p in sys.path if p != str(into)]
+
+
+def test_column_names():
+    bench = load("bench_ab")
+    assert bench.labels([Path("/tmp/rev")]) == ["other"]
+    assert bench.labels([Path("/x/eef7c2b"), Path("/y/HEAD")]) == ["eef7c2b", "HEAD"]
+    assert bench.labels([Path("/x/rev"), Path("/y/rev"), Path("/z/this")]) == ["rev#0", "rev#1", "this#2"]
+
+
+def test_a_folder_without_the_package_is_named(tmp_path):
+    with pytest.raises(SystemExit, match="holds no pagedmla/ package"):
+        load("bench_ab").import_other(tmp_path, tmp_path / "into")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without a GPU gets")
+def test_without_a_gpu_it_says_so(tmp_path):
+    with pytest.raises(SystemExit, match="no CUDA device"):
+        load("bench_ab").main(["--other", str(tmp_path), "--other", str(tmp_path), "--match", "h16"])
+
+
+
+class _Lib:
+    """A stand-in for an imported checkout: its calls return ones times ``scale``."""
+
+    def __init__(self, name: str, scale: float):
+        self.name, self.scale = name, scale
+
+
+def test_rows_and_table_of_three_versions(monkeypatch, capsys):
+    bench = load("bench_ab")
+    versions = {"this": _Lib("this", 1.0), "eef7c2b": _Lib("eef7c2b", 1.0), "HEAD": _Lib("HEAD", 2.0)}
+    clock = {"this": iter([10.0, 9.0]), "eef7c2b": iter([11.0, 12.0]), "HEAD": iter([20.0, 21.0])}
+
+    def setup():
+        def bind(lib):
+            def call():
+                return torch.ones(3) * lib.scale
+            call.version = lib.name
+            return call
+        return bind
+
+    monkeypatch.setattr(bench, "timed", lambda fn: next(clock[fn.version]))
+    row = bench.time_cell("decode b128 q1 h16 s4096", setup, versions, rounds=2)
+    assert (row["this_us"], row["eef7c2b_us"], row["HEAD_us"]) == (9.0, 11.0, 20.0)
+    assert row["ratio_eef7c2b"] == pytest.approx(11 / 9) and row["ratio_HEAD"] == pytest.approx(20 / 9)
+    assert row["spread_this"] == pytest.approx(1 / 9)
+    assert row["same"] is False  # HEAD's output differs from this checkout's
+    bench.print_table([row], ["eef7c2b", "HEAD"])
+    out = capsys.readouterr().out
+    assert "| decode b128 q1 h16 s4096 | 9.0 | 11.0 | 20.0 | 1.222 | 2.222 | 11.1% / 9.1% / 5.0% | NO |" in out
+    assert "HEAD / this: geomean 2.222, min 2.222, max 2.222 over 1 cells" in out
