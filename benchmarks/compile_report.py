@@ -11,6 +11,7 @@ budgets (``setmaxnreg``) of warp-specialised kernels. Triton-internal APIs (3.6)
     python benchmarks/compile_report.py                          # the default configs for 16, 32, 128 rows
     python benchmarks/compile_report.py --config m16n32w4s3c4p   # one config (bench_decode's spec syntax)
     python benchmarks/compile_report.py --config m64n64w8s2c1h   # the Hopper kernel
+    python benchmarks/compile_report.py --kv-format fp8_ds_mla   # the portable kernel on an FP8 cache
     python benchmarks/compile_report.py --decode-seesaw          # the Hopper seesaw decode kernel (>= 128 rows)
     python benchmarks/compile_report.py --paged-varlen-sm90           # the Hopper paged-prefill kernel
     python benchmarks/compile_report.py --varlen-sm90            # the Hopper ragged kernel, 192/128
@@ -36,7 +37,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import CUDABackend
 
-from pagedmla.kernels.triton.common import LOG2E
+from pagedmla.kernels.triton.common import KV_FORMATS, LOG2E, kv_format_width
 from pagedmla.kernels.triton.decode import DecodeConfig, _decode_split_kernel, default_config
 from pagedmla.split_plan import BLOCK_N as SCHED_N
 from pagedmla.split_plan import METADATA_WIDTH
@@ -130,31 +131,41 @@ def compile_seesaw(arch: int = 90):
     return _compile_hopper_decode(_decode_seesaw_kernel, descs, arch)
 
 
-def compile_decode(cfg: DecodeConfig, heads: int, arch: int = 90):
-    """The compiled kernel (``.asm`` holds ttgir / ptx / cubin) for bf16, q_len 1, page 64, causal."""
+def compile_decode(cfg: DecodeConfig, heads: int, arch: int = 90, kv_format: str | None = None):
+    """The compiled kernel (``.asm`` holds ttgir / ptx / cubin) for bf16 q, q_len 1, page 64, causal, over a
+    cache of q's dtype or, with ``kv_format``, an FP8 one (``pagedmla.kv_format``: its bytes, as the
+    launcher passes them)."""
     if cfg.use_sm90:
+        if kv_format is not None:
+            raise ValueError(f"--kv-format: the Hopper kernels read bf16/fp16 caches, not {kv_format}")
         return compile_sm90(arch)
     from triton._C.libtriton import native_specialize_impl
     from triton.runtime.jit import MockTensor
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     bf16, i32, f32 = torch.bfloat16, torch.int32, torch.float32
+    width = kv_format_width(kv_format, D)
+    kv_dtype = bf16 if kv_format is None else torch.uint8
     desc = desc_pe = None
     if cfg.use_tma:
-        flat = torch.empty(16 * PAGE, D, dtype=bf16)  # only shape, dtype and block shape reach the type
-        desc = TensorDescriptor(flat, list(flat.shape), [D, 1], [cfg.block_n, DV // cfg.chunks])
-        desc_pe = TensorDescriptor(flat, list(flat.shape), [D, 1], [cfg.block_n, D - DV])
+        flat = torch.empty(16 * PAGE, width, dtype=kv_dtype)  # only shape, dtype and block shape reach the type
+        desc = TensorDescriptor(flat, list(flat.shape), [width, 1], [cfg.block_n, DV // cfg.chunks])
+        # fp8_ds_mla's rope columns are bf16 values at a 16-byte aligned offset of the row (the launcher's view).
+        pe = flat.view(bf16) if kv_format == "fp8_ds_mla" else flat
+        desc_pe = TensorDescriptor(pe, list(pe.shape), [pe.shape[1], 1], [cfg.block_n, D - DV])
     values = dict(
-        q_ptr=MockTensor(bf16), kv_ptr=MockTensor(bf16), bt_ptr=MockTensor(i32), seqlens_ptr=MockTensor(i32),
+        q_ptr=MockTensor(bf16), kv_ptr=MockTensor(kv_dtype), bt_ptr=MockTensor(i32), seqlens_ptr=MockTensor(i32),
         meta_ptr=MockTensor(i32), splits_ptr=MockTensor(i32), out_ptr=MockTensor(bf16), lse_ptr=MockTensor(f32),
-        part_ptr=MockTensor(f32), err_ptr=MockTensor(i32), desc=desc, desc_pe=desc_pe, scale_ptr=None,
+        part_ptr=MockTensor(f32), err_ptr=MockTensor(i32), desc=desc, desc_pe=desc_pe,
+        scale_ptr=MockTensor(f32) if kv_format == "fp8_e4m3" else None,
         B=128, H=heads, Q_LEN=1, ROWS=heads, NUM_PAGES=4099, MAX_PAGES=67, qk_scale=D ** -0.5 * LOG2E,
-        stride_qb=heads * D, stride_qt=heads * D, stride_qh=D, stride_page=PAGE * D, stride_tok=D, stride_btb=64,
-        stride_ob=heads * DV, stride_ot=heads * DV, stride_oh=DV,
+        stride_qb=heads * D, stride_qt=heads * D, stride_qh=D, stride_page=PAGE * width, stride_tok=width,
+        stride_btb=64, stride_ob=heads * DV, stride_ot=heads * DV, stride_oh=DV,
     )
     constants = dict(CAUSAL=True, PAGE=PAGE, SCHED_N=SCHED_N, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DV=DV,
                      NC=cfg.chunks, DR=D - DV, HAS_PE=True, META_W=METADATA_WIDTH, USE_TMA=cfg.use_tma,
-                     CARRY_PAGES=cfg.carry_pages, PRECISION="tf32", KV_FMT=0, NAN_FIXUP=False)
+                     CARRY_PAGES=cfg.carry_pages, PRECISION="tf32",
+                     KV_FMT=0 if kv_format is None else KV_FORMATS[kv_format], NAN_FIXUP=False)
     target = GPUTarget("cuda", arch, 32)
     backend = CUDABackend(target)
     signature, constexprs, attrs = {}, {}, {}
@@ -208,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--paged-varlen-sm90", action="store_true", help="report the Hopper paged-prefill kernel instead")
     ap.add_argument("--varlen-sm90", action="store_true", help="report the Hopper ragged kernel (192/128) instead")
     ap.add_argument("--per-seq", action="store_true", help="with --varlen-sm90: the per-sequence tile numbering")
+    ap.add_argument("--kv-format", choices=("fp8_e4m3", "fp8_ds_mla"), default=None,
+                    help="the portable decode kernel over an FP8 cache (default: bf16 rows)")
     args = ap.parse_args(argv)
     if args.decode_seesaw or args.paged_varlen_sm90 or args.varlen_sm90:
         if args.decode_seesaw:
@@ -222,17 +235,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.config:
             cases = [(args.heads or max(cfg.block_m, 16), cfg) for cfg in map(DecodeConfig.from_spec, args.config)]
+        elif args.kv_format:
+            cases = [(rows, default_config(rows, fp8=True)) for rows in (16, 32, 64)]
         else:
             cases = [(rows, default_config(rows)) for rows in (16, 32, 128)]
             cases.append((128, DecodeConfig(block_m=64, use_sm90=True)))
+        if args.kv_format and any(cfg.use_sm90 for _, cfg in cases):
+            raise ValueError(f"--kv-format: the Hopper kernels read bf16/fp16 caches, not {args.kv_format}")
     except ValueError as exc:
         ap.exit(2, f"compile_report: error: {exc}\n")
     reports = []
     for heads, cfg in cases:
-        rep = report(compile_decode(cfg, heads))
+        rep = report(compile_decode(cfg, heads, kv_format=args.kv_format))
         reports.append(rep)
         if not args.json:
-            print(f"{cfg} (heads {heads}, q_len 1, page {PAGE}, bf16, sm_90a)", flush=True)
+            print(f"{cfg} (heads {heads}, q_len 1, page {PAGE}, bf16 q, {args.kv_format or 'bf16'} cache, sm_90a)",
+                  flush=True)
             for key, value in rep.items():
                 print(f"  {key}: {value}")
     if args.json:

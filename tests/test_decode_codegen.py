@@ -45,6 +45,25 @@ def test_carried_page_ids_double_buffer_the_small_tiles():
     assert carried16["registers"] >= 240, carried16
 
 
+def _fp8_reports(fmt: str) -> list[dict]:
+    return _reports(extra=("--kv-format", fmt))
+
+
+@pytest.mark.parametrize("fmt, spills", [("fp8_e4m3", ((40, 40), (96, 96), (200, 208))),
+                                         ("fp8_ds_mla", ((88, 88), (108, 112), (360, 372)))])
+def test_fp8_tiles(fmt, spills):
+    """The portable decode over FP8 caches (default tiles for 16, 32 and 64 rows, benchmarks/NOTES.md FP8):
+    up to 32 rows the tiles come by TMA (pointer loads feeding the conversion were not pipelined), 16-row
+    programs still fit two per SM, the 64-row tiles (three pointer-load stages) fit one CTA's 227 KB; spills
+    bounded at today's build (2026-12-02 cross-compile), so that a new spill is noticed."""
+    r16, r32, r64 = _fp8_reports(fmt)
+    assert r16["tma_loads"] > 0 and r32["tma_loads"] > 0 and r64["tma_loads"] == 0, (r16, r32, r64)
+    assert 2 * (r16["shared_bytes"] + 1024) <= 228 * 1024, r16
+    assert r64["shared_bytes"] <= 227 * 1024, r64
+    for rep, (stores, loads) in zip((r16, r32, r64), spills):
+        assert rep["spill_store_load_bytes"][0] <= stores and rep["spill_store_load_bytes"][1] <= loads, rep
+
+
 def test_hopper_kernel_structure():
     """The Gluon kernel's plan (sm90/decode.py): S computed once (36 m64n64k16 MMAs per tile), P V split in
     two warpgroups (4 m64n256k16 each), a two-stage KV ring loaded by TMA, register budgets set per
