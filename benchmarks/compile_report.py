@@ -137,7 +137,7 @@ def compile_decode(cfg: DecodeConfig, heads: int, arch: int = 90, kv_format: str
     launcher passes them)."""
     if cfg.use_sm90:
         if kv_format is not None:
-            raise ValueError(f"--kv-format: the Hopper kernels read bf16/fp16 caches, not {kv_format}")
+            raise ValueError(f"kv_format: the Hopper kernels read bf16/fp16 caches, not {kv_format}")
         return compile_sm90(arch)
     from triton._C.libtriton import native_specialize_impl
     from triton.runtime.jit import MockTensor
