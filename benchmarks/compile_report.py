@@ -38,7 +38,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import CUDABackend
 
 from pagedmla.kernels.triton.common import KV_FORMATS, LOG2E, kv_format_width
-from pagedmla.kernels.triton.decode import DecodeConfig, _decode_split_kernel, default_config
+from pagedmla.kernels.triton.decode import DecodeConfig, _decode_split_kernel, default_config, fp8_pairs
 from pagedmla.split_plan import BLOCK_N as SCHED_N
 from pagedmla.split_plan import METADATA_WIDTH
 
@@ -149,7 +149,9 @@ def compile_decode(cfg: DecodeConfig, heads: int, arch: int = 90, kv_format: str
     desc = desc_pe = None
     if cfg.use_tma:
         flat = torch.empty(16 * PAGE, width, dtype=kv_dtype)  # only shape, dtype and block shape reach the type
-        desc = TensorDescriptor(flat, list(flat.shape), [width, 1], [cfg.block_n, DV // cfg.chunks])
+        # FP8 latent bytes as 16-bit words where the kernel reads them so (the launcher's view).
+        lat = flat.view(torch.int16) if fp8_pairs(cfg, kv_format) else flat
+        desc = TensorDescriptor(lat, list(lat.shape), [lat.shape[1], 1], [cfg.block_n, DV // cfg.chunks])
         # fp8_ds_mla's rope columns are bf16 values at a 16-byte aligned offset of the row (the launcher's view).
         pe = flat.view(bf16) if kv_format == "fp8_ds_mla" else flat
         desc_pe = TensorDescriptor(pe, list(pe.shape), [pe.shape[1], 1], [cfg.block_n, D - DV])
@@ -165,7 +167,8 @@ def compile_decode(cfg: DecodeConfig, heads: int, arch: int = 90, kv_format: str
     constants = dict(CAUSAL=True, PAGE=PAGE, SCHED_N=SCHED_N, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DV=DV,
                      NC=cfg.chunks, DR=D - DV, HAS_PE=True, META_W=METADATA_WIDTH, USE_TMA=cfg.use_tma,
                      CARRY_PAGES=cfg.carry_pages, PRECISION="tf32",
-                     KV_FMT=0 if kv_format is None else KV_FORMATS[kv_format], NAN_FIXUP=False)
+                     KV_FMT=0 if kv_format is None else KV_FORMATS[kv_format], NAN_FIXUP=False,
+                     PAIRS=fp8_pairs(cfg, kv_format))
     target = GPUTarget("cuda", arch, 32)
     backend = CUDABackend(target)
     signature, constexprs, attrs = {}, {}, {}
@@ -206,6 +209,8 @@ def report(kernel, arch: int = 90) -> dict:
     out["cp_async_wait_depths"] = sorted(set(map(int, re.findall(r"ttg\.async_wait .*?\{num = (\d+)", ttgir))))
     out["cp_async"] = len(re.findall(r"cp\.async\.c[ag]\.shared\.global", ptx))
     out["tma_loads"] = len(re.findall(r"cp\.async\.bulk\.tensor", ptx))
+    out["ldmatrix_trans"] = len(re.findall(r"ldmatrix\.sync\.aligned\.[\w.]*trans", ptx))
+    out["shared_byte_loads"] = len(re.findall(r"ld\.shared(?:\.v[24])?\.[ubs]8\b", ptx))
     out["setmaxnreg"] = sorted(set(map(int, re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx))))
     return out
 

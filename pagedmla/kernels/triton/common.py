@@ -145,6 +145,46 @@ def fp8_values(bits, rows, col0, mask, KV_FMT: tl.constexpr, MASKED: tl.constexp
 
 
 @triton.jit
+def fp8_pair_values(words, rows, word0, mask, KV_FMT: tl.constexpr, MASKED: tl.constexpr, NAN_FIXUP: tl.constexpr):
+    """The latent bytes of FP8 cache rows read as 16-bit words (int16 [N, W]: words word0 .., columns
+    2 * word0 .. 2 * (word0 + W) - 1) as two [N, W] tiles of ``fp8_values``' values: the even columns
+    2 * (word0 + j) and the odd ones 2 * (word0 + j) + 1. rows and mask as ``fp8_cols`` has them (read only
+    for fp8_ds_mla's scales; W words span 2 * W / 128 scale tiles, at most two).
+
+    Why words: a dot over the tokens (P V) takes its operand as pairs of consecutive tokens per column. From
+    a tile of bytes that is a byte load per token and column; from a tile of words it is what ``ldmatrix.trans``
+    reads for 16-bit data, and each word holds the pair of an even and an odd column."""
+    even = (words & 0xFF).to(tl.uint8)
+    odd = (words >> 8).to(tl.uint8)
+    if KV_FMT == 1:
+        x_even = fp8_values(even, rows, 0, mask, KV_FMT, MASKED, NAN_FIXUP)
+        x_odd = fp8_values(odd, rows, 0, mask, KV_FMT, MASKED, NAN_FIXUP)
+    else:
+        W: tl.constexpr = words.shape[1]
+        tl.static_assert(W <= DS_TILE, "fp8_pair_values: at most two fp8_ds_mla scale tiles")
+        scales = (rows + DS_SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + (2 * word0) // DS_TILE
+        if MASKED:
+            scale = tl.load(scales, mask=mask, other=0.0)
+        else:
+            scale = tl.load(scales)
+        if 2 * W > DS_TILE:
+            # The words' second half lies in the next scale tile.
+            if MASKED:
+                scale_hi = tl.load(scales + 1, mask=mask, other=0.0)
+            else:
+                scale_hi = tl.load(scales + 1)
+            scale = tl.where(2 * tl.arange(0, W)[None, :] < DS_TILE, scale, scale_hi)
+        x_even = even.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        x_odd = odd.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        if NAN_FIXUP:
+            x_even = tl.where((even & 0x7F) == 0x7F, float("nan"), x_even)
+            x_odd = tl.where((odd & 0x7F) == 0x7F, float("nan"), x_odd)
+        x_even = x_even * scale
+        x_odd = x_odd * scale
+    return x_even, x_odd
+
+
+@triton.jit
 def _ds_scaled(x, rows, col0, mask, WIDTH: tl.constexpr, MASKED: tl.constexpr):
     """fp8_ds_mla latent values ``x`` (float32 [N, WIDTH], columns col0 ..) times their 128-column tile's
     scale (``fp8_cols``)."""

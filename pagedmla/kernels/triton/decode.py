@@ -50,6 +50,7 @@ from pagedmla.kernels.triton.common import (
     finish_rows,
     fp8_cols,
     fp8_nan_fixup,
+    fp8_pair_values,
     fp8_values,
     fp16_row_scale,
     kv_format_args,
@@ -124,15 +125,16 @@ def default_config(rows: int, fp8: bool = False) -> DecodeConfig:
     tiles per part, which read the same KV (the later from L2).
 
     ``fp8``: an FP8 cache. Up to 32 rows its tiles come by TMA where the pages allow (pointer loads feeding
-    the conversion were not pipelined: 1.44x faster by TMA on the H200); 32- and 64-row tiles take 64-token
-    steps in four 128-column chunks with 8 warps (1.2-1.5x over 32-token steps: an FP8 step moves half a bf16
-    step's bytes), 64-row ones by pointer loads three stages deep (TMA gained nothing there for fp8_e4m3 and
-    cost fp8_ds_mla 18-24%; the third stage gained 10%: benchmarks/NOTES.md, FP8).
+    the conversion were not pipelined: 1.44x faster by TMA on the H200) and as 16-bit words (``fp8_pairs``);
+    32- and 64-row tiles take 64-token steps in four 128-column chunks with 8 warps (1.2-1.5x over 32-token
+    steps: an FP8 step moves half a bf16 step's bytes), three stages deep (5-13% over two at 32 rows, 10% at
+    64), the 64-row ones by pointer loads (TMA gained nothing there for fp8_e4m3 and cost fp8_ds_mla 18-24%:
+    benchmarks/NOTES.md, FP8).
     """
     block_m, _ = tile_plan(rows)
     if fp8 and block_m > 16:
-        return DecodeConfig(block_m=block_m, block_n=64, num_warps=8, num_stages=2 if block_m <= 32 else 3, chunks=4,
-                            use_tma=block_m <= 32, carry_pages=True)
+        return DecodeConfig(block_m=block_m, block_n=64, num_warps=8, num_stages=3, chunks=4, use_tma=block_m <= 32,
+                            carry_pages=True)
     if block_m <= 32:
         return DecodeConfig(block_m=block_m, block_n=32, num_warps=4, num_stages=3, chunks=4, use_tma=fp8,
                             carry_pages=True)
@@ -175,12 +177,35 @@ def _kv_cols(kv_ptr, desc, tok, row, in_seq, col0,
 
 
 @triton.jit
+def _kv_pairs(kv_ptr, desc, tok, row, in_seq, word0, WIDTH: tl.constexpr, MASKED: tl.constexpr,
+              USE_TMA: tl.constexpr, KV_FMT: tl.constexpr, NAN_FIXUP: tl.constexpr):
+    """FP8 latent words word0 .. word0 + WIDTH - 1 (16-bit) of one KV tile's rows as their even- and
+    odd-column values (``common.fp8_pair_values``), by TMA (``desc`` over the rows as int16) or pointer
+    loads; rows past the sequence end read as 0."""
+    rows = kv_ptr + tok[:, None]
+    if USE_TMA:
+        words = desc.load([row, word0])
+    else:
+        ptrs = rows.to(tl.pointer_type(tl.int16)) + word0 + tl.arange(0, WIDTH)[None, :]
+        if MASKED:
+            words = tl.load(ptrs, mask=in_seq[:, None], other=0)
+        else:
+            words = tl.load(ptrs)
+    even, odd = fp8_pair_values(words, rows, word0, in_seq[:, None], KV_FMT, MASKED, NAN_FIXUP)
+    if MASKED and USE_TMA:
+        # TMA reads whole tiles: zero the rows past the end (0 * NaN would poison P @ V).
+        even = tl.where(in_seq[:, None], even, 0.0)
+        odd = tl.where(in_seq[:, None], odd, 0.0)
+    return even, odd
+
+
+@triton.jit
 def _attend_tile(
     acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, q_pe,
     kv_ptr, desc, desc_pe, bt_row, n0, seqlen, lim, stride_page, stride_tok, qk_scale, page_id, num_pages,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DC: tl.constexpr, NC: tl.constexpr, DR: tl.constexpr,
     HAS_PE: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr, CARRY_PAGES: tl.constexpr,
-    PRECISION: tl.constexpr, KV_FMT: tl.constexpr, NAN_FIXUP: tl.constexpr,
+    PRECISION: tl.constexpr, KV_FMT: tl.constexpr, NAN_FIXUP: tl.constexpr, PAIRS: tl.constexpr,
 ):
     """One online-softmax step over KV tokens n0 .. n0 + BLOCK_N - 1 (running max in log2 units).
 
@@ -191,6 +216,9 @@ def _attend_tile(
     the score scale (log2 units), per row (float32 [BLOCK_M]) for fp8_e4m3 and one scalar otherwise. FP8 rows
     are read as ``common.fp8_cols`` gives them and cast to q's dtype for the dots (exact: fp8_e4m3's scale is
     folded into qk_scale and the output by the caller, which also hands its q over as fp16 rows on GPUs).
+    PAIRS (FP8, NC 4): the latent bytes come as 16-bit words, two 256-byte word tiles per step
+    (``_kv_pairs``); chunks 0 / 1 are the even / odd columns of bytes 0-255, chunks 2 / 3 those of bytes
+    256-511, and q's chunks and the accumulators hold the same columns.
     """
     offs_n = n0 + tl.arange(0, BLOCK_N)
     in_seq = offs_n < seqlen
@@ -211,23 +239,35 @@ def _attend_tile(
         pages, bad = checked_page(tl.load(bt_row + offs_n // PAGE, mask=in_seq, other=0), num_pages)
         bad_page = tl.max(bad.to(tl.int32), 0) > 0
         tok = pages.to(tl.int64) * stride_page + (offs_n % PAGE) * stride_tok
-    k0 = _kv_cols(kv_ptr, desc, tok, row, in_seq, 0, DC, MASKED, USE_TMA, KV_FMT, False,
-                  NAN_FIXUP).to(q0.dtype)
-    s = tl.dot(q0, tl.trans(k0), input_precision=PRECISION)
-    k1 = k0
-    k2 = k0
-    k3 = k0
-    if NC >= 2:
-        k1 = _kv_cols(kv_ptr, desc, tok, row, in_seq, DC, DC, MASKED, USE_TMA, KV_FMT, False,
-                      NAN_FIXUP).to(q0.dtype)
+    if PAIRS:
+        k0, k1 = _kv_pairs(kv_ptr, desc, tok, row, in_seq, 0, DC, MASKED, USE_TMA, KV_FMT, NAN_FIXUP)
+        k2, k3 = _kv_pairs(kv_ptr, desc, tok, row, in_seq, DC, DC, MASKED, USE_TMA, KV_FMT, NAN_FIXUP)
+        k0 = k0.to(q0.dtype)
+        k1 = k1.to(q0.dtype)
+        k2 = k2.to(q0.dtype)
+        k3 = k3.to(q0.dtype)
+        s = tl.dot(q0, tl.trans(k0), input_precision=PRECISION)
         s = tl.dot(q1, tl.trans(k1), s, input_precision=PRECISION)
-    if NC == 4:
-        k2 = _kv_cols(kv_ptr, desc, tok, row, in_seq, 2 * DC, DC, MASKED, USE_TMA, KV_FMT, False,
-                      NAN_FIXUP).to(q0.dtype)
         s = tl.dot(q2, tl.trans(k2), s, input_precision=PRECISION)
-        k3 = _kv_cols(kv_ptr, desc, tok, row, in_seq, 3 * DC, DC, MASKED, USE_TMA, KV_FMT, False,
-                      NAN_FIXUP).to(q0.dtype)
         s = tl.dot(q3, tl.trans(k3), s, input_precision=PRECISION)
+    else:
+        k0 = _kv_cols(kv_ptr, desc, tok, row, in_seq, 0, DC, MASKED, USE_TMA, KV_FMT, False,
+                      NAN_FIXUP).to(q0.dtype)
+        s = tl.dot(q0, tl.trans(k0), input_precision=PRECISION)
+        k1 = k0
+        k2 = k0
+        k3 = k0
+        if NC >= 2:
+            k1 = _kv_cols(kv_ptr, desc, tok, row, in_seq, DC, DC, MASKED, USE_TMA, KV_FMT, False,
+                          NAN_FIXUP).to(q0.dtype)
+            s = tl.dot(q1, tl.trans(k1), s, input_precision=PRECISION)
+        if NC == 4:
+            k2 = _kv_cols(kv_ptr, desc, tok, row, in_seq, 2 * DC, DC, MASKED, USE_TMA, KV_FMT, False,
+                          NAN_FIXUP).to(q0.dtype)
+            s = tl.dot(q2, tl.trans(k2), s, input_precision=PRECISION)
+            k3 = _kv_cols(kv_ptr, desc, tok, row, in_seq, 3 * DC, DC, MASKED, USE_TMA, KV_FMT, False,
+                          NAN_FIXUP).to(q0.dtype)
+            s = tl.dot(q3, tl.trans(k3), s, input_precision=PRECISION)
     if HAS_PE:
         k_pe = _kv_cols(kv_ptr, desc_pe, tok, row, in_seq, NC * DC, DR, MASKED, USE_TMA, KV_FMT, True,
                         NAN_FIXUP).to(q0.dtype)
@@ -260,7 +300,7 @@ def _attend_range(
     kv_ptr, desc, desc_pe, bt_row, lo, hi, tok_hi, seqlen, lim, stride_page, stride_tok, qk_scale, num_pages,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DC: tl.constexpr, NC: tl.constexpr, DR: tl.constexpr,
     HAS_PE: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr, CARRY_PAGES: tl.constexpr,
-    PRECISION: tl.constexpr, KV_FMT: tl.constexpr, NAN_FIXUP: tl.constexpr,
+    PRECISION: tl.constexpr, KV_FMT: tl.constexpr, NAN_FIXUP: tl.constexpr, PAIRS: tl.constexpr,
 ):
     """``_attend_tile`` over KV tokens lo .. hi - 1, BLOCK_N at a time (all MASKED or none). With CARRY_PAGES
     ``page_id`` / ``bad_page`` hold the checked page id of the tile at lo, and each step reads the next
@@ -277,23 +317,42 @@ def _attend_range(
             acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, q_pe,
             kv_ptr, desc, desc_pe, bt_row, n0, seqlen, lim, stride_page, stride_tok, qk_scale, page_id,
             num_pages, PAGE, BLOCK_N, DC, NC, DR, HAS_PE, MASKED, USE_TMA, CARRY_PAGES, PRECISION, KV_FMT,
-            NAN_FIXUP)
+            NAN_FIXUP, PAIRS)
         page_id = next_id
         bad_page = next_bad | tile_bad
     return acc0, acc1, acc2, acc3, m_i, l_i, page_id, bad_page
 
 
 @triton.jit
-def _store_rows(ptrs, acc0, acc1, acc2, acc3, scale, row_ok, DC: tl.constexpr, NC: tl.constexpr):
-    """Store the NC accumulator chunks, scaled per row, to the rows ``ptrs`` [BLOCK_M, 1] point at."""
-    cols = tl.arange(0, DC)[None, :]
+def _store_rows(ptrs, acc0, acc1, acc2, acc3, scale, row_ok, DC: tl.constexpr, NC: tl.constexpr,
+                PAIRS: tl.constexpr):
+    """Store the NC accumulator chunks, scaled per row, to the rows ``ptrs`` [BLOCK_M, 1] point at (with PAIRS
+    the even- and odd-column chunks of ``_attend_tile``, interleaved back)."""
     ty = ptrs.dtype.element_ty
-    tl.store(ptrs + cols, (acc0 * scale[:, None]).to(ty), mask=row_ok[:, None])
-    if NC >= 2:
-        tl.store(ptrs + DC + cols, (acc1 * scale[:, None]).to(ty), mask=row_ok[:, None])
-    if NC == 4:
-        tl.store(ptrs + 2 * DC + cols, (acc2 * scale[:, None]).to(ty), mask=row_ok[:, None])
-        tl.store(ptrs + 3 * DC + cols, (acc3 * scale[:, None]).to(ty), mask=row_ok[:, None])
+    if PAIRS:
+        cols = tl.arange(0, 2 * DC)[None, :]
+        tl.store(ptrs + cols, (_interleave(acc0, acc1) * scale[:, None]).to(ty), mask=row_ok[:, None])
+        tl.store(ptrs + 2 * DC + cols, (_interleave(acc2, acc3) * scale[:, None]).to(ty), mask=row_ok[:, None])
+    else:
+        cols = tl.arange(0, DC)[None, :]
+        tl.store(ptrs + cols, (acc0 * scale[:, None]).to(ty), mask=row_ok[:, None])
+        if NC >= 2:
+            tl.store(ptrs + DC + cols, (acc1 * scale[:, None]).to(ty), mask=row_ok[:, None])
+        if NC == 4:
+            tl.store(ptrs + 2 * DC + cols, (acc2 * scale[:, None]).to(ty), mask=row_ok[:, None])
+            tl.store(ptrs + 3 * DC + cols, (acc3 * scale[:, None]).to(ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _even_odd(x):
+    """(even columns, odd columns) of x [M, 2N]."""
+    return tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+
+
+@triton.jit
+def _interleave(even, odd):
+    """The [M, 2N] tile whose even columns are ``even`` [M, N] and odd ones ``odd``."""
+    return tl.reshape(tl.join(even, odd), [even.shape[0], 2 * even.shape[1]])
 
 
 @triton.jit
@@ -307,7 +366,7 @@ def _decode_split_kernel(
     CAUSAL: tl.constexpr, PAGE: tl.constexpr, SCHED_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DV: tl.constexpr, NC: tl.constexpr, DR: tl.constexpr,
     HAS_PE: tl.constexpr, META_W: tl.constexpr, USE_TMA: tl.constexpr, CARRY_PAGES: tl.constexpr,
-    PRECISION: tl.constexpr, KV_FMT: tl.constexpr, NAN_FIXUP: tl.constexpr,
+    PRECISION: tl.constexpr, KV_FMT: tl.constexpr, NAN_FIXUP: tl.constexpr, PAIRS: tl.constexpr,
 ):
     """One program: a row tile of one split-plan part's requests, every KV step of each and its result.
     Long (~110 lines) on purpose: the loop-carried state (the accumulator chunks, row max and sum, the
@@ -343,15 +402,21 @@ def _decode_split_kernel(
                                                     SCHED_N)
         if tok_lo < tok_hi:
             q_ptrs = q_ptr + tl.cast(b, tl.int64) * stride_qb + q_row[:, None]
-            q0 = tl.load(q_ptrs + offs_dc[None, :], mask=row_ok[:, None], other=0.0)
-            q1 = q0
-            q2 = q0
-            q3 = q0
-            if NC >= 2:
-                q1 = tl.load(q_ptrs + DC + offs_dc[None, :], mask=row_ok[:, None], other=0.0)
-            if NC == 4:
-                q2 = tl.load(q_ptrs + 2 * DC + offs_dc[None, :], mask=row_ok[:, None], other=0.0)
-                q3 = tl.load(q_ptrs + 3 * DC + offs_dc[None, :], mask=row_ok[:, None], other=0.0)
+            if PAIRS:
+                # The chunks as _attend_tile's PAIRS reads the cache: even and odd columns of each 2 * DC.
+                q0, q1 = _even_odd(tl.load(q_ptrs + tl.arange(0, 2 * DC)[None, :], mask=row_ok[:, None], other=0.0))
+                q2, q3 = _even_odd(tl.load(q_ptrs + 2 * DC + tl.arange(0, 2 * DC)[None, :], mask=row_ok[:, None],
+                                           other=0.0))
+            else:
+                q0 = tl.load(q_ptrs + offs_dc[None, :], mask=row_ok[:, None], other=0.0)
+                q1 = q0
+                q2 = q0
+                q3 = q0
+                if NC >= 2:
+                    q1 = tl.load(q_ptrs + DC + offs_dc[None, :], mask=row_ok[:, None], other=0.0)
+                if NC == 4:
+                    q2 = tl.load(q_ptrs + 2 * DC + offs_dc[None, :], mask=row_ok[:, None], other=0.0)
+                    q3 = tl.load(q_ptrs + 3 * DC + offs_dc[None, :], mask=row_ok[:, None], other=0.0)
             q_pe = q0
             if HAS_PE:
                 q_pe = tl.load(q_ptrs + DV + tl.arange(0, DR)[None, :], mask=row_ok[:, None], other=0.0)
@@ -406,12 +471,12 @@ def _decode_split_kernel(
                 acc0, acc1, acc2, acc3, m_i, l_i, page_id, bad_page, q0, q1, q2, q3, q_pe,
                 kv_ptr, desc, desc_pe, bt_row, tok_lo, tok_mid, tok_hi, seqlen, lim, stride_page, stride_tok, qk_row,
                 NUM_PAGES, PAGE, BLOCK_N, DC, NC, DR, HAS_PE, False, USE_TMA, carry, PRECISION, KV_FMT,
-                NAN_FIXUP)
+                NAN_FIXUP, PAIRS)
             acc0, acc1, acc2, acc3, m_i, l_i, page_id, bad_page = _attend_range(
                 acc0, acc1, acc2, acc3, m_i, l_i, page_id, bad_page, q0, q1, q2, q3, q_pe,
                 kv_ptr, desc, desc_pe, bt_row, tok_mid, tok_hi, tok_hi, seqlen, lim, stride_page, stride_tok, qk_row,
                 NUM_PAGES, PAGE, BLOCK_N, DC, NC, DR, HAS_PE, True, USE_TMA, carry, PRECISION, KV_FMT,
-                NAN_FIXUP)
+                NAN_FIXUP, PAIRS)
 
             bits = bits | tl.where(bad_page, BLOCK_TABLE, 0)
             report(err_ptr, bits)
@@ -422,14 +487,14 @@ def _decode_split_kernel(
             pieces = tl.load(splits_ptr + b + 1) - s_lo
             if pieces == 1:
                 _store_rows(out_ptr + tl.cast(b, tl.int64) * stride_ob + o_row[:, None],
-                            acc0, acc1, acc2, acc3, inv_l, row_ok, DC, NC)
+                            acc0, acc1, acc2, acc3, inv_l, row_ok, DC, NC, PAIRS)
                 tl.store(lse_ptr + tl.cast(b, tl.int64) * ROWS + lse_row, lse2 * _LN2, mask=row_ok)
             else:
                 # Inside the partials buffer whatever num_splits holds (a schedule made for other lengths is
                 # caught by the verdict below, and the combine kernel then poisons every request).
                 piece = tl.minimum(tl.maximum(s_lo + tl.where(b == begin_req, begin_split, 0), 0), pieces_cap - 1)
                 p_row = piece.to(tl.int64) * ROWS + rows
-                _store_rows(part_ptr + p_row[:, None] * DV, acc0, acc1, acc2, acc3, inv_l, row_ok, DC, NC)
+                _store_rows(part_ptr + p_row[:, None] * DV, acc0, acc1, acc2, acc3, inv_l, row_ok, DC, NC, PAIRS)
                 tl.store(plse_ptr + p_row, lse2, mask=row_ok)
     if (pid_m == 0) & (part == 0):
         sched_ok = schedule_matches(seqlens_ptr, meta_ptr, splits_ptr, B, parts, tl.arange(0, 1024), SCHED_N)
@@ -547,12 +612,18 @@ def _portable_main_args(q, k_cache, block_table, cache_seqlens, metadata, num_sp
     width = kv_format_width(kv_fmt, d)
     use_tma = _tma_ok(cfg, k_cache, width)
     kv, scale_arg, fmt_id = kv_format_args(k_cache, kv_fmt, k_scale)
+    pairs = fp8_pairs(cfg, kv_fmt)
     desc = desc_pe = None
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         flat = kv.view(-1, width)
-        desc = TensorDescriptor(flat, list(flat.shape), [width, 1], [cfg.block_n, head_dim_v // cfg.chunks])
+        if pairs:
+            # The latent bytes as 16-bit words (``_kv_pairs``): boxes of 2 * 128 bytes.
+            words = flat.view(torch.int16)
+            desc = TensorDescriptor(words, list(words.shape), [width // 2, 1], [cfg.block_n, head_dim_v // cfg.chunks])
+        else:
+            desc = TensorDescriptor(flat, list(flat.shape), [width, 1], [cfg.block_n, head_dim_v // cfg.chunks])
         # fp8_ds_mla's rope columns are bf16 values at a 16-byte aligned offset of the row.
         pe = flat.view(torch.bfloat16) if kv_fmt == "fp8_ds_mla" else flat
         desc_pe = TensorDescriptor(pe, list(pe.shape), [pe.shape[1], 1], [cfg.block_n, max(dr, 16)])
@@ -565,8 +636,16 @@ def _portable_main_args(q, k_cache, block_table, cache_seqlens, metadata, num_sp
                    DV=head_dim_v, NC=cfg.chunks, DR=max(dr, 16), HAS_PE=dr > 0, META_W=METADATA_WIDTH,
                    USE_TMA=use_tma, CARRY_PAGES=cfg.carry_pages,
                    PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FMT=fmt_id,
-                   NAN_FIXUP=fmt_id > 0 and fp8_nan_fixup(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                   NAN_FIXUP=fmt_id > 0 and fp8_nan_fixup(), PAIRS=pairs, num_warps=cfg.num_warps,
+                   num_stages=cfg.num_stages)
     return _SPLIT, (m_tiles, metadata.shape[0], 1), args, options
+
+
+def fp8_pairs(cfg: DecodeConfig, kv_fmt: str | None) -> bool:
+    """Whether the main kernel reads an FP8 cache's latent bytes as 16-bit words (``_attend_tile``'s PAIRS):
+    four chunks of a 512-column value, tiles of up to 32 rows (warp-level MMAs, whose value operand is read
+    from shared memory in pairs of tokens; 64-row tiles compile to wgmma, which reads it in place)."""
+    return kv_fmt is not None and cfg.chunks == 4 and cfg.block_m <= 32
 
 
 def _combine_args(out, lse, partials, num_splits, cache_seqlens, err, parts, capacity, pdl, block_r):
