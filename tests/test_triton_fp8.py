@@ -148,3 +148,32 @@ def test_e4m3_decode_takes_query_rows_of_any_magnitude(device):
     assert_attention_close(out.cpu(), lse.cpu(), ref_out.reshape(2, 1, heads, 512),
                            ref_lse.reshape(2, 1, heads).transpose(1, 2), TOLERANCES[dtype], "decode")
     assert cos_diff(out.cpu(), ref_out.reshape(2, 1, heads, 512)) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_format", ["fp8_e4m3", "fp8_ds_mla"])
+@pytest.mark.parametrize("heads", [16, 32, 64])
+def test_repeated_fp8_decode_calls_read_their_own_cache_and_scale(kv_format, heads):
+    """A call shape's second and later calls launch the bound kernel (``launch.BoundLaunch``) with only the
+    addresses changed: each call must read its own cache, q and (fp8_e4m3) k_scale, by TMA (pages of 64) and
+    by pointer loads (pages of 16). Up to 32 query rows the kernel reads the latent bytes as words
+    (``decode.fp8_pairs``); 64 rows does not."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    lens = [70, 130, 1]
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    for page in (16, 64):
+        md, ns = pagedmla.get_mla_metadata(seqlens, heads, 1)
+        for call in range(3):
+            scale = torch.tensor([0.004 * (call + 1)])
+            ks = scale if kv_format == "fp8_e4m3" else None
+            cache = make_paged_cache(lens, page, 576, generator=gen("triton-fp8-bound", kv_format, heads, page, call),
+                                     scale=0.3, kv_format=kv_format, k_scale=scale.item(),
+                                     encode=lambda rows, ks=ks: pagedmla.quantize_latent(rows, kv_format, k_scale=ks))
+            kw = dict(k_scale=scale.cuda()) if kv_format == "fp8_e4m3" else dict(is_fp8_kvcache=True)
+            q = torch.randn(3, 1, heads, 576, generator=gen("triton-fp8-bound-q", heads, page, call)).bfloat16()
+            out, lse = pagedmla.flash_mla_with_kvcache(q.cuda(), cache.k_cache.cuda(), cache.block_table.cuda(),
+                                                       seqlens, 512, md, ns, causal=True, provider="triton", **kw)
+            ref_out, ref_lse = dense_paged(q.reshape(3, heads, 576), [0, 1, 2, 3], cache.rows, 576 ** -0.5, True, 512)
+            assert_attention_close(out.cpu(), lse.cpu(), ref_out.reshape(3, 1, heads, 512),
+                                   ref_lse.reshape(3, 1, heads).transpose(1, 2), TOLERANCES[torch.bfloat16], kv_format)

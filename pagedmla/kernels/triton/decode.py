@@ -705,15 +705,17 @@ class _DecodePlan:
             qp, kp, bp = q.data_ptr(), k_cache.data_ptr(), block_table.data_ptr()
             sp, mp, np_ = cache_seqlens.data_ptr(), metadata.data_ptr(), num_splits.data_ptr()
             op, lp = out.data_ptr(), lse.data_ptr()
+            # fp8_e4m3's scale is the main kernel's last tensor parameter.
+            xp = (k_scale.data_ptr(),) if self.kv_fmt == "fp8_e4m3" else ()
             # The kernels were compiled for 16-byte aligned arguments (the first call's).
-            if not (qp | kp | bp | sp | mp | np_ | op | lp) & 15:
+            if not (qp | kp | bp | sp | mp | np_ | op | lp | (xp[0] if xp else 0)) & 15:
                 main, grid, combine, cgrid = bound
                 pp, ep = partials.data_ptr(), err.data_ptr()
                 stream = current_stream(dev.index)
                 if self.cfg.use_sm90:
                     main.launch(grid, stream, (bp, sp, mp, np_, op, lp, pp, ep), (qp, qp, kp, kp))
                 else:
-                    main.launch(grid, stream, (qp, kp, bp, sp, mp, np_, op, lp, pp, ep), (kp, kp))
+                    main.launch(grid, stream, (qp, kp, bp, sp, mp, np_, op, lp, pp, ep, *xp), (kp, kp))
                 combine.launch(cgrid, stream, (op, lp, pp, np_, sp, ep))
                 return out, lse
         if q.stride(-1) != 1:
@@ -732,8 +734,7 @@ class _DecodePlan:
             own_q = True
         cgrid, cargs, coptions = _combine_args(out, lse, partials, num_splits, cache_seqlens, err, self.parts,
                                                self.capacity, self.pdl, self.block_r)
-        # FP8 calls launch through the JIT cache: the bound launch's address list has no slot for k_scale.
-        if not self.tried_bind and dev.type == "cuda" and own_q and self.kv_fmt is None:
+        if not self.tried_bind and dev.type == "cuda" and own_q:
             # Bind once, from a call whose tensors the later calls' addresses stand for (no copy of q).
             self.tried_bind = True
             main = kernel.bind(dev, grid, *args, **options)
