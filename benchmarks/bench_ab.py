@@ -17,7 +17,7 @@ noise the ratio should be read against). ``same`` says whether the versions retu
 
     git archive REV pagedmla | tar -x -C /tmp/rev     # the other checkout (a directory holding pagedmla/)
     python3 benchmarks/bench_ab.py --other /tmp/rev [--other /tmp/rev2 ...] [--quick] [--rounds 2]
-        [--only decode|ragged|paged] [--match SUBSTRING] [--csv F]
+        [--only decode|ragged|paged] [--kv-format fp8_e4m3|fp8_ds_mla] [--match SUBSTRING] [--csv F]
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import torch
 import triton
 
 import pagedmla
+from pagedmla import kv_format
 from pagedmla.bench import decode as bdecode
 from pagedmla.bench import prefill as bprefill
 
@@ -75,19 +76,28 @@ Bind = Callable[[ModuleType], Callable[[], torch.Tensor]]
 Cells = list[tuple[str, Callable[[], Bind]]]
 
 
-def decode_cells(quick: bool) -> Cells:
-    """(name, setup) per cell: setup() makes the inputs once and returns bind(lib), lib's timed call."""
+def decode_cells(quick: bool, fmt: str | None = None) -> Cells:
+    """(name, setup) per cell: setup() makes the inputs once and returns bind(lib), lib's timed call. ``fmt``:
+    the cache quantised to that FP8 format (``pagedmla.kv_format``, this checkout's quantiser: the bytes are
+    the format's, the same for every version)."""
     cells = []
     for cell in bdecode.grid(quick):
         def setup(cell=cell) -> Bind:
             inp = bdecode.Inputs(cell, seed=0, l2_bytes=0)  # one copy: do_bench flushes L2 between calls
+            cache, kw = inp.cache[0], {}
+            if fmt == "fp8_e4m3":
+                kw = {"k_scale": kv_format.fit_k_scale(cache)}
+                cache = kv_format.quantize_latent(cache, fmt, **kw)
+            elif fmt == "fp8_ds_mla":
+                cache, kw = kv_format.quantize_latent(cache, fmt), {"is_fp8_kvcache": True}
 
             def bind(lib: ModuleType) -> Callable[[], torch.Tensor]:
                 meta, splits = lib.get_mla_metadata(inp.seqlens, cell.q_len * cell.heads, 1)
-                return lambda: lib.flash_mla_with_kvcache(inp.q[0], inp.cache[0], inp.table, inp.seqlens,
-                                                          bdecode.DV, meta, splits, causal=True)[0]
+                return lambda: lib.flash_mla_with_kvcache(inp.q[0], cache, inp.table, inp.seqlens,
+                                                          bdecode.DV, meta, splits, causal=True, **kw)[0]
             return bind
-        cells.append((f"decode b{cell.b} q{cell.q_len} h{cell.heads} s{cell.mean}", setup))
+        cells.append((f"decode{'' if fmt is None else ' ' + fmt} b{cell.b} q{cell.q_len} h{cell.heads} "
+                      f"s{cell.mean}", setup))
     return cells
 
 
@@ -129,18 +139,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--only", choices=("decode", "ragged", "paged"), action="append", help="run only these grids")
     ap.add_argument("--match", action="append", metavar="SUBSTRING",
                     help="only the cells whose name holds one of these (repeatable)")
+    ap.add_argument("--kv-format", choices=("fp8_e4m3", "fp8_ds_mla"), action="append", default=[],
+                    help="time the decode grid on a cache of this FP8 format (repeatable; without --only, only these)")
     ap.add_argument("--csv", metavar="PATH", help="write every cell's figures to PATH")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_ab.py times CUDA kernels: no CUDA device here")
     parts = {"decode": decode_cells, "ragged": ragged_cells, "paged": paged_cells}
+    parts |= {fmt: lambda quick, fmt=fmt: decode_cells(quick, fmt) for fmt in args.kv_format}
     names = labels(args.other)
     with tempfile.TemporaryDirectory() as tmp:
         versions = {"this": pagedmla}
         for i, (label, checkout) in enumerate(zip(names, args.other)):
             versions[label] = import_other(checkout, Path(tmp), OTHER if i == 0 else f"{OTHER}{i}")
         rows = []
-        for part in args.only or list(parts):
+        default = [] if args.kv_format else ["decode", "ragged", "paged"]
+        for part in (args.only or default) + args.kv_format:
             for name, setup in parts[part](args.quick):
                 if args.match and not any(m in name for m in args.match):
                     continue

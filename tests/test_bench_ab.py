@@ -90,3 +90,29 @@ def test_rows_and_table_of_three_versions(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "| decode b128 q1 h16 s4096 | 9.0 | 11.0 | 20.0 | 1.222 | 2.222 | 11.1% / 9.1% / 5.0% | NO |" in out
     assert "HEAD / this: geomean 2.222, min 2.222, max 2.222 over 1 cells" in out
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_ds_mla"])
+def test_fp8_decode_cells_call_on_the_quantised_cache(monkeypatch, fmt):
+    """``--kv-format``: each decode cell quantises its cache once and every version's call reads those bytes
+    (with the format's keyword: k_scale, or is_fp8_kvcache): the output is the FP8 cache's, near the bf16
+    cell's and not equal to it."""
+    import functools
+
+    import pagedmla
+    from pagedmla.bench import decode as bdecode
+
+    bench = load("bench_ab")
+    monkeypatch.setattr(bench.bdecode, "grid", lambda quick: [bdecode.Cell(2, 1, 4, 40)])
+    monkeypatch.setattr(bench.bdecode, "Inputs", functools.partial(bdecode.Inputs, device="cpu",
+                                                                  dtype=torch.float16))
+    (name, setup), = bench.decode_cells(True, fmt)
+    (_, setup_bf16), = bench.decode_cells(True)
+    assert name == f"decode {fmt} b2 q1 h4 s40"
+    torch.manual_seed(0)  # Inputs draws q and the cache from the global generator: the same for both cells
+    out = setup()(pagedmla)()
+    torch.manual_seed(0)
+    ref = setup_bf16()(pagedmla)()
+    assert torch.isfinite(out).all() and not torch.equal(out, ref)
+    cos = torch.nn.functional.cosine_similarity(out.double().flatten(), ref.double().flatten(), dim=0)
+    assert 1 - cos < 1e-3
