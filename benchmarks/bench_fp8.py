@@ -13,12 +13,17 @@ Paged prefill: ``pagedmla.bench.prefill.PAGED_GRID`` (b requests of ``new`` toke
 ``flash_mla_varlen_with_kvcache`` eager on bf16 and both FP8 caches (milliseconds per call: the host path
 adds nothing measurable), ``bf16/fp8`` as above.
 
+Extend forms: one layer's EXTEND step over a cached prefix (``FORMS_B`` requests of ``FORMS_PREFIX`` cached
+tokens, each of ``FORMS_NEW`` new tokens, ``FORMS_HEADS`` heads) through ``MLABackend``, in the absorbed form
+(with the model's q absorption and output projection) and the chunked form (with the prefix's decompression),
+eager, on every cache format: where ``MLAConfig.chunked_prefix_min_extend`` should put the switch.
+
 Store: ``MLAKVCache.store`` of one decode step's rows (128, 576 wide, bf16 in) into one layer of each cache
 format, against one decode call of 128 x 1 x 16 heads x 4096 on the same format (both as graphs): the store's
 share of the attention work of a decode step, per layer (the whole step, with the model's matmuls, is
 larger, so the share of the step is smaller).
 
-    python3 benchmarks/bench_fp8.py [--quick] [--eager] [--only decode|prefill|store] [--csv fp8.csv]
+    python3 benchmarks/bench_fp8.py [--quick] [--eager] [--only decode|prefill|store|forms] [--csv fp8.csv]
 
 On a machine without CUDA the same runs as a smoke test on tiny cells (float16, wall clock, no graphs).
 """
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import math
 import sys
 from collections.abc import Callable
@@ -35,10 +41,12 @@ import torch
 import triton
 
 from pagedmla import kv_format
+from pagedmla.backend import ForwardBatch, ForwardMode, MLABackend
 from pagedmla.bench import decode as bdecode
 from pagedmla.bench import prefill as bprefill
 from pagedmla.bench.common import wall_clock_us
 from pagedmla.cache import MLAKVCache
+from pagedmla.config import MLAConfig
 from pagedmla.ops.attention import flash_mla_varlen_with_kvcache, flash_mla_with_kvcache
 from pagedmla.ops.schedule import get_mla_metadata
 
@@ -47,6 +55,8 @@ FORMATS = ("fp8_e4m3", "fp8_ds_mla")
 COS_LIMIT = 1e-5  # the conformance suite's bound for FP8 caches against the reference on the same bytes
 STORE_ROWS = 128
 STORE_CELL = bdecode.Cell(128, 1, 16, 4096)
+# The extend-forms part: requests, cached tokens, heads (a TP-sharded rank) and new tokens per request.
+FORMS_B, FORMS_PREFIX, FORMS_HEADS, FORMS_NEW = 8, 4096, 16, (16, 32, 64, 128, 256)
 CPU_PREFILL_GRID = [(2, 16, 48, 16)]
 
 
@@ -167,6 +177,72 @@ def store_rows_cost(dtype: torch.dtype) -> list[dict]:
     return out
 
 
+def _extend_step(backend: MLABackend, form: str, x: dict) -> torch.Tensor:
+    """One layer's EXTEND in ``form`` on the tensors ``x`` (``extend_forms_cost``), planned already: an
+    engine plans a step once for all its layers."""
+    t, heads = x["q_nope"].shape[:2]
+    if form == "absorbed":
+        q = torch.cat([torch.einsum("thn,hnc->thc", x["q_nope"], x["w_kc"]), x["q_pe"]], -1)
+        o = backend.forward(q, x["latent"][:, None], None, 0, x["loc"], x["cache"])
+        return torch.einsum("thc,hcv->thv", o.view(t, heads, DV), x["w_vc"])
+    q = torch.cat([x["q_nope"], x["q_pe"]], -1)
+    return backend.forward(q, x["k"], x["v"], 0, x["loc"], x["cache"], latent=x["latent"],
+                           kv_decompress=x["decompress"])
+
+
+def extend_forms_cost(dtype: torch.dtype) -> list[dict]:
+    """Per cache format and new-token count: one layer's EXTEND over a cached prefix in the absorbed form (the
+    paged kernel on the cache, with the model's q absorption and output projection around it) and in the
+    chunked form (ragged MHA over the new tokens, then the prefix gathered, decompressed and attended), through
+    ``MLABackend`` as an engine calls it, eager, the step planned once (not timed). Where the chunked form
+    gets cheaper is what ``MLAConfig.chunked_prefix_min_extend`` should say for that format."""
+    device = torch.device("cuda" if cuda() else "cpu")
+    b, prefix, heads = (FORMS_B, FORMS_PREFIX, FORMS_HEADS) if cuda() else (2, 40, 4)
+    news = FORMS_NEW if cuda() else (4,)
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def rnd(*shape):
+        return (torch.randn(*shape, device=device, generator=g) / 10).to(dtype)
+
+    w_kv = rnd(DV, heads * 256)  # latent -> k_nope, v (the chunked form's decompression)
+
+    def decompress(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = (rows[:, :DV] @ w_kv).view(-1, heads, 256)
+        return torch.cat([kv[..., :128], rows[:, None, DV:].expand(-1, heads, -1)], -1), kv[..., 128:]
+
+    # q_nope -> latent and latent -> v: the absorbed form's projections around the kernel.
+    x = {"w_kc": rnd(heads, 128, DV), "w_vc": rnd(heads, DV, 128), "decompress": decompress}
+    out = []
+    for fmt in ("bf16", *FORMATS):
+        pages_per = triton.cdiv(prefix + max(news), PAGE)
+        x["cache"] = MLAKVCache(1, b * pages_per + 1, PAGE, D, dtype=dtype if fmt == "bf16" else fmt, device=device)
+        table = (torch.randperm(b * pages_per, device=device, generator=g) + 1).int().view(b, pages_per)
+        slots = (table.long()[:, :, None] * PAGE + torch.arange(PAGE, device=device)).view(b, -1)
+        x["cache"].store(0, slots[:, :prefix].reshape(-1), rnd(b * prefix, D))
+        for new in news:
+            lens = torch.full((b,), prefix + new, device=device, dtype=torch.int32)
+            batch = ForwardBatch(ForwardMode.EXTEND, torch.arange(b, device=device), lens, table,
+                                 seq_lens_cpu=[prefix + new] * b, extend_seq_lens_cpu=[new] * b,
+                                 extend_prefix_lens_cpu=[prefix] * b)
+            x.update(loc=slots[:, prefix:prefix + new].reshape(-1), q_nope=rnd(b * new, heads, 128),
+                     q_pe=rnd(b * new, heads, D - DV), latent=rnd(b * new, D))
+            x["k"], x["v"] = decompress(x["latent"])
+            row = {"cell": f"{fmt} {b}x{new} over {prefix} h{heads}"}
+            for form in ("absorbed", "chunked"):
+                cfg = MLAConfig(num_heads=heads, page_size=PAGE, dtype=dtype,
+                                kv_cache_dtype=None if fmt == "bf16" else fmt, max_context_len=pages_per * PAGE,
+                                max_batch_size=b, num_layers=1, extend_prefix_mode=form)
+                backend = MLABackend(cfg, device=device, provider="triton")
+                backend.init_forward_metadata(batch)
+                step = functools.partial(_extend_step, backend, form, x)
+                step()
+                row[f"{form}_us"] = timed(step)
+            out.append(row)
+            print(f"extend forms {row['cell']}: absorbed {row['absorbed_us']:.1f} us, chunked "
+                  f"{row['chunked_us']:.1f} us", flush=True)
+    return out
+
+
 def _fmt(x: float | None, digits: int = 1) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
@@ -193,10 +269,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the decode grid's quick cells, two prefill cells")
     ap.add_argument("--eager", action="store_true", help="also time the eager decode calls")
-    ap.add_argument("--only", choices=("decode", "prefill", "store"), action="append", help="run only these parts")
+    ap.add_argument("--only", choices=("decode", "prefill", "store", "forms"), action="append",
+                    help="run only these parts")
     ap.add_argument("--csv", metavar="PATH", help="write every row's figures to PATH")
     args = ap.parse_args(argv)
-    parts = args.only or ["decode", "prefill", "store"]
+    parts = args.only or ["decode", "prefill", "store", "forms"]
     dtype = torch.bfloat16 if cuda() else torch.float16  # the interpreter's dot is wrong for bf16
     l2 = torch.cuda.get_device_properties(0).L2_cache_size if cuda() else 0
     where = torch.cuda.get_device_name() if cuda() else "CPU (smoke run: tiny cells, wall clock)"
@@ -216,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             prefill_rows.append(prefill_cell(b, new, cached, h, dtype))
             print(f"prefill {prefill_rows[-1]['cell']} done", flush=True)
     store_rows = store_rows_cost(dtype) if "store" in parts else []
+    form_rows = extend_forms_cost(dtype) if "forms" in parts else []
     if decode_rows:
         print_decode(decode_rows, "graph" if cuda() else "eager")
         if args.eager and cuda():
@@ -242,7 +320,14 @@ def main(argv: list[str] | None = None) -> int:
         print("|---|---|---|---|")
         for r in store_rows:
             print(f"| {r['cell']} | {r['store_us']:.1f} | {r['decode_us']:.1f} | {100 * r['share']:.1f}% |")
-    rows = decode_rows + prefill_rows + store_rows
+    if form_rows:
+        print("\n### EXTEND over a cached prefix, one layer, eager: absorbed vs chunked form (µs per step)\n")
+        print("| cell | absorbed | chunked | absorbed / chunked |")
+        print("|---|---|---|---|")
+        for r in form_rows:
+            print(f"| {r['cell']} | {r['absorbed_us']:.1f} | {r['chunked_us']:.1f} | "
+                  f"{r['absorbed_us'] / r['chunked_us']:.3f} |")
+    rows = decode_rows + prefill_rows + store_rows + form_rows
     if args.csv and rows:
         fields = list(dict.fromkeys(k for r in rows for k in r))
         with open(args.csv, "w", newline="") as f:

@@ -19,6 +19,7 @@ def test_cpu_run_prints_every_part_and_writes_the_csv(tmp_path, capsys):
     assert re.search(r"\| 2x16 over 48 h16 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| ", out), out
     for fmt in ("bf16", "fp8_e4m3", "fp8_ds_mla"):
         assert re.search(rf"\| store 128 rows, {fmt} \| [\d.]+ \| [\d.]+ \| [\d.]+% \|", out), out
+        assert re.search(rf"\| {fmt} 2x4 over 40 h4 \| [\d.]+ \| [\d.]+ \| [\d.]+ \|", out), out
     assert "BAD" not in out
     with open(path) as f:
         rows = list(csv.DictReader(f))
