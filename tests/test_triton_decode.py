@@ -305,3 +305,36 @@ def test_combine_kernel_tile_shapes(block_r):
         want_l = torch.logsumexp(plse[s].double() * math.log(2), dim=0)
         torch.testing.assert_close(got_o.double(), want_o, atol=2e-3, rtol=2e-3)
         torch.testing.assert_close(got_l.double(), want_l, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_format", [None, "fp8_e4m3"])
+@pytest.mark.parametrize("heads", [16, 64])
+def test_repeated_calls_on_a_strided_q_read_each_q(kv_format, heads):
+    """A q whose last dimension is strided is copied before the kernels run: the call shape's later calls must
+    not take the bound launch (it would read the caller's q by address with the copy's strides). Three calls
+    with other q values, each against the torch provider (16 heads: the portable kernel; 64: the Hopper one
+    for bf16)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    import pagedmla
+
+    lens = [70, 130, 1]
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    g = torch.Generator().manual_seed(heads)
+    rows = (torch.randn(12 * 64, 576, generator=g) * 0.3).bfloat16().cuda()
+    kw = {}
+    cache = rows.view(12, 64, 1, 576)
+    if kv_format == "fp8_e4m3":
+        kw = {"k_scale": torch.tensor([0.01], device="cuda")}
+        cache = pagedmla.quantize_latent(cache, kv_format, **kw)
+    table = (torch.randperm(11, generator=g)[:9] + 1).int().view(3, 3).cuda()
+    md, ns = get_mla_metadata(seqlens, heads, 1)
+    for call in range(3):
+        wide = torch.randn(3, 1, heads, 2 * 576, generator=g).bfloat16().cuda()
+        q = wide[..., ::2]  # stride 2 in the last dimension
+        out, lse = flash_mla_with_kvcache(q, cache, table, seqlens, 512, md, ns, causal=True, provider="triton", **kw)
+        ref, ref_lse = flash_mla_with_kvcache(q.contiguous(), cache, table, seqlens, 512, md, ns, causal=True,
+                                              provider="torch", **kw)
+        assert cos_diff(out, ref) < 1e-5, call
+        torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)

@@ -718,6 +718,9 @@ class _DecodePlan:
                     main.launch(grid, stream, (qp, kp, bp, sp, mp, np_, op, lp, pp, ep, *xp), (kp, kp))
                 combine.launch(cgrid, stream, (op, lp, pp, np_, sp, ep))
                 return out, lse
+        # The bound launch takes later calls' q by address with the bound call's strides: bind only from a call
+        # that ran on the caller's own q, not on a copy of it (made below or by tma_rows).
+        q_in = q
         if q.stride(-1) != 1:
             q = q.contiguous()
         if self.cfg.use_sm90:
@@ -726,16 +729,16 @@ class _DecodePlan:
             kernel, grid, args, options = main_args(q_rows, k_cache, block_table, cache_seqlens, metadata,
                                                     num_splits, self.scale, self.causal, out, lse, partials,
                                                     err, self.pdl)
-            own_q = q_rows.data_ptr() == q.data_ptr()
+            own_q = q_rows.data_ptr() == q_in.data_ptr()
         else:
             kernel, grid, args, options = _portable_main_args(q, k_cache, block_table, cache_seqlens, metadata,
                                                               num_splits, self.scale, self.causal, self.cfg, out,
                                                               lse, partials, err, self.kv_fmt, k_scale)
-            own_q = True
+            own_q = q is q_in
         cgrid, cargs, coptions = _combine_args(out, lse, partials, num_splits, cache_seqlens, err, self.parts,
                                                self.capacity, self.pdl, self.block_r)
         if not self.tried_bind and dev.type == "cuda" and own_q:
-            # Bind once, from a call whose tensors the later calls' addresses stand for (no copy of q).
+            # Bind once, from a call whose tensors the later calls' addresses stand for.
             self.tried_bind = True
             main = kernel.bind(dev, grid, *args, **options)
             combine = _COMBINE.bind(dev, cgrid, *cargs, **coptions)
