@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="time the decode grid on a cache of this FP8 format (repeatable; without --only, only these)")
     ap.add_argument("--csv", metavar="PATH", help="write every cell's figures to PATH")
     args = ap.parse_args(argv)
+    args.kv_format = list(dict.fromkeys(args.kv_format))  # a format named twice runs once
     if not torch.cuda.is_available():
         raise SystemExit("bench_ab.py times CUDA kernels: no CUDA device here")
     parts = {"decode": decode_cells, "ragged": ragged_cells, "paged": paged_cells}

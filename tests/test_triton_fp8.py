@@ -177,3 +177,33 @@ def test_repeated_fp8_decode_calls_read_their_own_cache_and_scale(kv_format, hea
             ref_out, ref_lse = dense_paged(q.reshape(3, heads, 576), [0, 1, 2, 3], cache.rows, 576 ** -0.5, True, 512)
             assert_attention_close(out.cpu(), lse.cpu(), ref_out.reshape(3, 1, heads, 512),
                                    ref_lse.reshape(3, 1, heads).transpose(1, 2), TOLERANCES[torch.bfloat16], kv_format)
+
+
+def test_word_reads_need_even_rows():
+    """The words of ``decode.fp8_pairs`` are read through int16 pointers: an fp8_e4m3 cache whose rows start at
+    odd addresses (carved out of a byte buffer at offset 1) runs the byte reads instead, and still matches the
+    reference; the same cache at an even address reads words."""
+    from pagedmla.kernels.triton.decode import DecodeConfig as Cfg
+    from pagedmla.kernels.triton.decode import _portable_main_args
+
+    lens = [37, 70]
+    cache, kw = _cache("fp8_e4m3", lens, 16, "odd")
+    n = cache.k_cache.numel()
+    odd, even = (torch.empty(n + 2, dtype=torch.uint8)[at:at + n].view(torch.float8_e4m3fn).view(cache.k_cache.shape)
+                 for at in (1, 2))
+    for c in (odd, even):
+        c.view(torch.uint8).copy_(cache.k_cache.view(torch.uint8))
+    assert odd.data_ptr() % 2 == 1 and even.data_ptr() % 2 == 0
+    q = torch.randn(2, 1, 16, 576, generator=gen("triton-fp8-odd-q")).half()
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    md, ns = pagedmla.get_mla_metadata(seqlens, 16, 1, num_sm_parts=2)
+    cfg = Cfg(block_m=16, block_n=32, num_warps=4, num_stages=3, chunks=4, use_tma=True, carry_pages=True)
+    out, lse = torch.empty(2, 1, 16, 512, dtype=q.dtype), torch.empty(2, 16, 1)
+    for k_cache, words in ((odd, False), (even, True)):
+        *_, options = _portable_main_args(q, k_cache, cache.block_table, seqlens, md, ns, 576 ** -0.5, True, cfg,
+                                          out, lse, torch.empty(1), torch.zeros(1, dtype=torch.int32),
+                                          "fp8_e4m3", kw["k_scale"])
+        assert options["PAIRS"] is words
+        got = _decode(q, cache._replace(k_cache=k_cache), lens, kw, "triton")
+        ref = _decode(q, cache, lens, kw, "torch")
+        assert_attention_close(*got, *ref, TOLERANCES[torch.float16], "decode")

@@ -612,7 +612,9 @@ def _portable_main_args(q, k_cache, block_table, cache_seqlens, metadata, num_sp
     width = kv_format_width(kv_fmt, d)
     use_tma = _tma_ok(cfg, k_cache, width)
     kv, scale_arg, fmt_id = kv_format_args(k_cache, kv_fmt, k_scale)
-    pairs = fp8_pairs(cfg, kv_fmt)
+    # Words are read through int16 pointers: rows at even addresses only (a cache carved out of a byte buffer at
+    # an odd offset reads its bytes one by one, as before).
+    pairs = fp8_pairs(cfg, kv_fmt) and not (kv.data_ptr() | kv.stride(0) | kv.stride(1)) & 1
     desc = desc_pe = None
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
