@@ -338,3 +338,27 @@ def test_repeated_calls_on_a_strided_q_read_each_q(kv_format, heads):
                                               provider="torch", **kw)
         assert cos_diff(out, ref) < 1e-5, call
         torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("dv", [16, 32])
+@pytest.mark.parametrize("heads", [4, 40])
+def test_default_config_keeps_chunks_16_columns_wide(dv, heads):
+    """Small value widths: the default tiles split the value into at most head_dim_v / 16 chunks (the dots'
+    least depth, which the checked user configs already demand), and the result matches the torch provider
+    (16- and 64-row tiles)."""
+    from pagedmla.kernels.triton.decode import select_config
+
+    d = dv + 16
+    g = torch.Generator().manual_seed(dv + heads)
+    lens = [9, 70]
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    cache = (torch.randn(6, 16, 1, d, generator=g) * 0.5).half()
+    table = (torch.randperm(5, generator=g) + 1).int().view(1, 5).repeat(2, 1)
+    q = (torch.randn(2, 1, heads, d, generator=g) * 0.5).half()
+    cfg = select_config(q, cache, dv)
+    assert dv // cfg.chunks >= 16, cfg
+    md, ns = get_mla_metadata(seqlens, heads, 1, num_sm_parts=2)
+    out, lse = flash_mla_with_kvcache(q, cache, table, seqlens, dv, md, ns, causal=True, provider="triton")
+    ref, ref_lse = flash_mla_with_kvcache(q, cache, table, seqlens, dv, md, ns, causal=True, provider="torch")
+    assert cos_diff(out, ref) < 1e-5
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)

@@ -855,13 +855,17 @@ def select_config(q: torch.Tensor, k_cache: torch.Tensor, head_dim_v: int,
                   config: DecodeConfig | None = None, kv_format: str | None = None) -> DecodeConfig:
     """The main-kernel config ``paged_decode_triton`` runs for these inputs: ``config`` (checked), else the
     Hopper kernel for more than 16 query rows where ``sm90_supported`` holds (never for an FP8 ``kv_format``:
-    the Hopper kernels read bf16/fp16 caches), else ``default_config``."""
+    the Hopper kernels read bf16/fp16 caches), else ``default_config`` with no more column chunks than
+    keep each 16 columns wide (the dots' least depth: head_dim_v 16 or 32 run one or two chunks)."""
     rows = q.shape[1] * q.shape[2]
     hopper = kv_format is None and sm90_supported(q, k_cache, head_dim_v)
     if config is None:
         if rows >= SM90_MIN_ROWS and hopper:
             return DecodeConfig(block_m=64, use_sm90=True)
-        return default_config(rows, kv_format is not None)
+        cfg = default_config(rows, kv_format is not None)
+        if head_dim_v // cfg.chunks < 16:
+            cfg = dataclasses.replace(cfg, chunks=max(1, head_dim_v // 16))
+        return cfg
     if config.use_sm90:
         if kv_format is not None:
             raise ValueError(f"config: use_sm90 reads bf16/fp16 caches, not {kv_format}; FP8 caches run the "
