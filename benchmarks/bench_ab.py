@@ -37,9 +37,9 @@ import torch
 import triton
 
 import pagedmla
-from pagedmla import kv_format
 from pagedmla.bench import decode as bdecode
 from pagedmla.bench import prefill as bprefill
+from pagedmla.bench.common import fp8_caches
 
 OTHER = "pagedmla_other"
 
@@ -84,12 +84,7 @@ def decode_cells(quick: bool, fmt: str | None = None) -> Cells:
     for cell in bdecode.grid(quick):
         def setup(cell=cell) -> Bind:
             inp = bdecode.Inputs(cell, seed=0, l2_bytes=0)  # one copy: do_bench flushes L2 between calls
-            cache, kw = inp.cache[0], {}
-            if fmt == "fp8_e4m3":
-                kw = {"k_scale": kv_format.fit_k_scale(cache)}
-                cache = kv_format.quantize_latent(cache, fmt, **kw)
-            elif fmt == "fp8_ds_mla":
-                cache, kw = kv_format.quantize_latent(cache, fmt), {"is_fp8_kvcache": True}
+            cache, kw = (inp.cache[0], {}) if fmt is None else fp8_caches(inp.cache[0])[fmt]
 
             def bind(lib: ModuleType) -> Callable[[], torch.Tensor]:
                 meta, splits = lib.get_mla_metadata(inp.seqlens, cell.q_len * cell.heads, 1)

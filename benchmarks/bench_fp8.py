@@ -40,11 +40,10 @@ from collections.abc import Callable
 import torch
 import triton
 
-from pagedmla import kv_format
 from pagedmla.backend import ForwardBatch, ForwardMode, MLABackend
 from pagedmla.bench import decode as bdecode
 from pagedmla.bench import prefill as bprefill
-from pagedmla.bench.common import wall_clock_us
+from pagedmla.bench.common import fp8_caches, wall_clock_us
 from pagedmla.cache import MLAKVCache
 from pagedmla.config import MLAConfig
 from pagedmla.ops.attention import flash_mla_varlen_with_kvcache, flash_mla_with_kvcache
@@ -67,13 +66,6 @@ def cuda() -> bool:
 def timed(fn: Callable[[], object]) -> float:
     """Median µs of fn: ``do_bench`` (L2 flushed) on CUDA, a wall-clock median elsewhere."""
     return bdecode.bench(fn) if cuda() else wall_clock_us(fn, reps=1)
-
-
-def fp8_caches(cache: torch.Tensor) -> dict[str, tuple[torch.Tensor, dict]]:
-    """{format: (cache in that format, the public calls' keyword arguments for it)} of a bf16/fp16 cache."""
-    k_scale = kv_format.fit_k_scale(cache)
-    return {"fp8_e4m3": (kv_format.quantize_latent(cache, "fp8_e4m3", k_scale=k_scale), {"k_scale": k_scale}),
-            "fp8_ds_mla": (kv_format.quantize_latent(cache, "fp8_ds_mla"), {"is_fp8_kvcache": True})}
 
 
 def cos_check(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, bool]:

@@ -1,5 +1,5 @@
-"""What the benchmark grids share: the CPU wall-clock timer, baseline detection, the PNG plots and the
-command-line entry point whose bad flags end in one line."""
+"""What the benchmark grids share: the CPU wall-clock timer, baseline detection, FP8 copies of a cache, the
+PNG plots and the command-line entry point whose bad flags end in one line."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import importlib.util
 import statistics
 import time
 from collections.abc import Callable, Sequence
+
+from pagedmla import kv_format
 
 # Timer labels printed with every table, so that CPU figures are never read as GPU ones.
 CUDA_TIMER = "triton.testing.do_bench median (CUDA events)"
@@ -20,6 +22,14 @@ def installed(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
         return False
+
+
+def fp8_caches(cache):
+    """{format: (cache in that format, the public calls' keyword arguments for it)} of a bf16/fp16 paged cache
+    (fp8_e4m3 with ``k_scale`` fitted over its rows)."""
+    k_scale = kv_format.fit_k_scale(cache)
+    return {"fp8_e4m3": (kv_format.quantize_latent(cache, "fp8_e4m3", k_scale=k_scale), {"k_scale": k_scale}),
+            "fp8_ds_mla": (kv_format.quantize_latent(cache, "fp8_ds_mla"), {"is_fp8_kvcache": True})}
 
 
 def wall_clock_us(fn: Callable[[], object], reps: int = 3, warmup: bool = True) -> float:
