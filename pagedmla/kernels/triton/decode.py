@@ -216,9 +216,10 @@ def _attend_tile(
     the score scale (log2 units), per row (float32 [BLOCK_M]) for fp8_e4m3 and one scalar otherwise. FP8 rows
     are read as ``common.fp8_cols`` gives them and cast to q's dtype for the dots (exact: fp8_e4m3's scale is
     folded into qk_scale and the output by the caller, which also hands its q over as fp16 rows on GPUs).
-    PAIRS (FP8, NC 4): the latent bytes come as 16-bit words, two 256-byte word tiles per step
-    (``_kv_pairs``); chunks 0 / 1 are the even / odd columns of bytes 0-255, chunks 2 / 3 those of bytes
-    256-511, and q's chunks and the accumulators hold the same columns.
+    PAIRS (FP8, NC 4): the value's bytes come as 16-bit words, two word tiles of DC words per step
+    (``_kv_pairs``); chunks 0 / 1 are the even / odd columns of the value's first 2 * DC bytes (0-255 for a
+    512-wide value), chunks 2 / 3 those of the next 2 * DC, and q's chunks and the accumulators hold the
+    same columns.
     """
     offs_n = n0 + tl.arange(0, BLOCK_N)
     in_seq = offs_n < seqlen
@@ -621,7 +622,7 @@ def _portable_main_args(q, k_cache, block_table, cache_seqlens, metadata, num_sp
 
         flat = kv.view(-1, width)
         if pairs:
-            # The latent bytes as 16-bit words (``_kv_pairs``): boxes of 2 * 128 bytes.
+            # The value's bytes as 16-bit words (``_kv_pairs``): boxes of one chunk's width in words.
             words = flat.view(torch.int16)
             desc = TensorDescriptor(words, list(words.shape), [width // 2, 1], [cfg.block_n, head_dim_v // cfg.chunks])
         else:
@@ -645,7 +646,7 @@ def _portable_main_args(q, k_cache, block_table, cache_seqlens, metadata, num_sp
 
 def fp8_pairs(cfg: DecodeConfig, kv_fmt: str | None) -> bool:
     """Whether the main kernel reads an FP8 cache's latent bytes as 16-bit words (``_attend_tile``'s PAIRS):
-    four chunks of a 512-column value, tiles of up to 32 rows (warp-level MMAs, whose value operand is read
+    four value chunks, tiles of up to 32 rows (warp-level MMAs, whose value operand is read
     from shared memory in pairs of tokens; 64-row tiles compile to wgmma, which reads it in place)."""
     return kv_fmt is not None and cfg.chunks == 4 and cfg.block_m <= 32
 
