@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import re
@@ -36,6 +37,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import CUDABackend
+from triton.language import target_info
 
 from pagedmla.kernels.triton.common import KV_FORMATS, LOG2E, kv_format_width
 from pagedmla.kernels.triton.decode import DecodeConfig, _decode_split_kernel, default_config, fp8_pairs
@@ -131,6 +133,23 @@ def compile_seesaw(arch: int = 90):
     return _compile_hopper_decode(_decode_seesaw_kernel, descs, arch)
 
 
+@contextlib.contextmanager
+def _targeting(target: GPUTarget):
+    """Kernels' target checks (``triton.language.target_info``, e.g. the FP8 word tiles' inline PTX) see
+    ``target``: they read the active driver's device, and this machine may have none."""
+    active = target_info.current_target
+
+    def current_target():
+        return target
+
+    current_target.__triton_builtin__ = True  # as Triton marks its own, for the kernels' dependency hashing
+    target_info.current_target = current_target
+    try:
+        yield
+    finally:
+        target_info.current_target = active
+
+
 def compile_decode(cfg: DecodeConfig, heads: int, arch: int = 90, kv_format: str | None = None):
     """The compiled kernel (``.asm`` holds ttgir / ptx / cubin) for bf16 q, q_len 1, page 64, causal, over a
     cache of q's dtype or, with ``kv_format``, an FP8 one (``pagedmla.kv_format``: its bytes, as the
@@ -183,7 +202,8 @@ def compile_decode(cfg: DecodeConfig, heads: int, arch: int = 90, kv_format: str
         elif isinstance(spec, str):
             attrs[(i,)] = backend.parse_attr(spec)
     src = triton.compiler.ASTSource(fn=_decode_split_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=target, options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    with _targeting(target):
+        return triton.compile(src, target=target, options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 
 
 def report(kernel, arch: int = 90) -> dict:
@@ -210,6 +230,8 @@ def report(kernel, arch: int = 90) -> dict:
     out["cp_async"] = len(re.findall(r"cp\.async\.c[ag]\.shared\.global", ptx))
     out["tma_loads"] = len(re.findall(r"cp\.async\.bulk\.tensor", ptx))
     out["ldmatrix_trans"] = len(re.findall(r"ldmatrix\.sync\.aligned\.[\w.]*trans", ptx))
+    # fp8 word tiles converted by ``common._e4m3_pairs_ptx`` (its byte permute, one per two words).
+    out["e4m3_pair_permutes"] = len(re.findall(r"prmt\.b32 \S+, \S+, \S+, 0x3120;", ptx))
     out["shared_byte_loads"] = len(re.findall(r"ld\.shared(?:\.v[24])?\.[ubs]8\b", ptx))
     out["setmaxnreg"] = sorted(set(map(int, re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx))))
     return out

@@ -14,6 +14,9 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
+from triton.language import target_info
+from triton.runtime.jit import constexpr_function
 
 from pagedmla import errors, kv_format
 from pagedmla.device import triton_interpreting
@@ -154,34 +157,58 @@ def fp8_pair_values(words, rows, word0, mask, KV_FMT: tl.constexpr, MASKED: tl.c
     Why words: a dot over the tokens (P V) takes its operand as pairs of consecutive tokens per column. From
     a tile of bytes that is a byte load per token and column; from a tile of words it is what ``ldmatrix.trans``
     reads for 16-bit data, and each word holds the pair of an even and an odd column."""
-    even = (words & 0xFF).to(tl.uint8)
-    odd = (words >> 8).to(tl.uint8)
-    if KV_FMT == 1:
-        x_even = fp8_values(even, rows, 0, mask, KV_FMT, MASKED, NAN_FIXUP)
-        x_odd = fp8_values(odd, rows, 0, mask, KV_FMT, MASKED, NAN_FIXUP)
+    if _ptx_e4m3_pairs():
+        x_even, x_odd = _e4m3_pairs_ptx(words)
     else:
-        W: tl.constexpr = words.shape[1]
-        tl.static_assert(W <= DS_TILE, "fp8_pair_values: at most two fp8_ds_mla scale tiles")
-        scales = (rows + DS_SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + (2 * word0) // DS_TILE
-        if MASKED:
-            scale = tl.load(scales, mask=mask, other=0.0)
-        else:
-            scale = tl.load(scales)
-        if 2 * W > DS_TILE:
-            # The words' second half lies in the next scale tile.
-            if MASKED:
-                scale_hi = tl.load(scales + 1, mask=mask, other=0.0)
-            else:
-                scale_hi = tl.load(scales + 1)
-            scale = tl.where(2 * tl.arange(0, W)[None, :] < DS_TILE, scale, scale_hi)
-        x_even = even.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        x_odd = odd.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        if NAN_FIXUP:
-            x_even = tl.where((even & 0x7F) == 0x7F, float("nan"), x_even)
-            x_odd = tl.where((odd & 0x7F) == 0x7F, float("nan"), x_odd)
-        x_even = x_even * scale
-        x_odd = x_odd * scale
+        x_even = fp8_values((words & 0xFF).to(tl.uint8), rows, 0, mask, 1, MASKED, NAN_FIXUP)
+        x_odd = fp8_values((words >> 8).to(tl.uint8), rows, 0, mask, 1, MASKED, NAN_FIXUP)
+    if KV_FMT == 2:
+        scale = _ds_pair_scales(rows, word0, mask, words.shape[1], MASKED)
+        x_even = x_even.to(tl.float32) * scale
+        x_odd = x_odd.to(tl.float32) * scale
     return x_even, x_odd
+
+
+@triton.jit
+def _ds_pair_scales(rows, word0, mask, W: tl.constexpr, MASKED: tl.constexpr):
+    """fp8_ds_mla scales of ``fp8_pair_values``' W words from word0 on ([N, 1], or [N, W] where the words span
+    two 128-column scale tiles)."""
+    tl.static_assert(W <= DS_TILE, "fp8_pair_values: at most two fp8_ds_mla scale tiles")
+    scales = (rows + DS_SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + (2 * word0) // DS_TILE
+    if MASKED:
+        scale = tl.load(scales, mask=mask, other=0.0)
+    else:
+        scale = tl.load(scales)
+    if 2 * W > DS_TILE:
+        # The words' second half lies in the next scale tile.
+        if MASKED:
+            scale_hi = tl.load(scales + 1, mask=mask, other=0.0)
+        else:
+            scale_hi = tl.load(scales + 1)
+        scale = tl.where(2 * tl.arange(0, W)[None, :] < DS_TILE, scale, scale_hi)
+    return scale
+
+
+@constexpr_function
+def _ptx_e4m3_pairs() -> bool:
+    """Whether ``fp8_pair_values`` converts its words by inline PTX (``_e4m3_pairs_ptx``): compiled for an
+    NVIDIA GPU with the e4m3x2 conversion (sm_89 and later), not under the interpreter (no inline assembly)."""
+    # Triton's own reading of TRITON_INTERPRET (``device.triton_interpreting``'s): a compile-time function may
+    # reference no plain Python function.
+    return not knobs.runtime.interpret and target_info.cuda_capability_geq(8, 9)
+
+
+@triton.jit
+def _e4m3_pairs_ptx(words):
+    """(even, odd) bytes of int16 ``words`` as the float16 values of their e4m3 codes (exact; NaN codes give
+    NaN). Triton lowers the byte extraction and the cast element by element (about 3 integer instructions per
+    value beside each conversion in the word-tile SASS, benchmarks/NOTES.md FP8); on a register holding two
+    words (bytes e0 o0 e1 o1) one byte permute gives the pairs (e0 e1) and (o0 o1), and one
+    ``cvt.rn.f16x2.e4m3x2`` converts each: 3 instructions per 4 values."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t; .reg .b16 e, o; prmt.b32 t, $2, $2, 0x3120; mov.b32 {e, o}, t; "
+        "cvt.rn.f16x2.e4m3x2 $0, e; cvt.rn.f16x2.e4m3x2 $1, o; }",
+        "=r,=r,r", [words], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
 
 
 @triton.jit
