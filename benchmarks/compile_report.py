@@ -59,8 +59,9 @@ def _gluon_descs() -> dict[str, str]:
             "kv_pe_desc": _gluon_desc(D - DV)}
 
 
-def compile_paged_varlen_sm90(arch: int = 90):
-    """The Hopper Gluon paged-prefill kernel (``sm90/paged_varlen.py``) for bf16, page 64, causal."""
+def compile_paged_varlen_sm90(arch: int = 90, kv_scale: bool = False):
+    """The Hopper Gluon paged-prefill kernel (``sm90/paged_varlen.py``) for bf16, page 64, causal; with
+    ``kv_scale`` over an fp8_e4m3 cache's dequantised pages (the scale read on the device)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from pagedmla.kernels.triton.sm90.paged_varlen import _paged_varlen_sm90_kernel
@@ -68,8 +69,11 @@ def compile_paged_varlen_sm90(arch: int = 90):
     signature = _gluon_descs()
     signature.update({name: "*i32" for name in ("bt_ptr", "seqlens_ptr", "qo_ptr")})
     signature.update(out_ptr="*bf16", lse_ptr="*fp32", counter="*i32", err_ptr="*i32", T="i32", H="i32", batch="i32",
-                     T_rows="i32", qk_scale="fp32", stride_btb="i32", max_pages="i32", num_pages="i32")
-    constexprs = dict(CAUSAL=True, PAGE=PAGE, SEARCH_STEPS=4)
+                     T_rows="i32", qk_scale="fp32", stride_btb="i32", max_pages="i32", num_pages="i32",
+                     kv_scale_ptr="*fp32" if kv_scale else "constexpr")
+    constexprs = dict(CAUSAL=True, PAGE=PAGE, SEARCH_STEPS=4, KV_SCALED=kv_scale)
+    if not kv_scale:
+        constexprs["kv_scale_ptr"] = None
     signature.update({name: "constexpr" for name in constexprs})
     src = GluonASTSource(_paged_varlen_sm90_kernel, signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))

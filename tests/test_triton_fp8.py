@@ -1,7 +1,8 @@
 """The portable Triton kernels on FP8 caches, beyond the conformance grid (``test_conformance.py``): a NaN stored
 in a live FP8 value reaches the output as on the torch reference (the interpreter decodes the NaN codes as
-+-480, ``common.fp8_nan_fixup``), FlashMLA's padded page stride reads in place, and the Hopper kernels refuse
-FP8 caches by name."""
++-480, ``common.fp8_nan_fixup``), FlashMLA's padded page stride reads in place, the Hopper decode refuses FP8
+caches by name, and the paged prefill's dequantise-first path (``rows.dequantize_pages`` + the Hopper kernel)
+matches the reference."""
 
 from __future__ import annotations
 
@@ -10,16 +11,19 @@ import torch
 from oracle import TOLERANCES, assert_attention_close, cos_diff, dense_paged, gen, make_paged_cache
 
 import pagedmla
+from pagedmla import errors
 from pagedmla.kernels.triton.common import PrefillConfig
 from pagedmla.kernels.triton.decode import DecodeConfig, paged_decode_triton, select_config
-from pagedmla.kernels.triton.paged_varlen import paged_varlen_attention
+from pagedmla.kernels.triton.paged_varlen import dequantize_first, paged_varlen_attention
+from pagedmla.kernels.triton.rows import dequantize_pages
 
 K_SCALE = torch.tensor([0.004])
 
 
-def _cache(kv_format: str, lens: list[int], page: int, key):
+def _cache(kv_format: str, lens: list[int], page: int, key, extra_pages: int = 3):
     ks = K_SCALE if kv_format == "fp8_e4m3" else None
     cache = make_paged_cache(lens, page, 576, generator=gen("triton-fp8", kv_format, key), scale=0.3,
+                             extra_pages=extra_pages,
                              kv_format=kv_format, k_scale=K_SCALE.item(),
                              encode=lambda rows: pagedmla.quantize_latent(rows, kv_format, k_scale=ks))
     kw = dict(k_scale=K_SCALE) if kv_format == "fp8_e4m3" else dict(is_fp8_kvcache=True)
@@ -74,7 +78,8 @@ def test_hopper_kernels_refuse_fp8_caches(kv_format):
     with pytest.raises(ValueError, match="^config: use_sm90 reads bf16/fp16 caches"):
         paged_decode_triton(q, cache.k_cache, cache.block_table, seqlens, 512, md, ns, 576 ** -0.5, True,
                             config=DecodeConfig(block_m=64, use_sm90=True), kv_format=kv_format, k_scale=ks)
-    with pytest.raises(ValueError, match="^config: use_sm90 reads bf16/fp16 caches"):
+    # The paged prefill runs the Hopper kernel over dequantised pages, which this machine (CPU) cannot.
+    with pytest.raises(ValueError, match="^config: use_sm90 over a fp8_.* cache needs its pages dequantised first"):
         paged_varlen_attention(q[0], cache.k_cache, cache.block_table, seqlens, torch.tensor([0, 1], dtype=torch.int32),
                                512, 576 ** -0.5, True, config=PrefillConfig(use_sm90=True), kv_format=kv_format,
                                k_scale=ks)
@@ -207,3 +212,89 @@ def test_word_reads_need_even_rows():
         got = _decode(q, cache._replace(k_cache=k_cache), lens, kw, "triton")
         ref = _decode(q, cache, lens, kw, "torch")
         assert_attention_close(*got, *ref, TOLERANCES[torch.float16], "decode")
+
+
+@pytest.mark.parametrize("kv_format", ["fp8_e4m3", "fp8_ds_mla"])
+@pytest.mark.parametrize("page", [16, 64])
+def test_dequantize_pages_writes_each_referenced_page(kv_format, page):
+    """Request b's page j (below its length) lands in workspace page b * width + j as the format's values (fp8_e4m3
+    without k_scale), a bad page id names page -1, pages past a length keep their own (unwritten) page."""
+    lens = [2 * page + 1, page, 0]
+    cache, _ = _cache(kv_format, lens, page, f"dequant-{page}")
+    table = cache.block_table.clone()
+    table[1, 0] = 10 ** 6  # request 1's only page: outside the cache
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    ws, ws_table = dequantize_pages(cache.k_cache, table, seqlens, kv_format, torch.float16)
+    b, width = table.shape
+    assert ws.shape == (b * width, page, 1, 576) and ws_table.shape == (b, width)
+    one = torch.ones(1) if kv_format == "fp8_e4m3" else None
+    for r in range(b):
+        for j in range(width):
+            want = -1 if (r, j) == (1, 0) else r * width + j
+            assert ws_table[r, j].item() == want, (r, j)
+            if j * page < lens[r] and want >= 0:
+                raw = cache.k_cache[table[r, j]].reshape(page, -1)
+                ref = pagedmla.dequantize_latent(raw, kv_format, k_scale=one, dtype=torch.float32)
+                # The values rounded once to the workspace's dtype (fp16 here; ds_mla's bf16 rope columns are exact
+                # only in bf16), the poisoned slots after a request's last token included (NaN in every field).
+                torch.testing.assert_close(ws[want, :, 0].float(), ref.half().float(), rtol=0, atol=0, equal_nan=True)
+
+
+def _paged_prefill_case(kv_format: str, key: str, lens: list[int], new: list[int], heads: int):
+    # Enough poisoned pages beside the requests' that the workspace (a page per table entry) fits the cache's
+    # page count (``dequantize_first``).
+    cache, kw = _cache(kv_format, lens, 64, key, extra_pages=len(lens) * (-(-max(lens) // 64) + 1))
+    g = gen("triton-fp8-dequant-q", kv_format, key)
+    qo = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    q = (torch.randn(int(qo[-1]), heads, 576, generator=g) * 0.5).bfloat16()
+    return cache, kw, q, qo
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_format", ["fp8_e4m3", "fp8_ds_mla"])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_dequantise_first_prefill_matches_the_reference(kv_format, heads):
+    """On sm_90 the FP8 paged prefill dequantises the referenced pages and runs the Hopper kernel (k_scale folded
+    into the scores and outputs): against the float64 oracle on the dequantised rows, NaN in every unused slot,
+    permuted pages; the same bf16 tolerance as the bf16 cache's, and the portable FP8 kernel beside it."""
+    lens, new = [1, 64, 65, 300, 1000], [1, 64, 17, 300, 129]
+    cache, kw, q, qo = _paged_prefill_case(kv_format, f"ref-{heads}", lens, new, heads)
+    dev = torch.device("cuda")
+    k_cache, table = cache.k_cache.to(dev), cache.block_table.to(dev)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    ks = kw.get("k_scale")
+    ks = None if ks is None else ks.to(dev)
+    assert dequantize_first(q.to(dev), k_cache, table, 512)
+    ref, ref_lse = dense_paged(q.double(), qo.tolist(), cache.rows, 576 ** -0.5, True, 512)
+    for config in (None, PrefillConfig(use_sm90=False)):
+        out, lse = paged_varlen_attention(q.to(dev), k_cache, table, seqlens, qo.to(dev), 512, 576 ** -0.5, True,
+                                          config=config, kv_format=kv_format, k_scale=ks)
+        assert_attention_close(out.cpu(), lse.cpu(), ref, ref_lse, TOLERANCES[torch.bfloat16], f"{config}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_format", ["fp8_e4m3", "fp8_ds_mla"])
+def test_dequantise_first_prefill_poisons_a_bad_page_only(kv_format):
+    """A page id outside the cache in request 1's table: its rows that read the page are NaN (and the error word
+    says BLOCK_TABLE), the other requests' outputs bit-identical to a clean run."""
+    lens, new = [130, 200, 70], [2, 64, 70]
+    cache, kw, q, qo = _paged_prefill_case(kv_format, "bad-page", lens, new, 16)
+    dev = torch.device("cuda")
+    k_cache, seqlens = cache.k_cache.to(dev), torch.tensor(lens, dtype=torch.int32, device=dev)
+    ks = kw.get("k_scale")
+    ks = None if ks is None else ks.to(dev)
+    clean = cache.block_table.to(dev)
+    bad = clean.clone()
+    bad[1, 0] = 10 ** 6
+    args = (q.to(dev), k_cache)
+    assert dequantize_first(args[0], k_cache, clean, 512)
+    out0, lse0 = paged_varlen_attention(*args, clean, seqlens, qo.to(dev), 512, 576 ** -0.5, True,
+                                        kv_format=kv_format, k_scale=ks)
+    errors.device_errors(dev)
+    out1, lse1 = paged_varlen_attention(*args, bad, seqlens, qo.to(dev), 512, 576 ** -0.5, True,
+                                        kv_format=kv_format, k_scale=ks)
+    lo, hi = int(qo[1]), int(qo[2])
+    assert torch.equal(out1[:lo], out0[:lo]) and torch.equal(out1[hi:], out0[hi:])
+    assert torch.equal(lse1[:lo], lse0[:lo]) and torch.equal(lse1[hi:], lse0[hi:])
+    assert torch.isnan(out1[lo:hi]).all() and torch.isnan(lse1[lo:hi]).all()
+    assert errors.device_errors(dev) & errors.BLOCK_TABLE

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from pagedmla import checks, errors
-from pagedmla.device import triton_interpreting
+from pagedmla.device import sm90_available, triton_interpreting
 from pagedmla.kernels.triton.common import (
     BLOCK_TABLE,
     INTERPRETER_TILES,
@@ -36,7 +36,9 @@ from pagedmla.kernels.triton.common import (
     report,
     store_nan,
 )
-from pagedmla.kernels.triton.sm90.mla import sm90_supported
+from pagedmla.kernels.triton.rows import dequantize_pages
+from pagedmla.kernels.triton.sm90.mla import BLOCK_N as SM90_BLOCK_N
+from pagedmla.kernels.triton.sm90.mla import D_QK, D_V, sm90_supported
 from pagedmla.kernels.triton.sm90.paged_varlen import paged_varlen_sm90
 from pagedmla.kernels.triton.steps import key_scores, load_split, paged_tile, softmax_step, store_rows
 from pagedmla.kernels.triton.varlen import check_dtype, last_dim_contiguous, split_head_dim
@@ -163,6 +165,28 @@ def default_config(dtype: torch.dtype) -> PrefillConfig:
     return _FP32_TILES if dtype == torch.float32 else _TILES
 
 
+# Most bytes an FP8 call's dequantised pages may take (``dequantize_first``): 1 GiB is ~930 K bf16 rows.
+DEQUANT_MAX_BYTES = 1 << 30
+_GRID_Y_MAX = 65535  # CUDA's limit on a grid's second dimension (``rows.dequantize_pages``: pages per request)
+
+
+def dequantize_first(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, head_dim_v: int) -> bool:
+    """Whether an FP8 call runs the Hopper kernel over its pages dequantised first (``rows.dequantize_pages``,
+    one workspace page per block-table entry) instead of the portable kernel: on sm_90 for bf16/fp16 q, head
+    dims 576 / 512 and pages a multiple of 64, when that workspace holds no more pages than the cache and at
+    most ``DEQUANT_MAX_BYTES``. Why: the absorbed prefill is compute bound (8 x 1024 tokens over 4096 at 128
+    heads: 10.5 TFLOP against 47 MB of bf16 pages, ~0.1% of its time to write and read them back), so the
+    Hopper bf16 kernel's rate over dequantised pages beats the portable kernel dequantising each tile as it
+    loads it (~0.3x: benchmarks/NOTES.md, FP8). A table much wider than its requests need (an engine's, over
+    the longest context) fails the size rule and runs the portable kernel."""
+    b, width = block_table.shape
+    page = k_cache.shape[1]
+    ws_bytes = b * width * page * D_QK * q.element_size()
+    return (sm90_available(q.device) and k_cache.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+            and q.shape[-1] == D_QK and head_dim_v == D_V and page % SM90_BLOCK_N == 0 and width <= _GRID_Y_MAX
+            and b * width <= k_cache.shape[0] and ws_bytes <= DEQUANT_MAX_BYTES)
+
+
 def paged_varlen_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -187,10 +211,11 @@ def paged_varlen_attention(
     each latent row (512; at most the power-of-two part of D). causal: bottom-right per token. max_q_len is not
     needed: the grid is sized from T, so nothing is read back from the device. ``config`` overrides the
     tile shape (benchmarks). FP8 caches (``kv_format`` "fp8_e4m3" with ``k_scale`` float32 [1], or
-    "fp8_ds_mla" [num_pages, page_size, 1, 656] bytes; ``pagedmla.kv_format``) run the portable kernel, which
-    dequantises each tile as it loads it. Without ``config`` an sm_90 GPU runs the Hopper kernel
-    (``sm90/paged_varlen.py``) where it applies (bf16/fp16, 576/512, pages a multiple of 64, contiguous cache);
-    a ``PrefillConfig`` runs it when its ``use_sm90`` is set, else the portable kernel.
+    "fp8_ds_mla" [num_pages, page_size, 1, 656] bytes; ``pagedmla.kv_format``) run the Hopper kernel over
+    their pages dequantised first where ``dequantize_first`` holds, else the portable kernel, which dequantises
+    each tile as it loads it. Without ``config`` an sm_90 GPU runs the Hopper kernel (``sm90/paged_varlen.py``)
+    where it applies (bf16/fp16, 576/512, pages a multiple of 64, contiguous cache); a ``PrefillConfig`` runs it
+    when its ``use_sm90`` is set, else the portable kernel.
     Returns out [T, H, head_dim_v] q.dtype and lse [T, H] float32 (natural log; rows that see no key give 0
     and -inf). Long for its checks, one per argument with its own message, ahead of the dispatch.
     """
@@ -229,12 +254,20 @@ def paged_varlen_attention(
     cache_seqlens, qo_indptr = cache_seqlens.contiguous(), qo_indptr.contiguous()
     if config is None:
         cfg = default_config(q.dtype)
-        use_sm90 = d == 576 and head_dim_v == 512 and kv_format is None and sm90_supported(q, k_cache, head_dim_v)
+        if kv_format is None:
+            use_sm90 = d == D_QK and head_dim_v == D_V and sm90_supported(q, k_cache, head_dim_v)
+        else:
+            use_sm90 = dequantize_first(q, k_cache, block_table, head_dim_v)
     else:
         cfg, use_sm90 = config.over(default_config(q.dtype)), config.use_sm90
     if use_sm90 and kv_format is not None:
-        raise ValueError(f"config: use_sm90 reads bf16/fp16 caches, not {kv_format}; FP8 caches run the portable "
-                         "kernel")
+        if not dequantize_first(q, k_cache, block_table, head_dim_v):
+            raise ValueError(f"config: use_sm90 over a {kv_format} cache needs its pages dequantised first, which "
+                             "this call does not allow (see paged_varlen.dequantize_first)")
+        ws, ws_table = dequantize_pages(k_cache, block_table, cache_seqlens, kv_format, q.dtype)
+        paged_varlen_sm90(q, ws, ws_table, cache_seqlens, qo_indptr, softmax_scale, causal, out, lse,
+                          kv_scale=scale_arg)
+        return out, lse
     if use_sm90:
         if d != 576 or head_dim_v != 512:
             raise ValueError(f"config: use_sm90 needs head dims 576 / 512, got {d} / head_dim_v {head_dim_v}")

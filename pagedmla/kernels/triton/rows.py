@@ -1,6 +1,6 @@
 """Row moves whose addresses come from index tensors: latent rows stored into and gathered from the paged
-cache by slot (FP8 caches quantising the rows as they store them), and a step's request rows of the block
-table gathered by request slot.
+cache by slot (FP8 caches quantising the rows as they store them), a step's request rows of the block
+table gathered by request slot, and the pages a block table references dequantised into a workspace.
 
 Each guards its indices on the device (``pagedmla.errors``): a store to a slot outside the cache is
 skipped, a gather from one yields a NaN row, a request slot outside the table yields page-0 rows and a
@@ -25,6 +25,11 @@ from pagedmla.kernels.triton.common import (
     KV_FORMATS,
     LATENT_DIM,
     ROPE_DIM,
+    checked_length,
+    checked_page,
+    fp8_cols,
+    fp8_nan_fixup,
+    kv_format_width,
     report,
 )
 from pagedmla.kernels.triton.launch import BoundLaunch, CachedKernel, current_stream
@@ -170,9 +175,39 @@ def _select_requests_kernel(table_ptr, index_ptr, lens_ptr, out_table_ptr, out_l
 
 
 _STORE = CachedKernel(_store_rows_kernel)
+@triton.jit
+def _dequantize_pages_kernel(kv_ptr, bt_ptr, lens_ptr, ws_ptr, ws_bt_ptr, width, num_pages, stride_btb, stride_page,
+                             stride_row, PAGE: tl.constexpr, ROWS: tl.constexpr, KV_FMT: tl.constexpr,
+                             NAN_FIXUP: tl.constexpr):
+    # Program (b, j): page j of request b, into workspace page b * width + j.
+    b = tl.program_id(0)
+    j = tl.program_id(1)
+    dst = b * width + j
+    length, _ = checked_length(tl.load(lens_ptr + b), width * PAGE)
+    ws_page = dst
+    if j * PAGE < length:
+        page, bad = checked_page(tl.load(bt_ptr + b.to(tl.int64) * stride_btb + j), num_pages)
+        if bad:
+            ws_page = -1  # the attention kernel's own page check poisons the rows that read it and reports it
+        else:
+            cols = tl.arange(0, LATENT_DIM)[None, :]
+            rope = LATENT_DIM + tl.arange(0, ROPE_DIM)[None, :]
+            for r0 in tl.static_range(0, PAGE, ROWS):
+                r = r0 + tl.arange(0, ROWS)[:, None]
+                rows = kv_ptr + page.to(tl.int64) * stride_page + r * stride_row
+                out = ws_ptr + (dst.to(tl.int64) * PAGE + r) * (LATENT_DIM + ROPE_DIM)
+                lat = fp8_cols(rows, 0, None, LATENT_DIM, KV_FMT, False, False, NAN_FIXUP)
+                tl.store(out + cols, lat.to(ws_ptr.dtype.element_ty))
+                pe = fp8_cols(rows, LATENT_DIM, None, ROPE_DIM, KV_FMT, True, False, NAN_FIXUP)
+                tl.store(out + rope, pe.to(ws_ptr.dtype.element_ty))
+    # Pages past the length keep their workspace page (never read: the attention stops at the same length).
+    tl.store(ws_bt_ptr + dst, ws_page)
+
+
 _STORE_FP8 = CachedKernel(_store_fp8_rows_kernel)
 _GATHER = CachedKernel(_gather_rows_kernel)
 _SELECT = CachedKernel(_select_requests_kernel)
+_DEQUANT_PAGES = CachedKernel(_dequantize_pages_kernel)
 
 
 # Bound launches of the store per call shape (the backend stores one layer's rows per call, every layer of
@@ -247,3 +282,34 @@ def select_requests(table: torch.Tensor, index: torch.Tensor, lens: torch.Tensor
     _SELECT.launch(table.device, (n,), table, index, lens, out_table, out_lens, errors.error_word(table.device), n,
                    table.shape[0], width, table.stride(0), out_table.stride(0),
                    BLOCK_W=min(1024, triton.next_power_of_2(max(width, 16))), ERR=err_bit, num_warps=4)
+
+
+def dequantize_pages(k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor, fmt: str,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pages an FP8 cache's block table references, dequantised into a workspace of their own: (cache
+    ``dtype`` [b * width, page_size, 1, 576], block table int32 [b, width]) for k_cache uint8 / float8
+    [num_pages, page_size, 1, row bytes] in format ``fmt`` (``pagedmla.kv_format``), block_table int32
+    [b, width], cache_seqlens int32 [b] (read on the device).
+
+    Request b's page j (for j * page_size below its length) goes to workspace page b * width + j, which the
+    returned table names: fp8_ds_mla rows as their values (fp8 x the power-of-two tile scale, exact in
+    bf16), fp8_e4m3 rows as their fp8 values *without* k_scale (exact; the attention kernel folds the scale
+    in). A page id outside the cache names page -1 in the returned table, so that the attention kernel's
+    page check handles it as it would in the cache's own table; the workspace pages past a length are
+    left unwritten and never read. One launch, no host synchronisation."""
+    b, width = block_table.shape
+    page = k_cache.shape[1]
+    d = kv_format.ROW_DIM
+    ws = torch.empty(b * width, page, 1, d, dtype=dtype, device=k_cache.device)
+    ws_table = torch.empty(b, width, dtype=torch.int32, device=k_cache.device)
+    if k_cache.shape[2:] != (1, kv_format_width(fmt, d)):
+        raise ValueError(f"k_cache: expected [num_pages, page_size, 1, {kv_format_width(fmt, d)}] for {fmt}, got "
+                         f"{tuple(k_cache.shape)}")
+    if b and width:
+        kv = k_cache.view(torch.uint8)
+        kv = kv if kv.stride(3) == 1 else kv.contiguous()
+        _DEQUANT_PAGES.launch(k_cache.device, (b, width), kv, block_table, cache_seqlens, ws, ws_table, width,
+                              k_cache.shape[0], block_table.stride(0), kv.stride(0), kv.stride(1), PAGE=page,
+                              ROWS=min(page, _ROWS), KV_FMT=KV_FORMATS[fmt], NAN_FIXUP=fp8_nan_fixup(),
+                              num_warps=4)
+    return ws, ws_table

@@ -136,6 +136,15 @@ if HAVE_GLUON:
             gl.store(lse_ptr + flat, lse2 * _LN2, mask=ok)
 
     @gluon.jit
+    def _kv_scale(kv_scale_ptr, KV_SCALED: gl.constexpr):
+        """The cache's value scale: 1, or with KV_SCALED the float32 at ``kv_scale_ptr`` (an fp8_e4m3 cache
+        dequantised without its k_scale, ``rows.dequantize_pages``: scores and outputs take it here, so that the
+        dots see exact values)."""
+        if KV_SCALED:
+            return gl.load(kv_scale_ptr)
+        return 1.0
+
+    @gluon.jit
     def _poison_tiles(col0, out_ptr, lse_ptr, T, rows, WRITE_LSE: gl.constexpr, layout: gl.constexpr):
         """Without a partition of the q rows (``_rows_ok``) a warpgroup writes NaN into its columns of the flat
         rows 64 t .. 64 t + 63 of each tile t = program, program + programs, ... (the tiles cover every row)."""
@@ -176,9 +185,11 @@ if HAVE_GLUON:
     def _prefill_softmax_warpgroup(
         q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, tile_info, tile_ready, tile_free, q_ready,
         q_free, kv_ready, kv_empty, p_ready, p_free, page_flags, out_ptr, lse_ptr, qo_ptr, err_ptr, batch, T_rows, T,
-        H, qk_scale, CAUSAL: gl.constexpr,
+        H, qk_scale, kv_scale_ptr, CAUSAL: gl.constexpr, KV_SCALED: gl.constexpr,
     ):
         s_layout: gl.constexpr = mla.S_LAYOUT
+        v_scale = _kv_scale(kv_scale_ptr, KV_SCALED)
+        qk_scale = qk_scale * v_scale
         o_layout: gl.constexpr = mla.O_LAYOUT
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         if not _rows_ok(qo_ptr, batch, T_rows, WARPGROUP):
@@ -216,15 +227,17 @@ if HAVE_GLUON:
                         report(err_ptr, bits)
                     inv_l, lse2 = mla.softmax_finish(m_i, l_i, qk_scale, bits != 0, npm, scale_smem, p_ready, p_free)
                     npm += 1
-                    _store_rows(o, gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)),
+                    _store_rows(o, gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)) * v_scale,
                                 gl.convert_layout(lse2, gl.SliceLayout(1, o_layout)), 0, out_ptr, lse_ptr, row0, r0,
                                 n_rows, True, o_layout, end > 0, kv_ring.index((it - 1) % mla._STAGES),
                                 kv_empty.index((it - 1) % mla._STAGES))
 
     @gluon.jit
     def _prefill_value_warpgroup(kv_ring, p_smem, scale_smem, tile_info, tile_ready, tile_free, kv_ready, kv_empty,
-                                 p_ready, p_free, out_ptr, lse_ptr, qo_ptr, batch, T_rows, T, H):
+                                 p_ready, p_free, out_ptr, lse_ptr, qo_ptr, batch, T_rows, T, H, kv_scale_ptr,
+                                 KV_SCALED: gl.constexpr):
         o_layout: gl.constexpr = mla.O_LAYOUT
+        v_scale = _kv_scale(kv_scale_ptr, KV_SCALED)
         if not _rows_ok(qo_ptr, batch, T_rows, WARPGROUP):
             _poison_tiles(256, out_ptr, lse_ptr, T, T_rows * H, False, o_layout)
         else:
@@ -238,14 +251,14 @@ if HAVE_GLUON:
                 if (claim < T) & (r0 < q_len * H):
                     o, inv_l, it, npm = mla.value_tiles(it, npm, 0, end, kv_len, kv_ring, p_smem, scale_smem, kv_ready,
                                                         kv_empty, p_ready, p_free, o_layout, True)
-                    _store_rows(o, inv_l, inv_l, 256, out_ptr, lse_ptr, row0, r0, q_len * H, False, o_layout, end > 0,
-                                kv_ring.index((it - 1) % mla._STAGES), kv_empty.index((it - 1) % mla._STAGES))
+                    _store_rows(o, inv_l * v_scale, inv_l, 256, out_ptr, lse_ptr, row0, r0, q_len * H, False, o_layout,
+                                end > 0, kv_ring.index((it - 1) % mla._STAGES), kv_empty.index((it - 1) % mla._STAGES))
 
     @gluon.jit
     def _paged_varlen_sm90_kernel(
         q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, seqlens_ptr, qo_ptr, out_ptr, lse_ptr, counter, err_ptr,
-        T, H, batch, T_rows, qk_scale, stride_btb, max_pages, num_pages,
-        CAUSAL: gl.constexpr, PAGE: gl.constexpr, SEARCH_STEPS: gl.constexpr,
+        T, H, batch, T_rows, qk_scale, stride_btb, max_pages, num_pages, kv_scale_ptr,
+        CAUSAL: gl.constexpr, PAGE: gl.constexpr, SEARCH_STEPS: gl.constexpr, KV_SCALED: gl.constexpr,
     ):
         (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, p_ready, p_free, kv_ready,
          kv_empty, page_flags) = mla.mla_buffers(q_desc, q_pe_desc, kv_desc, kv_pe_desc)
@@ -261,9 +274,10 @@ if HAVE_GLUON:
             [(_prefill_softmax_warpgroup, (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, tile_info,
                                            tile_ready, tile_free, q_ready, q_free, kv_ready, kv_empty, p_ready, p_free,
                                            page_flags, out_ptr, lse_ptr, qo_ptr, err_ptr, batch, T_rows, T, H,
-                                           qk_scale, CAUSAL)),
+                                           qk_scale, kv_scale_ptr, CAUSAL, KV_SCALED)),
              (_prefill_value_warpgroup, (kv_ring, p_smem, scale_smem, tile_info, tile_ready, tile_free, kv_ready,
-                                         kv_empty, p_ready, p_free, out_ptr, lse_ptr, qo_ptr, batch, T_rows, T, H)),
+                                         kv_empty, p_ready, p_free, out_ptr, lse_ptr, qo_ptr, batch, T_rows, T, H,
+                                         kv_scale_ptr, KV_SCALED)),
              (_prefill_loader, (q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, seqlens_ptr, qo_ptr,
                                 counter, T, H, batch, T_rows, capacity, num_pages, q_smem, q_pe_smem, kv_ring,
                                 kv_pe_ring, tile_info, tile_ready, tile_free, q_ready, q_free, kv_ready, kv_empty,
@@ -277,9 +291,11 @@ if HAVE_GLUON:
 
 def paged_varlen_sm90(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
                        cache_seqlens: torch.Tensor, qo_indptr: torch.Tensor, softmax_scale: float, causal: bool,
-                       out: torch.Tensor, lse: torch.Tensor, programs: int | None = None) -> None:
+                       out: torch.Tensor, lse: torch.Tensor, programs: int | None = None,
+                       kv_scale: torch.Tensor | None = None) -> None:
     """Launch on checked inputs (``paged_varlen_attention`` checks them): q [T, H, 576], out [T, H, 512]
-    contiguous, lse [T, H] float32; requires ``sm90_supported(q, k_cache, 512)``. One program per SM
+    contiguous, lse [T, H] float32; requires ``sm90_supported(q, k_cache, 512)``. kv_scale: float32 [1] the
+    cache rows' common scale, read on the device (value = row x kv_scale), or None. One program per SM
     (``programs``, if given, caps the grid: tests use it to make each program run many tiles). Each call
     zeroes its own tile counter (one small memset on the stream), so concurrent calls on other streams and
     CUDA-graph replays do not share it."""
@@ -302,6 +318,6 @@ def paged_varlen_sm90(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch
         *mla_descriptors(q_flat, k_cache.view(-1, d)),
         block_table, cache_seqlens, qo_indptr, out, lse, counter, errors.error_word(q.device),
         tiles, h, batch, t, softmax_scale * LOG2E, block_table.stride(0), block_table.shape[1], k_cache.shape[0],
-        CAUSAL=bool(causal), PAGE=k_cache.shape[1], SEARCH_STEPS=max(1, batch.bit_length()),
-        num_warps=4,
+        kv_scale, KV_SCALED=kv_scale is not None, CAUSAL=bool(causal), PAGE=k_cache.shape[1],
+        SEARCH_STEPS=max(1, batch.bit_length()), num_warps=4,
     )
