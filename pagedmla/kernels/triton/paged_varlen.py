@@ -36,7 +36,7 @@ from pagedmla.kernels.triton.common import (
     report,
     store_nan,
 )
-from pagedmla.kernels.triton.rows import dequantize_pages
+from pagedmla.kernels.triton.rows import DEQUANT_MAX_WIDTH, dequantize_pages
 from pagedmla.kernels.triton.sm90.mla import BLOCK_N as SM90_BLOCK_N
 from pagedmla.kernels.triton.sm90.mla import D_QK, D_V, sm90_supported
 from pagedmla.kernels.triton.sm90.paged_varlen import paged_varlen_sm90
@@ -167,7 +167,6 @@ def default_config(dtype: torch.dtype) -> PrefillConfig:
 
 # Most bytes an FP8 call's dequantised pages may take (``dequantize_first``): 1 GiB is ~930 K bf16 rows.
 DEQUANT_MAX_BYTES = 1 << 30
-_GRID_Y_MAX = 65535  # CUDA's limit on a grid's second dimension (``rows.dequantize_pages``: pages per request)
 
 
 def dequantize_first(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, head_dim_v: int) -> bool:
@@ -183,7 +182,7 @@ def dequantize_first(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.
     page = k_cache.shape[1]
     ws_bytes = b * width * page * D_QK * q.element_size()
     return (sm90_available(q.device) and k_cache.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
-            and q.shape[-1] == D_QK and head_dim_v == D_V and page % SM90_BLOCK_N == 0 and width <= _GRID_Y_MAX
+            and q.shape[-1] == D_QK and head_dim_v == D_V and page % SM90_BLOCK_N == 0 and width <= DEQUANT_MAX_WIDTH
             and b * width <= k_cache.shape[0] and ws_bytes <= DEQUANT_MAX_BYTES)
 
 
@@ -248,25 +247,25 @@ def paged_varlen_attention(
     if t == 0 or h == 0 or batch <= 0:
         return out, lse
     q = last_dim_contiguous(q)
-    kv, scale_arg, fmt_id = kv_format_args(last_dim_contiguous(k_cache.reshape(-1, width)), kv_format, k_scale)
     block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
     # The kernel indexes these 1-D tensors as dense arrays (a no-op when they already are).
     cache_seqlens, qo_indptr = cache_seqlens.contiguous(), qo_indptr.contiguous()
+    dequant = kv_format is not None and dequantize_first(q, k_cache, block_table, head_dim_v)
     if config is None:
         cfg = default_config(q.dtype)
         if kv_format is None:
             use_sm90 = d == D_QK and head_dim_v == D_V and sm90_supported(q, k_cache, head_dim_v)
         else:
-            use_sm90 = dequantize_first(q, k_cache, block_table, head_dim_v)
+            use_sm90 = dequant
     else:
         cfg, use_sm90 = config.over(default_config(q.dtype)), config.use_sm90
     if use_sm90 and kv_format is not None:
-        if not dequantize_first(q, k_cache, block_table, head_dim_v):
+        if not dequant:
             raise ValueError(f"config: use_sm90 over a {kv_format} cache needs its pages dequantised first, which "
                              "this call does not allow (see paged_varlen.dequantize_first)")
         ws, ws_table = dequantize_pages(k_cache, block_table, cache_seqlens, kv_format, q.dtype)
         paged_varlen_sm90(q, ws, ws_table, cache_seqlens, qo_indptr, softmax_scale, causal, out, lse,
-                          kv_scale=scale_arg)
+                          kv_scale=k_scale if kv_format == "fp8_e4m3" else None)
         return out, lse
     if use_sm90:
         if d != 576 or head_dim_v != 512:
@@ -274,6 +273,8 @@ def paged_varlen_attention(
         paged_varlen_sm90(q, k_cache, block_table, cache_seqlens, qo_indptr, softmax_scale, causal,
                            out, lse)
         return out, lse
+    # The portable kernel reads the cache as flat rows (a copy only for a cache whose pages are not dense).
+    kv, scale_arg, fmt_id = kv_format_args(last_dim_contiguous(k_cache.reshape(-1, width)), kv_format, k_scale)
     grid = ((t * h) // cfg.block_m + batch,)
     _paged_varlen_kernel[grid](
         q, kv, out, lse, block_table, cache_seqlens, qo_indptr, errors.error_word(q.device), scale_arg,

@@ -38,6 +38,8 @@ _ROWS = 16  # rows per program: 16 x 576 x 2 bytes = 18 KB in flight
 # Rows per program of the FP8 store, whose division and rounding per value make it ALU-latency bound: a
 # decode step's 128 rows over 32 SMs, not 8.
 _FP8_ROWS = 4
+# ``dequantize_pages``' programs are (request, page): CUDA's limit on a grid's second dimension.
+DEQUANT_MAX_WIDTH = 65535
 
 
 @triton.jit
@@ -174,7 +176,6 @@ def _select_requests_kernel(table_ptr, index_ptr, lens_ptr, out_table_ptr, out_l
     report(err_ptr, tl.where(ok, 0, ERR))
 
 
-_STORE = CachedKernel(_store_rows_kernel)
 @triton.jit
 def _dequantize_pages_kernel(kv_ptr, bt_ptr, lens_ptr, ws_ptr, ws_bt_ptr, width, num_pages, stride_btb, stride_page,
                              stride_row, PAGE: tl.constexpr, ROWS: tl.constexpr, KV_FMT: tl.constexpr,
@@ -204,6 +205,7 @@ def _dequantize_pages_kernel(kv_ptr, bt_ptr, lens_ptr, ws_ptr, ws_bt_ptr, width,
     tl.store(ws_bt_ptr + dst, ws_page)
 
 
+_STORE = CachedKernel(_store_rows_kernel)
 _STORE_FP8 = CachedKernel(_store_fp8_rows_kernel)
 _GATHER = CachedKernel(_gather_rows_kernel)
 _SELECT = CachedKernel(_select_requests_kernel)
@@ -300,11 +302,13 @@ def dequantize_pages(k_cache: torch.Tensor, block_table: torch.Tensor, cache_seq
     b, width = block_table.shape
     page = k_cache.shape[1]
     d = kv_format.ROW_DIM
-    ws = torch.empty(b * width, page, 1, d, dtype=dtype, device=k_cache.device)
-    ws_table = torch.empty(b, width, dtype=torch.int32, device=k_cache.device)
     if k_cache.shape[2:] != (1, kv_format_width(fmt, d)):
         raise ValueError(f"k_cache: expected [num_pages, page_size, 1, {kv_format_width(fmt, d)}] for {fmt}, got "
                          f"{tuple(k_cache.shape)}")
+    if width > DEQUANT_MAX_WIDTH:
+        raise ValueError(f"block_table: at most {DEQUANT_MAX_WIDTH} pages per request, got {width}")
+    ws = torch.empty(b * width, page, 1, d, dtype=dtype, device=k_cache.device)
+    ws_table = torch.empty(b, width, dtype=torch.int32, device=k_cache.device)
     if b and width:
         kv = k_cache.view(torch.uint8)
         kv = kv if kv.stride(3) == 1 else kv.contiguous()
