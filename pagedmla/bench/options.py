@@ -41,6 +41,9 @@ def decode_arguments(ap: argparse.ArgumentParser) -> None:
                     help="time every cell as CUDA-graph replays too (no host launch cost), both libraries")
     ap.add_argument("--alt", action="store_true",
                     help="also time the other main kernel (Hopper kernel vs the portable kernel's default tile)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time pagedmla and the baselines in turn this many times per cell, keeping each one's "
+                         "best (the GPU's clocks fall under sustained load)")
 
 
 def prefill_arguments(parser: argparse.ArgumentParser) -> None:
