@@ -51,6 +51,15 @@ def sm90_available(device: torch.device) -> bool:
     return _capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)
 
 
+def pdl_available(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may launch as programmatic dependents (PDL, ``griddepcontrol``): an NVIDIA
+    GPU of capability 9.0 or above, compiled (the interpreter runs no PTX); not ROCm, whose capabilities count
+    differently."""
+    if device.type != "cuda" or torch.version.hip is not None or triton_interpreting():
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+
+
 @functools.cache
 def sm_count(device: torch.device) -> int:
     """The streaming multiprocessors of CUDA ``device``."""

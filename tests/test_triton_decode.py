@@ -25,7 +25,14 @@ from test_conformance import (
     decode_inputs,
 )
 
-from pagedmla.kernels.triton.decode import DecodeConfig, few_requests_block_r, launch_combine, paged_decode_triton
+from pagedmla.device import pdl_available
+from pagedmla.kernels.triton.decode import (
+    DecodeConfig,
+    _DecodePlan,
+    few_requests_block_r,
+    launch_combine,
+    paged_decode_triton,
+)
 from pagedmla.kernels.triton.metadata import schedule_into as schedule_kernel_into
 from pagedmla.kernels.triton.sm90.mla import sm90_supported
 from pagedmla.ops import flash_mla_with_kvcache, get_mla_metadata
@@ -182,6 +189,25 @@ def test_gpu_sm90_kernel(heads, q_len, page, dtype):
         check_paged_decode(launcher(SM90), case, True, dtype, "cuda", bounds)
     check_paged_decode(launcher(SM90), DecodeCase("sm90", lens, q_len, heads, page, None), False, dtype, "cuda",
                        bounds)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,heads,pdl", [(128, 16, True), (128, 64, True), (4, 16, False), (8, 64, False)])
+def test_gpu_combine_launch_follows_the_batch(b, heads, pdl):
+    """From a request per two SMs the combine launches as the main kernel's programmatic dependent (PDL),
+    after the portable kernel (16 rows, two parts per SM) and the Hopper one (64 rows) alike; results match
+    the reference either way, requests in one piece (written by the main kernel itself) included: every
+    combine program waits for the main grid's end, so the next launch cannot overtake it."""
+    case = DecodeCase(f"pdl-b{b}", varlen_lens(b, 600, 1, seed=b), 1, heads, 64, None)
+    check_paged_decode(launcher(), case, True, BF16, "cuda", DECODE_BOUNDS[("cuda", BF16)])
+    q, _, cache, table, seqlens = decode_inputs(case, BF16, "cuda", 0)
+    meta, _ = get_mla_metadata(seqlens, heads, 1)
+    plan = _DecodePlan(q, cache, table, 512, meta, 576 ** -0.5, True, None, None)
+    assert plan.pdl == (pdl and pdl_available(q.device))
+
+
+def test_pdl_only_on_compiled_cuda_kernels():
+    assert not pdl_available(torch.device("cpu"))
 
 
 @pytest.mark.gpu

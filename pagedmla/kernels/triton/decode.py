@@ -35,10 +35,10 @@ import re
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from pagedmla import checks, errors
-from pagedmla.device import sm_count
+from pagedmla.device import pdl_available, sm_count
 from pagedmla.kernels.triton.common import (
     _LN2,
     BLOCK_TABLE,
@@ -367,12 +367,16 @@ def _decode_split_kernel(
     CAUSAL: tl.constexpr, PAGE: tl.constexpr, SCHED_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DV: tl.constexpr, NC: tl.constexpr, DR: tl.constexpr,
     HAS_PE: tl.constexpr, META_W: tl.constexpr, USE_TMA: tl.constexpr, CARRY_PAGES: tl.constexpr,
-    PRECISION: tl.constexpr, KV_FMT: tl.constexpr, NAN_FIXUP: tl.constexpr, PAIRS: tl.constexpr,
+    PRECISION: tl.constexpr, KV_FMT: tl.constexpr, NAN_FIXUP: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: a row tile of one split-plan part's requests, every KV step of each and its result.
     Long (~110 lines) on purpose: the loop-carried state (the accumulator chunks, row max and sum, the
     carried page id) stays in one body; Triton inlines helpers anyway, and a helper per stage would take
     and return all of it."""
+    if PDL:
+        # The combine's programs may be scheduled once every program here has started (or ended): each waits
+        # for this grid's end before it reads the partials (``_decode_combine_kernel``).
+        gdc_launch_dependents()
     DC: tl.constexpr = DV // NC
     k_scale = 1.0
     if KV_FMT == 1:
@@ -601,9 +605,10 @@ def partials_size(b: int, parts: int, rows: int, head_dim_v: int) -> int:
 
 
 def _portable_main_args(q, k_cache, block_table, cache_seqlens, metadata, num_splits, softmax_scale, causal, cfg,
-                        out, lse, partials, err, kv_fmt=None, k_scale=None):
+                        out, lse, partials, err, kv_fmt=None, k_scale=None, pdl=False):
     """(kernel, grid, args, options) of the portable main kernel (``kv_fmt``, ``k_scale``: an FP8 cache's
-    format and scale, ``paged_decode_triton``)."""
+    format and scale, ``paged_decode_triton``; ``pdl``: the combine kernel follows as a programmatic
+    dependent launch)."""
     b, q_len, h, d = q.shape
     rows = q_len * h
     head_dim_v = out.shape[-1]
@@ -639,7 +644,7 @@ def _portable_main_args(q, k_cache, block_table, cache_seqlens, metadata, num_sp
                    DV=head_dim_v, NC=cfg.chunks, DR=max(dr, 16), HAS_PE=dr > 0, META_W=METADATA_WIDTH,
                    USE_TMA=use_tma, CARRY_PAGES=cfg.carry_pages,
                    PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FMT=fmt_id,
-                   NAN_FIXUP=fmt_id > 0 and fp8_nan_fixup(), PAIRS=pairs, num_warps=cfg.num_warps,
+                   NAN_FIXUP=fmt_id > 0 and fp8_nan_fixup(), PAIRS=pairs, PDL=pdl, num_warps=cfg.num_warps,
                    num_stages=cfg.num_stages)
     return _SPLIT, (m_tiles, metadata.shape[0], 1), args, options
 
@@ -682,13 +687,14 @@ class _DecodePlan:
         self.capacity = block_table.shape[1] * k_cache.shape[1]
         self.partials_numel = partials_size(b, self.parts, self.rows, head_dim_v)
         self.scale, self.causal = softmax_scale, causal
-        # Many requests (about one per part or more) have few pieces each: the combine merges 16 rows per
-        # program and, after the Hopper main kernel, overlaps its end (PDL; measured there only). Few requests
-        # have ~parts / b pieces each, which small tiles spread over more programs, and the early-scheduled
-        # combine would only wait beside the main grid (benchmarks/NOTES.md, v11).
-        many = 2 * b >= self.parts and self.rows >= 32
-        self.pdl = many and self.cfg.use_sm90  # the Hopper kernel runs on sm_90 only, where PDL exists
+        # Many requests (a request per two SMs or more: each has a few pieces) let the combine overlap the
+        # main kernel's end (PDL, after either main kernel; measured at batch 128, v11 / v21) and, from 32
+        # rows, merge 16 rows per program. Few requests have ~parts / b pieces each, which small tiles spread
+        # over more programs, and the early-scheduled combine would only wait beside the main grid (v11).
+        per_sm = tile_plan(self.rows, self.cfg.use_sm90)[1]  # the portable small tiles run two parts per SM
+        self.pdl = 2 * b * per_sm >= self.parts and pdl_available(q.device)
         sms = sm_count(q.device) if q.is_cuda else 8
+        many = 2 * b >= self.parts and self.rows >= 32
         self.block_r = 16 if many else few_requests_block_r(b, self.rows, head_dim_v, sms)
         self.bound: tuple | None = None  # (main, grid, combine, combine grid) once bound
         self.tried_bind = False
@@ -736,7 +742,7 @@ class _DecodePlan:
         else:
             kernel, grid, args, options = _portable_main_args(q, k_cache, block_table, cache_seqlens, metadata,
                                                               num_splits, self.scale, self.causal, self.cfg, out,
-                                                              lse, partials, err, self.kv_fmt, k_scale)
+                                                              lse, partials, err, self.kv_fmt, k_scale, self.pdl)
             own_q = q is q_in
         cgrid, cargs, coptions = _combine_args(out, lse, partials, num_splits, cache_seqlens, err, self.parts,
                                                self.capacity, self.pdl, self.block_r)
