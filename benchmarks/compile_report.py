@@ -191,7 +191,7 @@ def compile_decode(cfg: DecodeConfig, heads: int, arch: int = 90, kv_format: str
                      NC=cfg.chunks, DR=D - DV, HAS_PE=True, META_W=METADATA_WIDTH, USE_TMA=cfg.use_tma,
                      CARRY_PAGES=cfg.carry_pages, PRECISION="tf32",
                      KV_FMT=0 if kv_format is None else KV_FORMATS[kv_format], NAN_FIXUP=False,
-                     PAIRS=fp8_pairs(cfg, kv_format), PDL=False)
+                     PAIRS=fp8_pairs(cfg, kv_format), PDL=False, OUT_TYPED=True)
     target = GPUTarget("cuda", arch, 32)
     backend = CUDABackend(target)
     signature, constexprs, attrs = {}, {}, {}

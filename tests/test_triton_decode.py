@@ -32,6 +32,7 @@ from pagedmla.kernels.triton.decode import (
     few_requests_block_r,
     launch_combine,
     paged_decode_triton,
+    partials_size,
 )
 from pagedmla.kernels.triton.metadata import schedule_into as schedule_kernel_into
 from pagedmla.kernels.triton.sm90.mla import sm90_supported
@@ -295,11 +296,12 @@ def test_hopper_descriptors_and_row_alignment():
     assert pipeline.tma_rows(strided).stride() == (576, 1)
 
 
+@pytest.mark.parametrize("out_typed", [False, True])
 @pytest.mark.parametrize("block_r", [1, 2, 4, 16, 32])
-def test_combine_kernel_tile_shapes(block_r):
-    """The combine kernel alone, for every tile height the launcher may pick: requests with 0 (empty), 1
-    (written by the main kernel: left untouched), 2 and 5 pieces, one piece with every row empty (LSE -inf),
-    against a float64 merge of the same partials."""
+def test_combine_kernel_tile_shapes(block_r, out_typed):
+    """The combine kernel alone, for every tile height the launcher may pick and both value types (float32,
+    the output's dtype): requests with 0 (empty), 1 (written by the main kernel: left untouched), 2 and 5
+    pieces, one piece with every row empty (LSE -inf), against a float64 merge of the same partials."""
     g = torch.Generator().manual_seed(block_r)
     q_len, heads, dv = 2, 12, 64
     rows = q_len * heads
@@ -311,12 +313,19 @@ def test_combine_kernel_tile_shapes(block_r):
     plse[splits[4]] = float("-inf")  # a piece that saw no key: it must not contribute
     out = torch.full((len(counts), q_len, heads, dv), float("nan"), dtype=torch.float16)
     lse = torch.full((len(counts), heads, q_len), float("nan"))
-    # The partials buffer as the main kernel leaves it (decode.partials_size: b + parts pieces of values,
-    # then their LSEs, then the schedule verdict 1.0), with lengths that need exactly ``counts`` pieces.
+    # The partials buffer as the main kernel leaves it (common.partials_views: the schedule verdict 1.0, from
+    # word 32 the b + parts pieces' values, then their LSEs), with lengths that need exactly ``counts`` pieces.
     parts = pieces - len(counts)
-    partials = torch.cat([po.reshape(-1), plse.reshape(-1), torch.ones(1)])
+    vty = out.dtype if out_typed else torch.float32
+    vbytes = torch.empty(0, dtype=vty).element_size()
+    partials = torch.full((partials_size(len(counts), parts, rows, dv, vbytes),), float("nan"))
+    partials[0] = 1.0
+    value_words = (len(counts) + parts) * rows * dv * vbytes // 4  # room for b + parts pieces
+    partials[32:32 + value_words].view(vty)[:pieces * rows * dv] = po.reshape(-1).to(vty)
+    partials[32 + value_words:32 + value_words + pieces * rows] = plse.reshape(-1)
+    po = po.to(vty)  # the values the combine reads
     lens = torch.tensor([64 * n for n in counts], dtype=torch.int32)
-    launch_combine(out, lse, partials, splits, lens, parts, capacity=1 << 20, block_r=block_r)
+    launch_combine(out, lse, partials, splits, lens, parts, capacity=1 << 20, block_r=block_r, out_typed=out_typed)
     for r, n in enumerate(counts):
         got_o, got_l = out[r].reshape(rows, dv), lse[r].transpose(0, 1).reshape(rows)
         if n == 1:

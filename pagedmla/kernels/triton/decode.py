@@ -6,8 +6,9 @@ two 64-row tiles. The grid is (M tiles, SM parts); part p walks the (request, KV
 ``get_mla_metadata`` gave it (pagedmla/split_plan.py documents the metadata) and, for each request in
 it, streams the KV blocks once: each [BLOCK_N, 576] tile is the key (all 576 columns) and the value
 (its first 512) of the same load. A request covered by one part is normalised and written straight to
-``out`` / ``lse``; a request cut across parts writes one fp32 partial (normalised output + log2 LSE) per
-piece, and the combine kernel merges them. The combine kernel also writes the empty result (output 0,
+``out`` / ``lse``; a request cut across parts writes one partial per piece (normalised output, log2 LSE), and the
+combine kernel merges them in float32. The portable kernel writes the values in the output's dtype, the Hopper
+kernels in float32 (``common.partials_views``). The combine kernel also writes the empty result (output 0,
 LSE -inf) of requests with no KV.
 
 Masking. Blocks that lie wholly before the first masked key (the sequence end, and with ``causal`` the
@@ -55,6 +56,7 @@ from pagedmla.kernels.triton.common import (
     fp16_row_scale,
     kv_format_args,
     kv_format_width,
+    partials_views,
     report,
 )
 from pagedmla.kernels.triton.launch import CachedKernel, current_stream
@@ -368,6 +370,7 @@ def _decode_split_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DV: tl.constexpr, NC: tl.constexpr, DR: tl.constexpr,
     HAS_PE: tl.constexpr, META_W: tl.constexpr, USE_TMA: tl.constexpr, CARRY_PAGES: tl.constexpr,
     PRECISION: tl.constexpr, KV_FMT: tl.constexpr, NAN_FIXUP: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr,
+    OUT_TYPED: tl.constexpr,
 ):
     """One program: a row tile of one split-plan part's requests, every KV step of each and its result.
     Long (~110 lines) on purpose: the loop-carried state (the accumulator chunks, row max and sum, the
@@ -387,10 +390,10 @@ def _decode_split_kernel(
     part = tl.program_id(1)
     parts = tl.num_programs(1)
     begin_req, begin_blk, end_req, end_blk, begin_split = part_bounds(meta_ptr, part, B - 1, META_W)
-    # The partials buffer (``partials_size``): pieces x rows x DV values, pieces x rows log2 LSEs, and the
-    # schedule verdict that program (0, 0) writes and the combine kernel reads.
+    # The partials buffer (``partials_size``): the schedule verdict that program (0, 0) writes and the combine
+    # kernel reads, pieces x rows x DV values, pieces x rows log2 LSEs.
     pieces_cap = B + parts
-    plse_ptr = part_ptr + pieces_cap.to(tl.int64) * ROWS * DV
+    verdict_ptr, pval_ptr, plse_ptr = partials_views(part_ptr, out_ptr, pieces_cap, ROWS, DV, OUT_TYPED)
     capacity = MAX_PAGES * PAGE
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -499,11 +502,11 @@ def _decode_split_kernel(
                 # caught by the verdict below, and the combine kernel then poisons every request).
                 piece = tl.minimum(tl.maximum(s_lo + tl.where(b == begin_req, begin_split, 0), 0), pieces_cap - 1)
                 p_row = piece.to(tl.int64) * ROWS + rows
-                _store_rows(part_ptr + p_row[:, None] * DV, acc0, acc1, acc2, acc3, inv_l, row_ok, DC, NC, PAIRS)
+                _store_rows(pval_ptr + p_row[:, None] * DV, acc0, acc1, acc2, acc3, inv_l, row_ok, DC, NC, PAIRS)
                 tl.store(plse_ptr + p_row, lse2, mask=row_ok)
     if (pid_m == 0) & (part == 0):
         sched_ok = schedule_matches(seqlens_ptr, meta_ptr, splits_ptr, B, parts, tl.arange(0, 1024), SCHED_N)
-        tl.store(plse_ptr + pieces_cap.to(tl.int64) * ROWS, tl.where(sched_ok, 1.0, 0.0))
+        tl.store(verdict_ptr, tl.where(sched_ok, 1.0, 0.0))
         report(err_ptr, tl.where(sched_ok, 0, SCHEDULE))
 
 
@@ -512,7 +515,7 @@ def _decode_combine_kernel(
     out_ptr, lse_ptr, part_ptr, splits_ptr, seqlens_ptr, err_ptr,
     B, H, Q_LEN, ROWS, PARTS, CAPACITY,
     stride_ob, stride_ot, stride_oh,
-    DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr, OUT_TYPED: tl.constexpr,
 ):
     """Merge the partials of request program_id(0), rows block program_id(1), columns block program_id(2).
 
@@ -532,8 +535,8 @@ def _decode_combine_kernel(
     cols = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok = rows < ROWS
     pieces_cap = B + PARTS
-    plse_ptr = part_ptr + pieces_cap.to(tl.int64) * ROWS * DV
-    bad_schedule = tl.load(plse_ptr + pieces_cap.to(tl.int64) * ROWS) != 1.0
+    verdict_ptr, pval_ptr, plse_ptr = partials_views(part_ptr, out_ptr, pieces_cap, ROWS, DV, OUT_TYPED)
+    bad_schedule = tl.load(verdict_ptr) != 1.0
     s_lo = tl.load(splits_ptr + b)
     s_hi = tl.load(splits_ptr + b + 1)
     if (s_hi - s_lo != 1) | bad_schedule:
@@ -551,7 +554,7 @@ def _decode_combine_kernel(
         for s in range(s_lo, s_hi):
             p_row = tl.cast(s, tl.int64) * ROWS + rows
             ls = tl.load(plse_ptr + p_row, mask=row_ok, other=float("-inf"))
-            os = tl.load(part_ptr + p_row[:, None] * DV + cols[None, :], mask=row_ok[:, None], other=0.0)
+            os = tl.load(pval_ptr + p_row[:, None] * DV + cols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
             m_new = tl.maximum(m, ls)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m - m_safe)
@@ -596,16 +599,17 @@ def _tma_ok(cfg: DecodeConfig, k_cache: torch.Tensor, d: int) -> bool:
             and (d * k_cache.element_size()) % 16 == 0)
 
 
-def partials_size(b: int, parts: int, rows: int, head_dim_v: int) -> int:
-    """float32 elements of the partials buffer of a call: at most b + parts - 1 pieces (each part boundary
-    cuts one request in two) of rows x head_dim_v normalised values, then their rows log2 LSEs, then one
-    word for the schedule verdict (1.0 when the metadata was made for these lengths)."""
-    pieces = b + parts
-    return pieces * rows * (head_dim_v + 1) + 1
+def partials_size(b: int, parts: int, rows: int, head_dim_v: int, value_bytes: int) -> int:
+    """float32 words of the partials buffer of a call (``common.partials_views`` reads it): the schedule
+    verdict in a 128-byte line of its own, then for at most b + parts - 1 pieces (each part boundary cuts one
+    request in two) their rows x head_dim_v normalised values of ``value_bytes`` each (the output's element
+    size), then their rows log2 LSEs."""
+    n = (b + parts) * rows
+    return 32 + n * head_dim_v * value_bytes // 4 + n
 
 
 def _portable_main_args(q, k_cache, block_table, cache_seqlens, metadata, num_splits, softmax_scale, causal, cfg,
-                        out, lse, partials, err, kv_fmt=None, k_scale=None, pdl=False):
+                        out, lse, partials, err, kv_fmt=None, k_scale=None, pdl=False, out_typed=False):
     """(kernel, grid, args, options) of the portable main kernel (``kv_fmt``, ``k_scale``: an FP8 cache's
     format and scale, ``paged_decode_triton``; ``pdl``: the combine kernel follows as a programmatic
     dependent launch)."""
@@ -644,8 +648,8 @@ def _portable_main_args(q, k_cache, block_table, cache_seqlens, metadata, num_sp
                    DV=head_dim_v, NC=cfg.chunks, DR=max(dr, 16), HAS_PE=dr > 0, META_W=METADATA_WIDTH,
                    USE_TMA=use_tma, CARRY_PAGES=cfg.carry_pages,
                    PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FMT=fmt_id,
-                   NAN_FIXUP=fmt_id > 0 and fp8_nan_fixup(), PAIRS=pairs, PDL=pdl, num_warps=cfg.num_warps,
-                   num_stages=cfg.num_stages)
+                   NAN_FIXUP=fmt_id > 0 and fp8_nan_fixup(), PAIRS=pairs, PDL=pdl, OUT_TYPED=out_typed,
+                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return _SPLIT, (m_tiles, metadata.shape[0], 1), args, options
 
 
@@ -656,14 +660,17 @@ def fp8_pairs(cfg: DecodeConfig, kv_fmt: str | None) -> bool:
     return kv_fmt is not None and cfg.chunks == 4 and cfg.block_m <= 32
 
 
-def _combine_args(out, lse, partials, num_splits, cache_seqlens, err, parts, capacity, pdl, block_r):
+def _combine_args(out, lse, partials, num_splits, cache_seqlens, err, parts, capacity, pdl, block_r, out_typed):
     b, q_len, h, head_dim_v = out.shape
     rows = q_len * h
     block_r = min(block_r, 1 << (rows - 1).bit_length())
     block_d = min(128, head_dim_v)
+    # Up to four warps, as many as load 16 bytes each per piece (a one-row tile fills one warp).
+    num_warps = max(1, min(4, block_r * block_d * (out.element_size() if out_typed else 4) // (16 * 32)))
     args = (out, lse, partials, num_splits, cache_seqlens, err, b, h, q_len, rows, parts, capacity,
             out.stride(0), out.stride(1), out.stride(2))
-    options = dict(DV=head_dim_v, BLOCK_R=block_r, BLOCK_D=block_d, PDL=pdl, num_warps=4, num_stages=3,
+    options = dict(DV=head_dim_v, BLOCK_R=block_r, BLOCK_D=block_d, PDL=pdl, OUT_TYPED=out_typed,
+                   num_warps=num_warps, num_stages=3,
                    **({"launch_pdl": True} if pdl else {}))
     return (b, -(-rows // block_r), head_dim_v // block_d), args, options
 
@@ -685,7 +692,11 @@ class _DecodePlan:
         self.lse_shape = (b, h, q_len)
         self.parts = metadata.shape[0]
         self.capacity = block_table.shape[1] * k_cache.shape[1]
-        self.partials_numel = partials_size(b, self.parts, self.rows, head_dim_v)
+        # Partial values in the output's dtype after the portable kernel (16-row bf16 cells 1.5-2.5% faster, FP8
+        # 64-128 rows ~2%), float32 after the Hopper kernels (16-bit ones 7-11% slower at batch 1-8; v22).
+        self.out_typed = not self.cfg.use_sm90
+        self.partials_numel = partials_size(b, self.parts, self.rows, head_dim_v,
+                                            q.element_size() if self.out_typed else 4)
         self.scale, self.causal = softmax_scale, causal
         # Many requests (a request per two SMs or more: each has a few pieces) let the combine overlap the
         # main kernel's end (PDL, after either main kernel; measured at batch 128, v11 / v21) and, from 32
@@ -742,10 +753,11 @@ class _DecodePlan:
         else:
             kernel, grid, args, options = _portable_main_args(q, k_cache, block_table, cache_seqlens, metadata,
                                                               num_splits, self.scale, self.causal, self.cfg, out,
-                                                              lse, partials, err, self.kv_fmt, k_scale, self.pdl)
+                                                              lse, partials, err, self.kv_fmt, k_scale, self.pdl,
+                                                              self.out_typed)
             own_q = q is q_in
         cgrid, cargs, coptions = _combine_args(out, lse, partials, num_splits, cache_seqlens, err, self.parts,
-                                               self.capacity, self.pdl, self.block_r)
+                                               self.capacity, self.pdl, self.block_r, self.out_typed)
         if not self.tried_bind and dev.type == "cuda" and own_q:
             # Bind once, from a call whose tensors the later calls' addresses stand for.
             self.tried_bind = True
@@ -846,15 +858,17 @@ def few_requests_block_r(b: int, rows: int, head_dim_v: int, sms: int) -> int:
 
 
 def launch_combine(out: torch.Tensor, lse: torch.Tensor, partials: torch.Tensor, num_splits: torch.Tensor,
-                   cache_seqlens: torch.Tensor, parts: int, capacity: int, pdl: bool = False, block_r: int = 4) -> None:
+                   cache_seqlens: torch.Tensor, parts: int, capacity: int, pdl: bool = False, block_r: int = 4,
+                   out_typed: bool = False) -> None:
     """The combine kernel alone (tests): merge the pieces in ``partials`` (``partials_size`` layout, b +
-    ``parts`` pieces) of the requests ``num_splits`` (int32 [b + 1], cumulative) gives more than one into
+    ``parts`` pieces, values float32 or with ``out_typed`` in out's dtype) of the requests ``num_splits``
+    (int32 [b + 1], cumulative) gives more than one into
     out [b, q_len, h, Dv] / lse [b, h, q_len] (natural log); requests with no piece get output 0 and LSE
     -inf; a verdict other than 1.0 or a length outside 0 .. ``capacity`` poisons the request (NaN);
     ``pdl``: launched as the main kernel's programmatic dependent (sm_90+). ``block_r`` rows per program."""
     err = errors.error_word(out.device)
     grid, args, options = _combine_args(out, lse, partials, num_splits, cache_seqlens, err, parts, capacity, pdl,
-                                        block_r)
+                                        block_r, out_typed)
     _COMBINE.launch(out.device, grid, *args, **options)
 
 

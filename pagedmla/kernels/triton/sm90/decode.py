@@ -26,7 +26,7 @@ fp16, head dims 576 / 512, page size a multiple of 64, a contiguous cache, 64-ro
 
 from __future__ import annotations
 
-from pagedmla.kernels.triton.common import _LN2, BLOCK_TABLE, LOG2E, SCHEDULE, report
+from pagedmla.kernels.triton.common import _LN2, BLOCK_TABLE, LOG2E, SCHEDULE, partials_views, report
 from pagedmla.kernels.triton.launch import CachedKernel
 from pagedmla.kernels.triton.metadata import part_bounds, request_span, schedule_matches
 from pagedmla.kernels.triton.sm90 import mla
@@ -58,7 +58,8 @@ if HAVE_GLUON:
                     layout: gl.constexpr):
         """Columns col0 .. col0 + 255 of the tile's result: normalised into ``out`` (and LSE, natural log)
         when the request is in one piece, else into the fp32 partial row ``piece`` (and log2 LSE) of the
-        partials buffer (decode.py's layout: PIECES x ROWS x 512 values, then the LSEs)."""
+        partials buffer (``common.partials_views``: fp32 values, as 16-bit ones would leave the MMA layout as
+        half sectors; measured slower at batch 1-8, benchmarks/NOTES.md decode v22)."""
         rows = pid_m * mla._BM + gl.arange(0, mla._BM, layout=gl.SliceLayout(1, layout))
         cols = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, layout))
         row_ok = rows < ROWS
@@ -72,10 +73,11 @@ if HAVE_GLUON:
             if WRITE_LSE:
                 gl.store(lse_ptr + b.to(gl.int64) * ROWS + h * Q_LEN + t, lse2 * _LN2, mask=row_ok)
         else:
+            _, pval_ptr, plse_ptr = partials_views(partials_ptr, out_ptr, PIECES, ROWS, mla._DV, False)
             p_row = piece.to(gl.int64) * ROWS + rows
-            gl.store(partials_ptr + p_row[:, None] * mla._DV + cols[None, :], o, mask=row_ok[:, None])
+            gl.store(pval_ptr + p_row[:, None] * mla._DV + cols[None, :], o, mask=row_ok[:, None])
             if WRITE_LSE:
-                gl.store(partials_ptr + PIECES.to(gl.int64) * ROWS * mla._DV + p_row, lse2, mask=row_ok)
+                gl.store(plse_ptr + p_row, lse2, mask=row_ok)
 
     @gluon.jit
     def slice_start(bt_ptr, stride_btb, seqlens_ptr, b, begin_req, begin_blk, end_req, end_blk, CAPACITY,
@@ -91,18 +93,18 @@ if HAVE_GLUON:
         return bt_row, first_page, tok_lo, tok_hi
 
     @gluon.jit
-    def schedule_verdict(seqlens_ptr, meta_ptr, splits_ptr, partials_ptr, err_ptr, B, PARTS, PIECES, ROWS):
+    def schedule_verdict(seqlens_ptr, meta_ptr, splits_ptr, partials_ptr, err_ptr, B, PARTS):
         """Loader of (m-tile 0, part 0), once its loads are issued (it has nothing else to do while the
-        warpgroups finish): whether the metadata describes these lengths, into the word after the partials
-        (decode.py's layout) for the combine, and the error word."""
+        warpgroups finish): whether the metadata describes these lengths, into the partials buffer's verdict
+        word (``common.partials_views``) for the combine, and the error word."""
         if (gl.program_id(0) == 0) & (gl.program_id(1) == 0):
             lanes = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
             ok = schedule_matches(seqlens_ptr, meta_ptr, splits_ptr, B, PARTS, lanes, mla._BN)
-            gl.store(partials_ptr + PIECES.to(gl.int64) * ROWS * (mla._DV + 1), gl.where(ok, 1.0, 0.0))
+            gl.store(partials_ptr, gl.where(ok, 1.0, 0.0))
             report(err_ptr, gl.where(ok, 0, SCHEDULE))
 
     @gluon.jit
-    def _loader(q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, PIECES, CAPACITY, num_pages, seqlens_ptr,
+    def _loader(q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, CAPACITY, num_pages, seqlens_ptr,
                 meta_ptr, splits_ptr, partials_ptr, err_ptr, B, PARTS, ROWS, q_smem, q_pe_smem, kv_ring, kv_pe_ring,
                 q_ready, q_free, kv_ready, kv_empty, page_flags, PAGE: gl.constexpr, META_W: gl.constexpr):
         pid_m = gl.program_id(0)
@@ -119,7 +121,7 @@ if HAVE_GLUON:
                 it = mla.load_kv_tiles(kv_desc, kv_pe_desc, bt_row, first_page, tok_lo, tok_hi, it, kv_ring,
                                        kv_pe_ring, kv_ready, kv_empty, page_flags.index(nq % 2), num_pages, PAGE)
                 nq += 1
-        schedule_verdict(seqlens_ptr, meta_ptr, splits_ptr, partials_ptr, err_ptr, B, PARTS, PIECES, ROWS)
+        schedule_verdict(seqlens_ptr, meta_ptr, splits_ptr, partials_ptr, err_ptr, B, PARTS)
 
     @gluon.jit
     def _softmax_warpgroup(
@@ -209,7 +211,7 @@ if HAVE_GLUON:
                                  seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr, partials_ptr, B, PARTS, H,
                                  Q_LEN,
                                  ROWS, stride_ob, stride_ot, stride_oh, PAGE, META_W)),
-             (_loader, (q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, PIECES, CAPACITY, num_pages,
+             (_loader, (q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, CAPACITY, num_pages,
                         seqlens_ptr, meta_ptr, splits_ptr, partials_ptr, err_ptr, B, PARTS, ROWS, q_smem, q_pe_smem,
                         kv_ring, kv_pe_ring, q_ready, q_free, kv_ready, kv_empty, page_flags, PAGE, META_W))],
             worker_num_warps=[4, 1],

@@ -97,7 +97,7 @@ if HAVE_GLUON:
         tma.async_copy_global_to_shared(pe_desc, [row, 2 * _H], ready, pe_dst)
 
     @gluon.jit
-    def _seesaw_loader(q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, PIECES, CAPACITY, num_pages,
+    def _seesaw_loader(q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, CAPACITY, num_pages,
                        seqlens_ptr, meta_ptr, splits_ptr, partials_ptr, err_ptr, B, PARTS, ROWS, q_h, q_pe,
                        kv_l, kv_r, kv_pe, q_ready, q_free, ready_l, ready_r, empty_l, empty_r, page_flags,
                        PAGE: gl.constexpr, META_W: gl.constexpr):
@@ -137,7 +137,7 @@ if HAVE_GLUON:
                         fills_b += 1
                     page_id = next_page
                 nq += 1
-        schedule_verdict(seqlens_ptr, meta_ptr, splits_ptr, partials_ptr, err_ptr, B, PARTS, PIECES, ROWS)
+        schedule_verdict(seqlens_ptr, meta_ptr, splits_ptr, partials_ptr, err_ptr, B, PARTS)
 
     @gluon.jit
     def _publish(buf, x):
@@ -422,7 +422,7 @@ if HAVE_GLUON:
                      empty_r, a_ready, b_ready, pa_free, pb_free, pe_taken, fin, page_flags,
                      PIECES, CAPACITY, seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr, partials_ptr, B, PARTS,
                      H, Q_LEN, ROWS, qk_scale, stride_ob, stride_ot, stride_oh, CAUSAL, META_W)),
-             (_seesaw_loader, (q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, PIECES, CAPACITY,
+             (_seesaw_loader, (q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, CAPACITY,
                                num_pages, seqlens_ptr, meta_ptr, splits_ptr, partials_ptr, err_ptr, B, PARTS, ROWS,
                                q_h, q_pe, kv_l, kv_r, kv_pe, q_ready, q_free, ready_l, ready_r, empty_l,
                                empty_r, page_flags, PAGE, META_W))],
