@@ -255,15 +255,19 @@ def fp16_row_scale(amax):
     return tl.exp2(-e), tl.exp2(e)
 
 
+# float32 words before the split-KV partials' values: the schedule verdict in a 128-byte line of its own.
+PARTIALS_HEADER = tl.constexpr(32)
+
+
 @triton.jit
 def partials_views(part_ptr, out_ptr, pieces, rows, DV: tl.constexpr, OUT_TYPED: tl.constexpr):
     """(schedule verdict, values, log2 LSEs) of the split-KV decode's partials buffer (float32 words,
-    ``decode.partials_size``): word 0 the verdict (1.0 when the metadata describes these lengths), from word 32
-    (a 128-byte boundary) pieces x rows x DV normalised values, then pieces x rows log2 LSEs. The values are
+    ``decode.partials_size``): word 0 the verdict (1.0 when the metadata describes these lengths), from word
+    ``PARTIALS_HEADER`` pieces x rows x DV normalised values, then pieces x rows log2 LSEs. The values are
     float32, or with ``OUT_TYPED`` in ``out_ptr``'s dtype (the portable kernel's: half the bytes for bf16/fp16,
     rounded like a one-piece request's own output; the merge adds them in float32)."""
     vty: tl.constexpr = out_ptr.dtype.element_ty if OUT_TYPED else tl.float32
-    values = part_ptr + 32
+    values = part_ptr + PARTIALS_HEADER
     lse = values + pieces.to(tl.int64) * rows * (DV * vty.primitive_bitwidth // 32)
     return part_ptr, values.to(tl.pointer_type(vty)), lse
 

@@ -45,6 +45,7 @@ from pagedmla.kernels.triton.common import (
     BLOCK_TABLE,
     DS_ROPE_OFFSET,
     LOG2E,
+    PARTIALS_HEADER,
     SCHEDULE,
     checked_length,
     checked_page,
@@ -605,7 +606,7 @@ def partials_size(b: int, parts: int, rows: int, head_dim_v: int, value_bytes: i
     request in two) their rows x head_dim_v normalised values of ``value_bytes`` each (the output's element
     size), then their rows log2 LSEs."""
     n = (b + parts) * rows
-    return 32 + n * head_dim_v * value_bytes // 4 + n
+    return PARTIALS_HEADER.value + n * head_dim_v * value_bytes // 4 + n
 
 
 def _portable_main_args(q, k_cache, block_table, cache_seqlens, metadata, num_splits, softmax_scale, causal, cfg,

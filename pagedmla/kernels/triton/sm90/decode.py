@@ -58,8 +58,8 @@ if HAVE_GLUON:
                     layout: gl.constexpr):
         """Columns col0 .. col0 + 255 of the tile's result: normalised into ``out`` (and LSE, natural log)
         when the request is in one piece, else into the fp32 partial row ``piece`` (and log2 LSE) of the
-        partials buffer (``common.partials_views``: fp32 values, as 16-bit ones would leave the MMA layout as
-        half sectors; measured slower at batch 1-8, benchmarks/NOTES.md decode v22)."""
+        partials buffer (``common.partials_views``: fp32 values; 16-bit ones were 7-11% slower at batch 1-8,
+        benchmarks/NOTES.md decode v22, perhaps as the MMA layout then stores half sectors)."""
         rows = pid_m * mla._BM + gl.arange(0, mla._BM, layout=gl.SliceLayout(1, layout))
         cols = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, layout))
         row_ok = rows < ROWS
