@@ -13,17 +13,20 @@ a user calls it) and ``pagedmla.bench.prefill``'s ragged (``flash_attn_varlen_fu
 alternating (``triton.testing.do_bench`` median, L2 flushed); the table gives each version's best median,
 the ratio other / this (above 1: this checkout is faster) and the spread of each version's rounds (the
 noise the ratio should be read against). ``same`` says whether the versions returned bit-identical outputs.
-``--match`` keeps the cells whose name holds one of its strings (e.g. ``h16 s4096``).
+``--match`` keeps the cells whose name holds one of its strings (e.g. ``h16 s4096``). ``--graphs`` also times
+each decode cell as CUDA graphs of ``GRAPH_CALLS`` calls over rotated input copies (``bench_decode --graphs``'s
+timer, what an engine replaying graphs pays), alternating with the eager timings.
 
     git archive REV pagedmla | tar -x -C /tmp/rev     # the other checkout (a directory holding pagedmla/)
     python3 benchmarks/bench_ab.py --other /tmp/rev [--other /tmp/rev2 ...] [--quick] [--rounds 2]
-        [--only decode|ragged|paged] [--kv-format fp8_e4m3|fp8_ds_mla] [--match SUBSTRING] [--csv F]
+        [--only decode|ragged|paged] [--kv-format fp8_e4m3|fp8_ds_mla] [--match SUBSTRING] [--graphs] [--csv F]
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import importlib
 import re
 import shutil
@@ -72,25 +75,30 @@ def timed(fn: Callable[[], object]) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median") * 1e3
 
 
-Bind = Callable[[ModuleType], Callable[[], torch.Tensor]]
-Cells = list[tuple[str, Callable[[], Bind]]]
+# bind(lib): lib's call on input copy i (eager timings use copy 0).
+Bind = Callable[[ModuleType], Callable[[int], torch.Tensor]]
+# setup(graphs): makes a cell's inputs once; (bind, input copies for CUDA-graph timing, or None: eager only).
+Setup = Callable[[bool], tuple[Bind, int | None]]
+Cells = list[tuple[str, Setup]]
 
 
 def decode_cells(quick: bool, fmt: str | None = None) -> Cells:
-    """(name, setup) per cell: setup() makes the inputs once and returns bind(lib), lib's timed call. ``fmt``:
-    the cache quantised to that FP8 format (``pagedmla.kv_format``, this checkout's quantiser: the bytes are
-    the format's, the same for every version)."""
+    """(name, setup) per cell. ``fmt``: the cache quantised to that FP8 format (``pagedmla.kv_format``, this
+    checkout's quantiser: the bytes are the format's, the same for every version). With graphs the cell makes
+    ``bench_decode``'s rotated copies (enough to leave L2 cold within a graph), else one (do_bench flushes L2
+    between eager calls)."""
     cells = []
     for cell in bdecode.grid(quick):
-        def setup(cell=cell) -> Bind:
-            inp = bdecode.Inputs(cell, seed=0, l2_bytes=0)  # one copy: do_bench flushes L2 between calls
-            cache, kw = (inp.cache[0], {}) if fmt is None else fp8_caches(inp.cache[0])[fmt]
+        def setup(graphs: bool, cell=cell) -> tuple[Bind, int | None]:
+            l2 = torch.cuda.get_device_properties(0).L2_cache_size if graphs else 0
+            inp = bdecode.Inputs(cell, seed=0, l2_bytes=l2)
+            caches = [(c, {}) if fmt is None else fp8_caches(c)[fmt] for c in inp.cache]
 
-            def bind(lib: ModuleType) -> Callable[[], torch.Tensor]:
+            def bind(lib: ModuleType) -> Callable[[int], torch.Tensor]:
                 meta, splits = lib.get_mla_metadata(inp.seqlens, cell.q_len * cell.heads, 1)
-                return lambda: lib.flash_mla_with_kvcache(inp.q[0], cache, inp.table, inp.seqlens,
-                                                          bdecode.DV, meta, splits, causal=True, **kw)[0]
-            return bind
+                return lambda i: lib.flash_mla_with_kvcache(inp.q[i], caches[i][0], inp.table, inp.seqlens,
+                                                            bdecode.DV, meta, splits, causal=True, **caches[i][1])[0]
+            return bind, len(inp.q) if graphs else None
         cells.append((f"decode{'' if fmt is None else ' ' + fmt} b{cell.b} q{cell.q_len} h{cell.heads} "
                       f"s{cell.mean}", setup))
     return cells
@@ -99,11 +107,12 @@ def decode_cells(quick: bool, fmt: str | None = None) -> Cells:
 def ragged_cells(quick: bool) -> Cells:
     cells = []
     for b, seqlen, h in bprefill.RAGGED_GRID[:3] if quick else bprefill.RAGGED_GRID:
-        def setup(b=b, seqlen=seqlen, h=h) -> Bind:
+        def setup(graphs: bool, b=b, seqlen=seqlen, h=h) -> tuple[Bind, None]:
             t = b * seqlen
             q, k, v = bprefill.rnd(t, h, 192), bprefill.rnd(t, h, 192), bprefill.rnd(t, h, 128)
             cu = torch.arange(0, t + 1, seqlen, device="cuda", dtype=torch.int32)
-            return lambda lib: lambda: lib.flash_attn_varlen_func(q, k, v, cu, cu, seqlen, seqlen, 192 ** -0.5, True)
+            return (lambda lib: lambda i: lib.flash_attn_varlen_func(q, k, v, cu, cu, seqlen, seqlen, 192 ** -0.5,
+                                                                     True)), None
         cells.append((f"ragged {b}x{seqlen} h{h}", setup))
     return cells
 
@@ -111,7 +120,7 @@ def ragged_cells(quick: bool) -> Cells:
 def paged_cells(quick: bool) -> Cells:
     cells = []
     for b, new, cached, h in bprefill.PAGED_GRID[:2] if quick else bprefill.PAGED_GRID:
-        def setup(b=b, new=new, cached=cached, h=h) -> Bind:
+        def setup(graphs: bool, b=b, new=new, cached=cached, h=h) -> tuple[Bind, None]:
             pages_per = triton.cdiv(new + cached, bprefill.PAGE)
             num_pages = b * pages_per + 1
             cache = bprefill.rnd(num_pages, bprefill.PAGE, 1, 576)
@@ -119,8 +128,8 @@ def paged_cells(quick: bool) -> Cells:
             lens = torch.full((b,), new + cached, device="cuda", dtype=torch.int32)
             qo = torch.arange(0, b * new + 1, new, device="cuda", dtype=torch.int32)
             q = bprefill.rnd(b * new, h, 576)
-            return lambda lib: lambda: lib.flash_mla_varlen_with_kvcache(
-                q, cache, table, lens, qo, 512, softmax_scale=192 ** -0.5, causal=True, max_q_len=new)[0]
+            return (lambda lib: lambda i: lib.flash_mla_varlen_with_kvcache(
+                q, cache, table, lens, qo, 512, softmax_scale=192 ** -0.5, causal=True, max_q_len=new)[0]), None
         cells.append((f"paged {b}x{new} over {cached} h{h}", setup))
     return cells
 
@@ -136,6 +145,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="only the cells whose name holds one of these (repeatable)")
     ap.add_argument("--kv-format", choices=("fp8_e4m3", "fp8_ds_mla"), action="append", default=[],
                     help="time the decode grid on a cache of this FP8 format (repeatable; without --only, only these)")
+    ap.add_argument("--graphs", action="store_true", help="also time the decode cells as CUDA graphs")
     ap.add_argument("--csv", metavar="PATH", help="write every cell's figures to PATH")
     args = ap.parse_args(argv)
     args.kv_format = list(dict.fromkeys(args.kv_format))  # a format named twice runs once
@@ -154,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
             for name, setup in parts[part](args.quick):
                 if args.match and not any(m in name for m in args.match):
                     continue
-                rows.append(time_cell(name, setup, versions, args.rounds))
+                rows.append(time_cell(name, setup, versions, args.rounds, args.graphs))
                 torch.cuda.empty_cache()
     print_table(rows, names)
     if args.csv:
@@ -164,45 +174,64 @@ def main(argv: list[str] | None = None) -> None:
             w.writerows(rows)
 
 
-def time_cell(name: str, setup: Callable[[], Bind], versions: dict[str, ModuleType], rounds: int) -> dict:
+def time_cell(name: str, setup: Setup, versions: dict[str, ModuleType], rounds: int, graphs: bool = False) -> dict:
     """One cell's row: each version's best median over ``rounds`` alternating timings, its spread, the ratio
-    other / this per other version, and whether every version's output equals this checkout's bit for bit."""
-    bind = setup()
+    other / this per other version, and whether every version's output equals this checkout's bit for bit.
+    With ``graphs`` a decode cell also gets each version's CUDA-graph figures (µs per call, ``graph_`` keys),
+    timed in the same rounds."""
+    bind, copies = setup(graphs)
     fns = {v: bind(lib) for v, lib in versions.items()}
-    outs = {v: fn() for v, fn in fns.items()}
+    outs = {v: fn(0) for v, fn in fns.items()}
     same = all(torch.equal(outs["this"], o) for o in outs.values())
     del outs
-    times: dict[str, list[float]] = {v: [] for v in versions}
+    timers = {v: functools.partial(timed, functools.partial(fn, 0)) for v, fn in fns.items()}
+    if graphs and copies is not None:
+        timers |= {f"graph_{v}": bdecode.graph_timer(fn, copies) for v, fn in fns.items()}
+    times: dict[str, list[float]] = {key: [] for key in timers}
     for _ in range(rounds):
-        for v, fn in fns.items():
-            times[v].append(timed(fn))
+        for key, timer in timers.items():
+            times[key].append(timer())
     row: dict = {"cell": name}
-    for v, t in times.items():
-        row[f"{v}_us"] = min(t)
-        row[f"spread_{v}"] = (max(t) - min(t)) / min(t)
+    for key, t in times.items():
+        row[f"{key}_us"] = min(t)
+        row[f"spread_{key}"] = (max(t) - min(t)) / min(t)
+        kind, v = ("graph_", key[6:]) if key.startswith("graph_") else ("", key)
         if v != "this":
-            row[f"ratio_{v}"] = min(t) / min(times["this"])
+            row[f"ratio_{kind}{v}"] = min(t) / min(times[f"{kind}this"])
     row["same"] = same
-    print(f"{name}: " + ", ".join(f"{v} {min(t):.1f} us" for v, t in times.items()), flush=True)
+    print(f"{name}: " + ", ".join(f"{key} {min(t):.1f} us" for key, t in times.items()), flush=True)
     return row
 
 
 def print_table(rows: list[dict], others: list[str]) -> None:
-    """The markdown table (µs, ratios other / this, spreads) and each other version's geometric mean."""
-    head = ["cell", "this µs"] + [f"{o} µs" for o in others] + [f"{o} / this" for o in others]
-    print("\n| " + " | ".join(head + ["spread this / " + " / ".join(others), "same"]) + " |")
-    print("|" + "---|" * (len(head) + 2))
+    """The markdown table (µs, ratios other / this, spreads; the graph figures where a row has them) and each
+    other version's geometric mean."""
+    kinds = [""] + (["graph_"] if any("graph_this_us" in r for r in rows) else [])
+    versions = ["this", *others]
+    head = ["cell"]
+    for kind in kinds:
+        label = "graph " if kind else ""
+        head += [f"{label}{v} µs" for v in versions] + [f"{label}{o} / this" for o in others]
+        head.append(f"{label}spread " + " / ".join(versions))
+    print("\n| " + " | ".join(head + ["same"]) + " |")
+    print("|" + "---|" * (len(head) + 1))
     for r in rows:
-        cells = [r["cell"], f"{r['this_us']:.1f}"] + [f"{r[f'{o}_us']:.1f}" for o in others]
-        cells += [f"{r[f'ratio_{o}']:.3f}" for o in others]
-        cells.append(" / ".join(f"{100 * r[f'spread_{v}']:.1f}%" for v in ["this", *others]))
+        cells = [r["cell"]]
+        for kind in kinds:
+            if f"{kind}this_us" not in r:
+                cells += ["—"] * (2 * len(versions))
+                continue
+            cells += [f"{r[f'{kind}{v}_us']:.1f}" for v in versions]
+            cells += [f"{r[f'ratio_{kind}{o}']:.3f}" for o in others]
+            cells.append(" / ".join(f"{100 * r[f'spread_{kind}{v}']:.1f}%" for v in versions))
         print("| " + " | ".join(cells + ["yes" if r["same"] else "NO"]) + " |")
-    for o in others:
-        ratios = [r[f"ratio_{o}"] for r in rows]
-        if ratios:
-            geo = float(torch.tensor(ratios).log().mean().exp())
-            print(f"\n{o} / this: geomean {geo:.3f}, min {min(ratios):.3f}, max {max(ratios):.3f} over "
-                  f"{len(rows)} cells")
+    for kind in kinds:
+        for o in others:
+            ratios = [r[f"ratio_{kind}{o}"] for r in rows if f"ratio_{kind}{o}" in r]
+            if ratios:
+                geo = float(torch.tensor(ratios).log().mean().exp())
+                print(f"\n{o} / this{' (graphs)' if kind else ''}: geomean {geo:.3f}, min {min(ratios):.3f}, "
+                      f"max {max(ratios):.3f} over {len(ratios)} cells")
 
 
 if __name__ == "__main__":

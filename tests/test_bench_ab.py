@@ -67,29 +67,66 @@ class _Lib:
         self.name, self.scale = name, scale
 
 
+def _setup(copies):
+    """A cell's setup whose calls return ones times the version's scale, each knowing its version."""
+    def setup(graphs):
+        def bind(lib):
+            def call(i):
+                return torch.ones(3) * lib.scale
+            call.version = lib.name
+            return call
+        return bind, copies if graphs else None
+    return setup
+
+
 def test_rows_and_table_of_three_versions(monkeypatch, capsys):
     bench = load("bench_ab")
     versions = {"this": _Lib("this", 1.0), "eef7c2b": _Lib("eef7c2b", 1.0), "HEAD": _Lib("HEAD", 2.0)}
     clock = {"this": iter([10.0, 9.0]), "eef7c2b": iter([11.0, 12.0]), "HEAD": iter([20.0, 21.0])}
 
-    def setup():
-        def bind(lib):
-            def call():
-                return torch.ones(3) * lib.scale
-            call.version = lib.name
-            return call
-        return bind
-
-    monkeypatch.setattr(bench, "timed", lambda fn: next(clock[fn.version]))
-    row = bench.time_cell("decode b128 q1 h16 s4096", setup, versions, rounds=2)
+    monkeypatch.setattr(bench, "timed", lambda fn: next(clock[fn.func.version]))
+    row = bench.time_cell("decode b128 q1 h16 s4096", _setup(None), versions, rounds=2)
     assert (row["this_us"], row["eef7c2b_us"], row["HEAD_us"]) == (9.0, 11.0, 20.0)
     assert row["ratio_eef7c2b"] == pytest.approx(11 / 9) and row["ratio_HEAD"] == pytest.approx(20 / 9)
     assert row["spread_this"] == pytest.approx(1 / 9)
     assert row["same"] is False  # HEAD's output differs from this checkout's
+    assert not any(k.startswith("graph_") for k in row)
     bench.print_table([row], ["eef7c2b", "HEAD"])
     out = capsys.readouterr().out
     assert "| decode b128 q1 h16 s4096 | 9.0 | 11.0 | 20.0 | 1.222 | 2.222 | 11.1% / 9.1% / 5.0% | NO |" in out
     assert "HEAD / this: geomean 2.222, min 2.222, max 2.222 over 1 cells" in out
+
+
+def test_graph_figures_beside_the_eager_ones(monkeypatch, capsys):
+    """``--graphs``: a decode cell gets each version's graph timer over its input copies, timed in the same
+    rounds; a prefill cell (no copies) keeps eager figures only and prints dashes in the graph columns."""
+    bench = load("bench_ab")
+    versions = {"this": _Lib("this", 1.0), "HEAD": _Lib("HEAD", 1.0)}
+    eager = {"this": iter([10.0, 9.0]), "HEAD": iter([11.0, 12.0])}
+    graph = {"this": iter([8.0, 7.0]), "HEAD": iter([7.0, 7.5])}
+    made = []
+
+    def graph_timer(call, copies):
+        made.append((call.version, copies))
+        return lambda: next(graph[call.version])
+
+    monkeypatch.setattr(bench, "timed", lambda fn: next(eager[fn.func.version]))
+    monkeypatch.setattr(bench.bdecode, "graph_timer", graph_timer)
+    row = bench.time_cell("decode b1 q1 h128 s4096", _setup(4), versions, rounds=2, graphs=True)
+    assert made == [("this", 4), ("HEAD", 4)]
+    assert (row["graph_this_us"], row["graph_HEAD_us"]) == (7.0, 7.0)
+    assert row["ratio_graph_HEAD"] == pytest.approx(1.0) and row["ratio_HEAD"] == pytest.approx(11 / 9)
+    assert row["spread_graph_this"] == pytest.approx(1 / 7)
+    eager |= {"this": iter([5.0]), "HEAD": iter([6.0])}
+    prefill = bench.time_cell("ragged 8x4096 h16", _setup(None), versions, rounds=1, graphs=True)
+    assert "graph_this_us" not in prefill
+    bench.print_table([row, prefill], ["HEAD"])
+    out = capsys.readouterr().out
+    assert ("| decode b1 q1 h128 s4096 | 9.0 | 11.0 | 1.222 | 11.1% / 9.1% | 7.0 | 7.0 | 1.000 | 14.3% / 7.1% | yes |"
+            in out)
+    assert "| ragged 8x4096 h16 | 5.0 | 6.0 | 1.200 | 0.0% / 0.0% | — | — | — | — | yes |" in out
+    assert "HEAD / this (graphs): geomean 1.000, min 1.000, max 1.000 over 1 cells" in out
+    assert "HEAD / this: geomean 1.211, min 1.200, max 1.222 over 2 cells" in out
 
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_ds_mla"])
@@ -110,9 +147,11 @@ def test_fp8_decode_cells_call_on_the_quantised_cache(monkeypatch, fmt):
     (_, setup_bf16), = bench.decode_cells(True)
     assert name == f"decode {fmt} b2 q1 h4 s40"
     torch.manual_seed(0)  # Inputs draws q and the cache from the global generator: the same for both cells
-    out = setup()(pagedmla)()
+    bind, copies = setup(False)
+    out = bind(pagedmla)(0)
     torch.manual_seed(0)
-    ref = setup_bf16()(pagedmla)()
+    ref = setup_bf16(False)[0](pagedmla)(0)
+    assert copies is None
     assert torch.isfinite(out).all() and not torch.equal(out, ref)
     cos = torch.nn.functional.cosine_similarity(out.double().flatten(), ref.double().flatten(), dim=0)
     assert 1 - cos < 1e-3
