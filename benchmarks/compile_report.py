@@ -238,6 +238,8 @@ def report(kernel, arch: int = 90) -> dict:
     out["e4m3_pair_permutes"] = len(re.findall(r"prmt\.b32 \S+, \S+, \S+, 0x3120;", ptx))
     out["shared_byte_loads"] = len(re.findall(r"ld\.shared(?:\.v[24])?\.[ubs]8\b", ptx))
     out["setmaxnreg"] = sorted(set(map(int, re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx))))
+    # Global stores kept in L2 ahead of the streamed rows (``common.PARTIALS_EVICTION``: the split-KV partials).
+    out["evict_last_stores"] = len(re.findall(r"st\.global\.L1::evict_last\.L2::cache_hint", ptx))
     return out
 
 

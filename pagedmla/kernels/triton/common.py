@@ -257,6 +257,12 @@ def fp16_row_scale(amax):
 
 # float32 words before the split-KV partials' values: the schedule verdict in a 128-byte line of its own.
 PARTIALS_HEADER = tl.constexpr(32)
+# L2 priority of the main kernels' partial stores. The partials buffer is scratch that the caching allocator
+# hands back at the same address on the next call of the shape; kept in L2 ahead of the streamed KV rows, its
+# lines are rewritten there by that call instead of being written back to DRAM while it streams. Measured on
+# the H200 (benchmarks/NOTES.md, decode v23): 1-3% faster as CUDA graphs at batch 64-128, eager within
+# noise; demoting the lines again when the combine reads them (evict_first) gave most of it back.
+PARTIALS_EVICTION = tl.constexpr("evict_last")
 
 
 @triton.jit

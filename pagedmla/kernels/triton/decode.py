@@ -45,6 +45,7 @@ from pagedmla.kernels.triton.common import (
     BLOCK_TABLE,
     DS_ROPE_OFFSET,
     LOG2E,
+    PARTIALS_EVICTION,
     PARTIALS_HEADER,
     SCHEDULE,
     checked_length,
@@ -329,22 +330,24 @@ def _attend_range(
 
 @triton.jit
 def _store_rows(ptrs, acc0, acc1, acc2, acc3, scale, row_ok, DC: tl.constexpr, NC: tl.constexpr,
-                PAIRS: tl.constexpr):
+                PAIRS: tl.constexpr, EVICT: tl.constexpr):
     """Store the NC accumulator chunks, scaled per row, to the rows ``ptrs`` [BLOCK_M, 1] point at (with PAIRS
-    the even- and odd-column chunks of ``_attend_tile``, interleaved back)."""
+    the even- and odd-column chunks of ``_attend_tile``, interleaved back), with L2 eviction policy EVICT."""
     ty = ptrs.dtype.element_ty
     if PAIRS:
         cols = tl.arange(0, 2 * DC)[None, :]
-        tl.store(ptrs + cols, (_interleave(acc0, acc1) * scale[:, None]).to(ty), mask=row_ok[:, None])
-        tl.store(ptrs + 2 * DC + cols, (_interleave(acc2, acc3) * scale[:, None]).to(ty), mask=row_ok[:, None])
+        tl.store(ptrs + cols, (_interleave(acc0, acc1) * scale[:, None]).to(ty), mask=row_ok[:, None],
+                 eviction_policy=EVICT)
+        tl.store(ptrs + 2 * DC + cols, (_interleave(acc2, acc3) * scale[:, None]).to(ty), mask=row_ok[:, None],
+                 eviction_policy=EVICT)
     else:
         cols = tl.arange(0, DC)[None, :]
-        tl.store(ptrs + cols, (acc0 * scale[:, None]).to(ty), mask=row_ok[:, None])
+        tl.store(ptrs + cols, (acc0 * scale[:, None]).to(ty), mask=row_ok[:, None], eviction_policy=EVICT)
         if NC >= 2:
-            tl.store(ptrs + DC + cols, (acc1 * scale[:, None]).to(ty), mask=row_ok[:, None])
+            tl.store(ptrs + DC + cols, (acc1 * scale[:, None]).to(ty), mask=row_ok[:, None], eviction_policy=EVICT)
         if NC == 4:
-            tl.store(ptrs + 2 * DC + cols, (acc2 * scale[:, None]).to(ty), mask=row_ok[:, None])
-            tl.store(ptrs + 3 * DC + cols, (acc3 * scale[:, None]).to(ty), mask=row_ok[:, None])
+            tl.store(ptrs + 2 * DC + cols, (acc2 * scale[:, None]).to(ty), mask=row_ok[:, None], eviction_policy=EVICT)
+            tl.store(ptrs + 3 * DC + cols, (acc3 * scale[:, None]).to(ty), mask=row_ok[:, None], eviction_policy=EVICT)
 
 
 @triton.jit
@@ -496,15 +499,16 @@ def _decode_split_kernel(
             pieces = tl.load(splits_ptr + b + 1) - s_lo
             if pieces == 1:
                 _store_rows(out_ptr + tl.cast(b, tl.int64) * stride_ob + o_row[:, None],
-                            acc0, acc1, acc2, acc3, inv_l, row_ok, DC, NC, PAIRS)
+                            acc0, acc1, acc2, acc3, inv_l, row_ok, DC, NC, PAIRS, "")
                 tl.store(lse_ptr + tl.cast(b, tl.int64) * ROWS + lse_row, lse2 * _LN2, mask=row_ok)
             else:
                 # Inside the partials buffer whatever num_splits holds (a schedule made for other lengths is
                 # caught by the verdict below, and the combine kernel then poisons every request).
                 piece = tl.minimum(tl.maximum(s_lo + tl.where(b == begin_req, begin_split, 0), 0), pieces_cap - 1)
                 p_row = piece.to(tl.int64) * ROWS + rows
-                _store_rows(pval_ptr + p_row[:, None] * DV, acc0, acc1, acc2, acc3, inv_l, row_ok, DC, NC, PAIRS)
-                tl.store(plse_ptr + p_row, lse2, mask=row_ok)
+                _store_rows(pval_ptr + p_row[:, None] * DV, acc0, acc1, acc2, acc3, inv_l, row_ok, DC, NC, PAIRS,
+                            PARTIALS_EVICTION)
+                tl.store(plse_ptr + p_row, lse2, mask=row_ok, eviction_policy=PARTIALS_EVICTION)
     if (pid_m == 0) & (part == 0):
         sched_ok = schedule_matches(seqlens_ptr, meta_ptr, splits_ptr, B, parts, tl.arange(0, 1024), SCHED_N)
         tl.store(verdict_ptr, tl.where(sched_ok, 1.0, 0.0))

@@ -26,7 +26,15 @@ fp16, head dims 576 / 512, page size a multiple of 64, a contiguous cache, 64-ro
 
 from __future__ import annotations
 
-from pagedmla.kernels.triton.common import _LN2, BLOCK_TABLE, LOG2E, SCHEDULE, partials_views, report
+from pagedmla.kernels.triton.common import (
+    _LN2,
+    BLOCK_TABLE,
+    LOG2E,
+    PARTIALS_EVICTION,
+    SCHEDULE,
+    partials_views,
+    report,
+)
 from pagedmla.kernels.triton.launch import CachedKernel
 from pagedmla.kernels.triton.metadata import part_bounds, request_span, schedule_matches
 from pagedmla.kernels.triton.sm90 import mla
@@ -75,9 +83,10 @@ if HAVE_GLUON:
         else:
             _, pval_ptr, plse_ptr = partials_views(partials_ptr, out_ptr, PIECES, ROWS, mla._DV, False)
             p_row = piece.to(gl.int64) * ROWS + rows
-            gl.store(pval_ptr + p_row[:, None] * mla._DV + cols[None, :], o, mask=row_ok[:, None])
+            gl.store(pval_ptr + p_row[:, None] * mla._DV + cols[None, :], o, mask=row_ok[:, None],
+                     eviction_policy=PARTIALS_EVICTION)
             if WRITE_LSE:
-                gl.store(plse_ptr + p_row, lse2, mask=row_ok)
+                gl.store(plse_ptr + p_row, lse2, mask=row_ok, eviction_policy=PARTIALS_EVICTION)
 
     @gluon.jit
     def slice_start(bt_ptr, stride_btb, seqlens_ptr, b, begin_req, begin_blk, end_req, end_blk, CAPACITY,
