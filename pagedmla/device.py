@@ -39,8 +39,13 @@ def gluon_available() -> bool:
     return True
 
 
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The compute capability of CUDA ``device`` (no index: the current device)."""
+    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
 @functools.cache
-def _capability(index: int) -> tuple[int, int]:
+def _capability_of(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
@@ -48,7 +53,7 @@ def sm90_available(device: torch.device) -> bool:
     """Whether ``device`` runs the Gluon sm_90 kernels: a CUDA device of capability 9.0 and Triton's Gluon."""
     if device.type != "cuda" or not gluon_available():
         return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)
+    return _capability(device) == (9, 0)
 
 
 def pdl_available(device: torch.device) -> bool:
@@ -57,7 +62,7 @@ def pdl_available(device: torch.device) -> bool:
     differently."""
     if device.type != "cuda" or torch.version.hip is not None or triton_interpreting():
         return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+    return _capability(device)[0] >= 9
 
 
 @functools.cache
