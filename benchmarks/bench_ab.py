@@ -12,7 +12,8 @@ a user calls it) and ``pagedmla.bench.prefill``'s ragged (``flash_attn_varlen_fu
 (``flash_mla_varlen_with_kvcache``, causal 576/512) grids. Each version is timed ``--rounds`` times per cell,
 alternating (``triton.testing.do_bench`` median, L2 flushed); the table gives each version's best median,
 the ratio other / this (above 1: this checkout is faster) and the spread of each version's rounds (the
-noise the ratio should be read against). ``same`` says whether the versions returned bit-identical outputs.
+noise the ratio should be read against). ``same`` says whether the versions returned this checkout's output bit
+for bit, and names those that did not.
 ``--match`` keeps the cells whose name holds one of its strings (e.g. ``h16 s4096``). ``--graphs`` also times
 each decode cell as CUDA graphs of ``GRAPH_CALLS`` calls over rotated input copies (``bench_decode --graphs``'s
 timer, what an engine replaying graphs pays), alternating with the eager timings.
@@ -176,13 +177,14 @@ def main(argv: list[str] | None = None) -> None:
 
 def time_cell(name: str, setup: Setup, versions: dict[str, ModuleType], rounds: int, graphs: bool = False) -> dict:
     """One cell's row: each version's best median over ``rounds`` alternating timings, its spread, the ratio
-    other / this per other version, and whether every version's output equals this checkout's bit for bit.
+    other / this per other version, and whether every version's output equals this checkout's bit for bit
+    (``differ``: the versions whose output does not).
     With ``graphs`` a decode cell also gets each version's CUDA-graph figures (µs per call, ``graph_`` keys),
     timed in the same rounds."""
     bind, copies = setup(graphs)
     fns = {v: bind(lib) for v, lib in versions.items()}
     outs = {v: fn(0) for v, fn in fns.items()}
-    same = all(torch.equal(outs["this"], o) for o in outs.values())
+    differ = [v for v, o in outs.items() if not torch.equal(outs["this"], o)]
     del outs
     timers = {v: functools.partial(timed, functools.partial(fn, 0)) for v, fn in fns.items()}
     if graphs and copies is not None:
@@ -198,7 +200,8 @@ def time_cell(name: str, setup: Setup, versions: dict[str, ModuleType], rounds: 
         kind, v = ("graph_", key[6:]) if key.startswith("graph_") else ("", key)
         if v != "this":
             row[f"ratio_{kind}{v}"] = min(t) / min(times[f"{kind}this"])
-    row["same"] = same
+    row["same"] = not differ
+    row["differ"] = " ".join(differ)
     print(f"{name}: " + ", ".join(f"{key} {min(t):.1f} us" for key, t in times.items()), flush=True)
     return row
 
@@ -224,7 +227,7 @@ def print_table(rows: list[dict], others: list[str]) -> None:
             cells += [f"{r[f'{kind}{v}_us']:.1f}" for v in versions]
             cells += [f"{r[f'ratio_{kind}{o}']:.3f}" for o in others]
             cells.append(" / ".join(f"{100 * r[f'spread_{kind}{v}']:.1f}%" for v in versions))
-        print("| " + " | ".join(cells + ["yes" if r["same"] else "NO"]) + " |")
+        print("| " + " | ".join(cells + ["yes" if r["same"] else f"NO: {r['differ']}"]) + " |")
     for kind in kinds:
         for o in others:
             ratios = [r[f"ratio_{kind}{o}"] for r in rows if f"ratio_{kind}{o}" in r]
