@@ -186,23 +186,23 @@ def time_cell(name: str, setup: Setup, versions: dict[str, ModuleType], rounds: 
     outs = {v: fn(0) for v, fn in fns.items()}
     differ = [v for v, o in outs.items() if not torch.equal(outs["this"], o)]
     del outs
-    timers = {v: functools.partial(timed, functools.partial(fn, 0)) for v, fn in fns.items()}
+    # (kind, version): kind "" for eager calls, "graph_" for CUDA-graph replays (the row keys' prefix).
+    timers = {("", v): functools.partial(timed, functools.partial(fn, 0)) for v, fn in fns.items()}
     if graphs and copies is not None:
-        timers |= {f"graph_{v}": bdecode.graph_timer(fn, copies) for v, fn in fns.items()}
-    times: dict[str, list[float]] = {key: [] for key in timers}
+        timers |= {("graph_", v): bdecode.graph_timer(fn, copies) for v, fn in fns.items()}
+    times: dict[tuple[str, str], list[float]] = {key: [] for key in timers}
     for _ in range(rounds):
         for key, timer in timers.items():
             times[key].append(timer())
     row: dict = {"cell": name}
-    for key, t in times.items():
-        row[f"{key}_us"] = min(t)
-        row[f"spread_{key}"] = (max(t) - min(t)) / min(t)
-        kind, v = ("graph_", key[6:]) if key.startswith("graph_") else ("", key)
+    for (kind, v), t in times.items():
+        row[f"{kind}{v}_us"] = min(t)
+        row[f"spread_{kind}{v}"] = (max(t) - min(t)) / min(t)
         if v != "this":
-            row[f"ratio_{kind}{v}"] = min(t) / min(times[f"{kind}this"])
+            row[f"ratio_{kind}{v}"] = min(t) / min(times[kind, "this"])
     row["same"] = not differ
     row["differ"] = " ".join(differ)
-    print(f"{name}: " + ", ".join(f"{key} {min(t):.1f} us" for key, t in times.items()), flush=True)
+    print(f"{name}: " + ", ".join(f"{kind}{v} {min(t):.1f} us" for (kind, v), t in times.items()), flush=True)
     return row
 
 
