@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> None:
     print_table(rows, names)
     if args.csv:
         with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["cell"])
+            # Every row's keys (prefill rows have no graph figures), in first-seen order.
+            w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)) or ["cell"])
             w.writeheader()
             w.writerows(rows)
 
@@ -189,7 +190,10 @@ def time_cell(name: str, setup: Setup, versions: dict[str, ModuleType], rounds: 
     # (kind, version): kind "" for eager calls, "graph_" for CUDA-graph replays (the row keys' prefix).
     timers = {("", v): functools.partial(timed, functools.partial(fn, 0)) for v, fn in fns.items()}
     if graphs and copies is not None:
-        timers |= {("graph_", v): bdecode.graph_timer(fn, copies) for v, fn in fns.items()}
+        try:
+            timers |= {("graph_", v): bdecode.graph_timer(fn, copies) for v, fn in fns.items()}
+        except RuntimeError as e:  # a version that cannot be captured: this cell keeps eager figures only
+            print(f"{name}: no CUDA-graph figures ({str(e).splitlines()[0]})", flush=True)
     times: dict[tuple[str, str], list[float]] = {key: [] for key in timers}
     for _ in range(rounds):
         for key, timer in timers.items():

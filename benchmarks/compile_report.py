@@ -240,6 +240,7 @@ def report(kernel, arch: int = 90) -> dict:
     out["setmaxnreg"] = sorted(set(map(int, re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx))))
     # Global stores kept in L2 ahead of the streamed rows (``common.PARTIALS_EVICTION``: the split-KV partials).
     out["evict_last_stores"] = len(re.findall(r"st\.global\.L1::evict_last\.L2::cache_hint", ptx))
+    out["global_stores"] = len(re.findall(r"\bst\.global\.", ptx))
     return out
 
 

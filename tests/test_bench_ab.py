@@ -104,16 +104,26 @@ def test_graph_figures_beside_the_eager_ones(monkeypatch, capsys):
     versions = {"this": _Lib("this", 1.0), "HEAD": _Lib("HEAD", 1.0)}
     eager = {"this": iter([10.0, 9.0]), "HEAD": iter([11.0, 12.0])}
     graph = {"this": iter([8.0, 7.0]), "HEAD": iter([7.0, 7.5])}
-    made = []
+    made, order = [], []
 
     def graph_timer(call, copies):
         made.append((call.version, copies))
-        return lambda: next(graph[call.version])
 
-    monkeypatch.setattr(bench, "timed", lambda fn: next(eager[fn.func.version]))
+        def timer():
+            order.append(("graph", call.version))
+            return next(graph[call.version])
+        return timer
+
+    def timed(fn):
+        order.append(("eager", fn.func.version))
+        return next(eager[fn.func.version])
+
+    monkeypatch.setattr(bench, "timed", timed)
     monkeypatch.setattr(bench.bdecode, "graph_timer", graph_timer)
     row = bench.time_cell("decode b1 q1 h128 s4096", _setup(4), versions, rounds=2, graphs=True)
     assert made == [("this", 4), ("HEAD", 4)]
+    # Every round times each version eagerly, then each as a graph.
+    assert order == [("eager", "this"), ("eager", "HEAD"), ("graph", "this"), ("graph", "HEAD")] * 2
     assert (row["graph_this_us"], row["graph_HEAD_us"]) == (7.0, 7.0)
     assert row["ratio_graph_HEAD"] == pytest.approx(1.0) and row["ratio_HEAD"] == pytest.approx(11 / 9)
     assert row["spread_graph_this"] == pytest.approx(1 / 7)
@@ -127,6 +137,51 @@ def test_graph_figures_beside_the_eager_ones(monkeypatch, capsys):
     assert "| ragged 8x4096 h16 | 5.0 | 6.0 | 1.200 | 0.0% / 0.0% | — | — | — | — | yes |" in out
     assert "HEAD / this (graphs): geomean 1.000, min 1.000, max 1.000 over 1 cells" in out
     assert "HEAD / this: geomean 1.211, min 1.200, max 1.222 over 2 cells" in out
+
+
+def test_csv_takes_every_rows_columns(monkeypatch, tmp_path):
+    """``--csv`` with a decode cell's graph figures after a prefill row without them: the header is every row's
+    keys, the prefill row's graph fields empty."""
+    import csv
+
+    bench = load("bench_ab")
+    rows = [{"cell": "ragged", "this_us": 1.0, "same": True},
+            {"cell": "decode", "this_us": 2.0, "graph_this_us": 1.5, "same": True}]
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "import_other", lambda checkout, into, name: _Lib(name, 1.0))
+    monkeypatch.setattr(bench, "ragged_cells", lambda quick: [("ragged", None)])
+    monkeypatch.setattr(bench, "time_cell", lambda name, setup, versions, rounds, graphs: rows.pop(0))
+    monkeypatch.setattr(bench, "print_table", lambda rows, names: None)
+    monkeypatch.setattr(bench.torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench, "decode_cells", lambda quick, fmt=None: [("decode", None)])
+    path = tmp_path / "ab.csv"
+    bench.main(["--other", str(tmp_path), "--only", "ragged", "--only", "decode", "--graphs", "--csv", str(path)])
+    got = list(csv.DictReader(path.open()))
+    assert list(got[0]) == ["cell", "this_us", "same", "graph_this_us"]
+    assert got[0]["graph_this_us"] == "" and got[1]["graph_this_us"] == "1.5"
+
+
+def test_decode_cells_rotate_input_copies_for_graphs(monkeypatch):
+    """With graphs a decode cell makes ``bench_decode``'s rotated copies (enough to leave L2 cold) and a version's
+    call on copy i reads copy i's q and cache."""
+    import functools
+    import types
+
+    import pagedmla
+    from pagedmla.bench import decode as bdecode
+
+    bench = load("bench_ab")
+    monkeypatch.setattr(bench.bdecode, "grid", lambda quick: [bdecode.Cell(2, 1, 4, 40)])
+    monkeypatch.setattr(bench.bdecode, "Inputs", functools.partial(bdecode.Inputs, device="cpu",
+                                                                  dtype=torch.float16))
+    monkeypatch.setattr(bench.torch.cuda, "get_device_properties",
+                        lambda i: types.SimpleNamespace(L2_cache_size=1 << 20))
+    (_, setup), = bench.decode_cells(True)
+    bind, copies = setup(True)
+    assert copies is not None and copies > 1
+    call = bind(pagedmla)
+    out0, out1 = call(0), call(1)
+    assert not torch.equal(out0, out1) and torch.equal(out0, call(0))
 
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_ds_mla"])
