@@ -6,7 +6,9 @@ descriptors where the config uses TMA), or the Hopper Gluon kernel for configs e
 reports, from the compiled artefacts: shared memory, registers and spills (the Triton wheel's ``ptxas
 -v``), the MMA instructions and their shapes, the wgmma wait depths, the KV buffers of the key loop (their
 leading dimension is the number of pipeline buffers), the ``cp.async`` wait depths and the register
-budgets (``setmaxnreg``) of warp-specialised kernels. Triton-internal APIs (3.6); the numbers describe code, not speed.
+budgets (``setmaxnreg``) of warp-specialised kernels, and the L2 hints of loads and stores. The Hopper decode
+kernels are compiled as their launcher compiles them: again from their PTX with every TMA load at L2 evict-first
+(``sm90.pipeline.tma_loads_evict_first``). Triton-internal APIs (3.6); the numbers describe code, not speed.
 
     python benchmarks/compile_report.py                          # the default configs for 16, 32, 128 rows
     python benchmarks/compile_report.py --config m16n32w4s3c4p   # one config (bench_decode's spec syntax)
@@ -41,6 +43,8 @@ from triton.language import target_info
 
 from pagedmla.kernels.triton.common import KV_FORMATS, LOG2E, kv_format_width
 from pagedmla.kernels.triton.decode import DecodeConfig, _decode_split_kernel, default_config, fp8_pairs
+from pagedmla.kernels.triton.launch import ptx_override
+from pagedmla.kernels.triton.sm90.pipeline import tma_loads_evict_first
 from pagedmla.split_plan import BLOCK_N as SCHED_N
 from pagedmla.split_plan import METADATA_WIDTH
 
@@ -118,7 +122,13 @@ def _compile_hopper_decode(kernel, descs: dict[str, str], arch: int):
     constexprs = dict(CAUSAL=True, PAGE=PAGE, META_W=METADATA_WIDTH, PDL=True)
     signature.update({name: "constexpr" for name in constexprs})
     src = GluonASTSource(kernel, signature, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
+    target, options = GPUTarget("cuda", arch, 32), dict(num_warps=4)
+    compiled = triton.compile(src, target=target, options=options)
+    # As the launcher compiles them (CachedKernel's ptx_pass): the TMA loads at L2 evict-first.
+    ptx = compiled.asm["ptx"]
+    if (hinted := tma_loads_evict_first(ptx)) != ptx:
+        compiled = triton.compile(src, target=target, options=dict(options, ir_override=ptx_override(hinted)))
+    return compiled
 
 
 def compile_sm90(arch: int = 90):
@@ -233,6 +243,7 @@ def report(kernel, arch: int = 90) -> dict:
     out["cp_async_wait_depths"] = sorted(set(map(int, re.findall(r"ttg\.async_wait .*?\{num = (\d+)", ttgir))))
     out["cp_async"] = len(re.findall(r"cp\.async\.c[ag]\.shared\.global", ptx))
     out["tma_loads"] = len(re.findall(r"cp\.async\.bulk\.tensor", ptx))
+    out["evict_first_tma_loads"] = len(re.findall(r"cp\.async\.bulk\.tensor[\w.:]*\.L2::cache_hint", ptx))
     out["ldmatrix_trans"] = len(re.findall(r"ldmatrix\.sync\.aligned\.[\w.]*trans", ptx))
     # fp8 word tiles converted by ``common._e4m3_pairs_ptx`` (its byte permute, one per two words).
     out["e4m3_pair_permutes"] = len(re.findall(r"prmt\.b32 \S+, \S+, \S+, 0x3120;", ptx))

@@ -86,6 +86,7 @@ def test_hopper_kernel_structure():
     assert rep["spill_store_load_bytes"] == [0, 0], rep
     assert rep["shared_bytes"] <= 227 * 1024 and 32 in rep["setmaxnreg"], rep
     assert 0 < rep["evict_last_stores"] < rep["global_stores"], rep  # the partials only (PARTIALS_EVICTION)
+    assert rep["evict_first_tma_loads"] == rep["tma_loads"], rep  # the launcher's PTX pass hints every load
 
 
 def test_hopper_seesaw_kernel_structure():
@@ -102,6 +103,7 @@ def test_hopper_seesaw_kernel_structure():
     assert rep["spill_store_load_bytes"][0] <= 8 and rep["spill_store_load_bytes"][1] <= 8, rep
     assert rep["shared_bytes"] <= 227 * 1024 and {32, 232} <= set(rep["setmaxnreg"]), rep
     assert 0 < rep["evict_last_stores"] < rep["global_stores"], rep
+    assert rep["evict_first_tma_loads"] == rep["tma_loads"], rep
 
 
 def test_hopper_prefill_kernel_structure():
@@ -117,6 +119,8 @@ def test_hopper_prefill_kernel_structure():
     assert rep["kv_buffers"] == [2] and rep["tma_loads"] > 0, rep
     assert rep["spill_store_load_bytes"][0] <= 24 and rep["spill_store_load_bytes"][1] <= 48, rep
     assert rep["shared_bytes"] <= 227 * 1024 and 32 in rep["setmaxnreg"], rep
+    # Each KV tile is read again by the sequence's other row tiles: no evict-first hint here (decode's only).
+    assert rep["evict_first_tma_loads"] == 0, rep
 
 
 def test_hopper_varlen_kernel_structure():

@@ -87,3 +87,98 @@ def test_cached_launches_match_the_jit_and_respecialise():
         kernel.launch(dev, (triton.cdiv(4099, block),), base, y, 4099, 3.0, BLOCK=block, num_warps=4)
         torch.testing.assert_close(y, base * 3.0)
     assert len(kernel.compiled) == 5
+
+
+_TMA_OP = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+
+
+def test_tma_loads_evict_first_rewrites_every_load_or_none():
+    """Every TMA load gets the policy in a scope of its own with its predicate (plain, negated or none) inside;
+    a load in a form the pass does not know leaves the whole text as it was (no half-hinted kernel)."""
+    from pagedmla.kernels.triton.sm90.pipeline import tma_loads_evict_first
+
+    loads = [f"@%p10 {_TMA_OP} [%r1], [%rd2, {{%r3, %r4}}], [%r5];",
+             f"@!%p2 {_TMA_OP} [%r6], [%rd2, {{%r7, %r4}}], [%r5];", f"{_TMA_OP} [%r8], [%rd9, {{%r3, %r4}}], [%r5];"]
+    ptx = "\n".join(["mov.u32 %r1, 0;", *loads, "st.global.b32 [%rd1], %r1;"])
+    hinted = tma_loads_evict_first(ptx).splitlines()
+    assert hinted[0] == "mov.u32 %r1, 0;" and hinted[-1] == "st.global.b32 [%rd1], %r1;"
+    for line, pred in zip(hinted[1:4], ("@%p10 ", "@!%p2 ", "")):
+        assert line.startswith("{ .reg .b64 %l2pol; createpolicy.fractional.L2::evict_first.b64 %l2pol, 1.0; "
+                               f"{pred}{_TMA_OP}.L2::cache_hint [%r"), line
+        assert line.endswith("], [%r5], %l2pol; }"), line
+    odd = ptx + f"\n{_TMA_OP} [%r8], [%rd9, {{%r3, %r4}}], [%r5], %rd11;"  # already carries an operand more
+    assert tma_loads_evict_first(odd) == odd
+    assert tma_loads_evict_first("ret;") == "ret;"
+
+
+class _FakeCompiled:
+    def __init__(self, ptx: str | None) -> None:
+        self.asm = {} if ptx is None else {"ptx": ptx}
+
+
+class _FakeJit:
+    """Stands in for a JITFunction: records each warmup's keywords and compiles "from" an override file."""
+
+    def __init__(self, ptx: str | None) -> None:
+        self.fn, self.ptx, self.calls = _scaled_copy.fn, ptx, []
+
+    def warmup(self, *args, grid, **kwargs):
+        self.calls.append(kwargs)
+        override = kwargs.get("ir_override")
+        return _FakeCompiled(self.ptx if override is None else open(override).read())
+
+
+@pytest.mark.parametrize("ptx", ["mul.f32 %f1, %f2, %f3;", None])
+def test_ptx_pass_compiles_again_from_the_rewritten_text(ptx, tmp_path, monkeypatch):
+    from triton import knobs
+
+    monkeypatch.setattr(knobs.cache, "dir", str(tmp_path))
+    fake = _FakeJit(ptx)
+    kernel = CachedKernel(fake, ptx_pass=lambda text: text.replace("mul", "add"))
+    compiled = kernel._compile((1,), (1, 2), {"num_warps": 4})
+    if ptx is None:  # no PTX kept (TRITON_STORE_BINARY_ONLY): the kernel as compiled
+        assert fake.calls == [{"num_warps": 4}]
+        return
+    assert compiled.asm["ptx"] == "add.f32 %f1, %f2, %f3;"
+    first, second = fake.calls
+    assert first == {"num_warps": 4} and second["num_warps"] == 4
+    path = second["ir_override"]
+    assert path.endswith(".ptx") and path.startswith(str(tmp_path))
+    # Named by the text: the same text maps to the same file (and Triton cache entry), other text elsewhere.
+    assert CachedKernel(_FakeJit(ptx), ptx_pass=lambda text: text.replace("mul", "add"))._compile(
+        (1,), (), {}).asm["ptx"] == "add.f32 %f1, %f2, %f3;"
+    assert len(list(tmp_path.glob("pagedmla-ptx/*.ptx"))) == 1
+    unchanged = _FakeJit(ptx)
+    CachedKernel(unchanged, ptx_pass=lambda text: text)._compile((1,), (), {})
+    assert len(unchanged.calls) == 1  # a pass that changes nothing compiles once
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")
+    monkeypatch.setattr(knobs.cache, "dir", str(blocked))
+    stuck = _FakeJit(ptx)
+    assert CachedKernel(stuck, ptx_pass=lambda text: text + " ")._compile((1,), (), {}).asm["ptx"] == ptx
+    assert len(stuck.calls) == 1  # nowhere to write the file: the kernel as first compiled
+
+
+@pytest.mark.gpu
+def test_gpu_ptx_pass_runs_the_rewritten_kernel():
+    """The kernel a ``ptx_pass`` rewrote is the one that runs, through both launch paths: turning the scale's
+    multiply into an add turns y = x * s into y = x + s."""
+    import re
+
+    def to_add(ptx: str) -> str:
+        return re.sub(r"\bmul(\.rn)?\.f32\b", "add.f32", ptx)
+
+    dev = torch.device("cuda")
+    x = torch.randn(4096, device=dev)
+    for bind in (False, True):
+        kernel = CachedKernel(_scaled_copy, ptx_pass=to_add)
+        y = torch.full_like(x, float("nan"))
+        if bind:
+            launch = kernel.bind(dev, (16,), x, y, 4096, 2.0, BLOCK=256, num_warps=4)
+            assert launch is not None
+            launch.launch((16, 1, 1), torch.cuda.current_stream().cuda_stream, (x.data_ptr(), y.data_ptr()))
+        else:
+            kernel.launch(dev, (16,), x, y, 4096, 2.0, BLOCK=256, num_warps=4)
+        torch.testing.assert_close(y, x + 2.0)
+        (compiled,) = kernel.compiled.values()
+        assert compiled.metadata.ir_override.endswith(".ptx") and "add.f32" in compiled.asm["ptx"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -209,6 +210,27 @@ def test_gpu_combine_launch_follows_the_batch(b, heads, pdl):
 
 def test_pdl_only_on_compiled_cuda_kernels():
     assert not pdl_available(torch.device("cpu"))
+
+
+@pytest.mark.gpu
+def test_gpu_hopper_decode_kernels_run_with_evict_first_tma_loads():
+    """Both Hopper decode kernels as launched (the one-softmax kernel at 16 rows, the seesaw at 128) run the
+    PTX whose every TMA load carries the L2 evict-first policy (``pipeline.tma_loads_evict_first``), and
+    give the reference's output from it."""
+    _sm90_or_skip()
+    from pagedmla.kernels.triton.sm90 import decode as sm90_decode
+    from pagedmla.kernels.triton.sm90 import seesaw
+
+    for heads in (16, 128):
+        case = DecodeCase(f"sm90-hinted-h{heads}", [1, 65, 700, 3001], 1, heads, 64, None)
+        check_paged_decode(launcher(SM90), case, True, BF16, "cuda", CUDA_BF16)
+    for cached in (sm90_decode._MAIN, seesaw._SEESAW):
+        assert cached.compiled, cached.fn
+        for kernel in cached.compiled.values():
+            ptx = kernel.asm["ptx"]
+            loads = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global\S*", ptx)
+            assert loads and all(op.endswith(".L2::cache_hint") for op in loads), loads[:3]
+            assert "createpolicy.fractional.L2::evict_first" in ptx
 
 
 @pytest.mark.gpu

@@ -17,12 +17,23 @@ descriptors' dtype, block shape and layout (descriptors themselves are re-encode
 Triton's launcher), every launch option, and the runtime debug / instrumentation knobs. CUDA-graph capture
 works as with the JIT path: the launch goes to the current stream of the tensors' device. It relies on
 Triton 3.6's compiled-kernel interface; with a Triton without ``triton.knobs`` every call goes through the JIT.
+
+A ``CachedKernel`` may carry a PTX pass (``ptx_pass``): a rewrite of the compiled PTX for what Gluon cannot
+say (``sm90.pipeline.tma_loads_evict_first``). The kernel is compiled as usual, then again from the rewritten
+text through Triton's ``ir_override`` option, whose file is named by the text's hash: the option is part of
+Triton's cache key, so the on-disk cache never serves a kernel compiled from other text (a process with a warm
+cache loads both from it). Without the first compile's PTX (``TRITON_STORE_BINARY_ONLY``) the kernel runs
+unrewritten.
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import itertools
+import os
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -162,6 +173,19 @@ class BoundLaunch:
                   *p)
 
 
+def ptx_override(ptx: str) -> str:
+    """The path of a file holding ``ptx`` (under Triton's cache directory, named by the text's SHA-256), for
+    Triton's ``ir_override`` compile option; written once, atomically (processes may compile concurrently)."""
+    folder = Path(knobs.cache.dir) / "pagedmla-ptx"
+    path = folder / f"{hashlib.sha256(ptx.encode()).hexdigest()}.ptx"
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f"{path.stem}.{os.getpid()}.tmp"
+        tmp.write_text(ptx)
+        os.replace(tmp, path)
+    return str(path)
+
+
 def current_stream(device_index: int) -> int:
     """The raw handle of the current CUDA stream on ``device_index`` (what ``BoundLaunch.launch`` takes)."""
     return _raw_stream(device_index)
@@ -170,10 +194,12 @@ def current_stream(device_index: int) -> int:
 class CachedKernel:
     """Wraps a ``@triton.jit`` or ``@gluon.jit`` function: ``kernel.launch(device, grid, *args, **kwargs)`` with
     every kernel parameter given (positionally, then by name) and launch options (``num_warps``,
-    ``num_stages``, ...) as keywords. Off CUDA (the interpreter) every call goes through the JIT."""
+    ``num_stages``, ...) as keywords. Off CUDA (the interpreter) every call goes through the JIT. ``ptx_pass``:
+    a rewrite of the compiled PTX (see the module docstring), applied to every specialisation."""
 
-    def __init__(self, fn) -> None:
+    def __init__(self, fn, ptx_pass: Callable[[str], str] | None = None) -> None:
         self.fn = fn
+        self.ptx_pass = ptx_pass
         params = inspect.signature(fn.fn).parameters
         self.names = list(params)
         # Triton's own test (KernelParam.is_constexpr); read from the signature so that it also works on the
@@ -209,6 +235,19 @@ class CachedKernel:
         return (current, options, knobs.runtime.debug, knobs.compilation.instrumentation_mode,
                 self.specialisation(values)), values
 
+    def _compile(self, grid: tuple[int, ...], args: tuple, kwargs: dict) -> Any:
+        """The compiled kernel for these arguments, from its PTX rewritten by ``ptx_pass`` when there is one
+        and it changes the text."""
+        kernel = self.fn.warmup(*args, grid=grid, **kwargs)
+        ptx = kernel.asm.get("ptx") if self.ptx_pass is not None else None
+        if ptx is None or (rewritten := self.ptx_pass(ptx)) == ptx:
+            return kernel
+        try:
+            path = ptx_override(rewritten)
+        except OSError:  # no writable cache directory for the file: the kernel as compiled (a hint, not a fix)
+            return kernel
+        return self.fn.warmup(*args, grid=grid, ir_override=path, **kwargs)
+
     def bind(self, device: torch.device, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> BoundLaunch | None:
         """A ``BoundLaunch`` of the kernel compiled for these arguments (compiling it now if needed, without
         launching), or None where that path does not apply (off CUDA, another Triton, a kernel that needs
@@ -222,8 +261,7 @@ class CachedKernel:
         key, values = self._key(current, args, kwargs)
         kernel = self.compiled.get(key)
         if kernel is None:
-            kernel = self.fn.warmup(*args, grid=grid, **kwargs)
-            self.compiled[key] = kernel
+            kernel = self.compiled[key] = self._compile(grid, args, kwargs)
         run = kernel.run
         raw = _raw_launcher(run)
         if raw is None or getattr(run, "global_scratch_size", 0) or getattr(run, "profile_scratch_size", 0):
@@ -242,9 +280,10 @@ class CachedKernel:
         key, values = self._key(current, args, kwargs)
         kernel = self.compiled.get(key)
         if kernel is None:
-            kernel = self.fn[grid](*args, **kwargs)
-            self.compiled[key] = kernel
-            return
+            if self.ptx_pass is None:  # compile and launch through the JIT
+                self.compiled[key] = self.fn[grid](*args, **kwargs)
+                return
+            kernel = self.compiled[key] = self._compile(grid, args, kwargs)
         g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
         stream = _raw_stream(current)
         enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook

@@ -7,7 +7,7 @@ tiles, where the portable kernel reaches only 29-38% of the tensor-core peak (be
 Structure per program (64 query rows x one SM part), FlashMLA's (the steps are ``mla.py``'s):
 - a loader warp streams each request's Q tile and its [64, 576] KV tiles through a two-stage shared-memory
   ring (TMA; block shapes must be powers of two, so each tile is a [64, 512] and a [64, 64] copy, which
-  Gluon splits into 64-column boxes);
+  Gluon splits into 64-column boxes; at L2 evict-first, put into the PTX by ``pipeline.tma_loads_evict_first``);
 - warpgroup 0 computes S = Q K^T for the whole 64 x 64 tile (36 wgmma k-steps), the online softmax, writes
   P (bf16/fp16) and the per-row rescale factor to shared memory, and accumulates O[:, :256] += P V[:, :256];
 - warpgroup 1 accumulates O[:, 256:] += P V[:, 256:] from the same shared P, so S is computed once and
@@ -39,7 +39,7 @@ from pagedmla.kernels.triton.launch import CachedKernel
 from pagedmla.kernels.triton.metadata import part_bounds, request_span, schedule_matches
 from pagedmla.kernels.triton.sm90 import mla
 from pagedmla.kernels.triton.sm90.mla import BLOCK_M, D_QK, mla_descriptors
-from pagedmla.kernels.triton.sm90.pipeline import HAVE_GLUON
+from pagedmla.kernels.triton.sm90.pipeline import HAVE_GLUON, tma_loads_evict_first
 from pagedmla.split_plan import METADATA_WIDTH
 
 if HAVE_GLUON:
@@ -228,7 +228,7 @@ if HAVE_GLUON:
         )
 
 
-_MAIN = CachedKernel(_decode_sm90_kernel) if HAVE_GLUON else None
+_MAIN = CachedKernel(_decode_sm90_kernel, ptx_pass=tma_loads_evict_first) if HAVE_GLUON else None
 
 
 def sm90_main_args(q_rows, k_cache, block_table, cache_seqlens, metadata, num_splits, softmax_scale, causal,

@@ -11,6 +11,7 @@ at once on the first round). One barrier (a one-slot ring) is ``STAGES`` = 1.
 from __future__ import annotations
 
 import functools
+import re
 
 import torch
 
@@ -26,6 +27,29 @@ if HAVE_GLUON:  # an older or newer Triton without this Gluon API: the portable 
 # The persistent kernels' tile counters and tile ids are int32, and the programs' last claims run past the
 # tile count by up to the number of programs: 2**20 of headroom.
 MAX_TILES = 2 ** 31 - 2 ** 20
+
+
+# A TMA tensor load as Triton 3.6 writes it in PTX: optional predicate, opcode, then the shared destination,
+# the [descriptor, {coordinates}] source and the mbarrier operands.
+_TMA_LOAD = re.compile(r"(@!?%p\d+ )?(cp\.async\.bulk\.tensor\.[1-5]d\.shared::cluster\.global"
+                       r"\.mbarrier::complete_tx::bytes) (\[[^\]]+\]), (\[[^\]]+\]), (\[[^\]]+\]);")
+
+
+def tma_loads_evict_first(ptx: str) -> str:
+    """``ptx`` with every TMA tensor load carrying an L2 evict-first cache policy, or ``ptx`` unchanged when
+    any of its TMA loads is not in the form this rewrites (another Triton's PTX).
+
+    Why: a decode kernel streams each KV row once, and its split-KV partials must stay in L2 for the combine;
+    with the streamed tiles marked evict-first the partials (stored evict-last) are not pushed out to DRAM
+    (FlashMLA's Hopper decode hints its K and Q copies the same way). Gluon 3.6's TMA copy takes no cache
+    hint, so ``CachedKernel(..., ptx_pass=...)`` applies this to the compiled PTX. Each load gets a scope of
+    its own holding the policy register (the loads sit in the loader partition's function), its predicate
+    moved inside."""
+    hinted, n = _TMA_LOAD.subn(r"{ .reg .b64 %l2pol; createpolicy.fractional.L2::evict_first.b64 %l2pol, 1.0; "
+                               r"\1\2.L2::cache_hint \3, \4, \5, %l2pol; }", ptx)
+    if n == 0 or n != len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global", ptx)):
+        return ptx
+    return hinted
 
 
 def gl_dtype(dtype: torch.dtype):

@@ -39,7 +39,7 @@ from pagedmla.kernels.triton.common import BLOCK_TABLE, LOG2E, checked_page, fin
 from pagedmla.kernels.triton.launch import CachedKernel
 from pagedmla.kernels.triton.metadata import part_bounds, request_span
 from pagedmla.kernels.triton.sm90.mla import BLOCK_M, D_QK, D_V
-from pagedmla.kernels.triton.sm90.pipeline import HAVE_GLUON, descriptor, shared_layout
+from pagedmla.kernels.triton.sm90.pipeline import HAVE_GLUON, descriptor, shared_layout, tma_loads_evict_first
 from pagedmla.split_plan import METADATA_WIDTH
 
 # Query rows per request (q_len x heads) from which the decode plan runs this kernel instead of decode.py's:
@@ -431,7 +431,7 @@ if HAVE_GLUON:
         )
 
 
-_SEESAW = CachedKernel(_decode_seesaw_kernel) if HAVE_GLUON else None
+_SEESAW = CachedKernel(_decode_seesaw_kernel, ptx_pass=tma_loads_evict_first) if HAVE_GLUON else None
 
 
 def seesaw_main_args(q_rows, k_cache, block_table, cache_seqlens, metadata, num_splits, softmax_scale, causal,
