@@ -44,7 +44,6 @@ from triton.language import target_info
 from pagedmla.kernels.triton.common import KV_FORMATS, LOG2E, kv_format_width
 from pagedmla.kernels.triton.decode import DecodeConfig, _decode_split_kernel, default_config, fp8_pairs
 from pagedmla.kernels.triton.launch import ptx_override
-from pagedmla.kernels.triton.sm90.pipeline import tma_loads_evict_first
 from pagedmla.split_plan import BLOCK_N as SCHED_N
 from pagedmla.split_plan import METADATA_WIDTH
 
@@ -63,12 +62,23 @@ def _gluon_descs() -> dict[str, str]:
             "kv_pe_desc": _gluon_desc(D - DV)}
 
 
+def _compile_as_launched(src, arch: int, cached) -> object:
+    """``src`` compiled for sm_``arch``a as its launcher (the ``CachedKernel`` ``cached``) compiles it: again
+    from the PTX its ``ptx_pass`` rewrites, where it has one (the Hopper decode kernels' evict-first loads)."""
+    target, options = GPUTarget("cuda", arch, 32), dict(num_warps=4)
+    compiled = triton.compile(src, target=target, options=options)
+    ptx = compiled.asm["ptx"]
+    if cached.ptx_pass is not None and (rewritten := cached.ptx_pass(ptx)) != ptx:
+        compiled = triton.compile(src, target=target, options=dict(options, ir_override=ptx_override(rewritten)))
+    return compiled
+
+
 def compile_paged_varlen_sm90(arch: int = 90, kv_scale: bool = False):
     """The Hopper Gluon paged-prefill kernel (``sm90/paged_varlen.py``) for bf16, page 64, causal; with
     ``kv_scale`` over an fp8_e4m3 cache's dequantised pages (the scale read on the device)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from pagedmla.kernels.triton.sm90.paged_varlen import _paged_varlen_sm90_kernel
+    from pagedmla.kernels.triton.sm90.paged_varlen import _MAIN, _paged_varlen_sm90_kernel
 
     signature = _gluon_descs()
     signature.update({name: "*i32" for name in ("bt_ptr", "seqlens_ptr", "qo_ptr")})
@@ -80,7 +90,7 @@ def compile_paged_varlen_sm90(arch: int = 90, kv_scale: bool = False):
         constexprs["kv_scale_ptr"] = None
     signature.update({name: "constexpr" for name in constexprs})
     src = GluonASTSource(_paged_varlen_sm90_kernel, signature, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
+    return _compile_as_launched(src, arch, _MAIN)
 
 
 def compile_varlen_sm90(arch: int = 90, dk: int = 192, dv: int = 128, per_seq: bool = False):
@@ -89,7 +99,7 @@ def compile_varlen_sm90(arch: int = 90, dk: int = 192, dv: int = 128, per_seq: b
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from pagedmla.kernels.triton.sm90.varlen import BLOCK_N, _varlen_sm90_kernel
+    from pagedmla.kernels.triton.sm90.varlen import _MAIN, BLOCK_N, _varlen_sm90_kernel
 
     def desc(rows: int, width: int) -> str:
         layout = gl.NVMMASharedLayout.get_default_for([rows, width], gl.bfloat16)
@@ -105,12 +115,12 @@ def compile_varlen_sm90(arch: int = 90, dk: int = 192, dv: int = 128, per_seq: b
     constexprs = dict(DK1=dk1, DK2=dk - dk1, DV=dv, CAUSAL=True, SEARCH_STEPS=5 if per_seq else 1, PER_SEQ=per_seq)
     signature.update({name: "constexpr" for name in constexprs})
     src = GluonASTSource(_varlen_sm90_kernel, signature, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
+    return _compile_as_launched(src, arch, _MAIN)
 
 
-def _compile_hopper_decode(kernel, descs: dict[str, str], arch: int):
-    """One of the two Hopper decode kernels (the same arguments, ``descs`` their descriptor types) for bf16,
-    page 64, causal."""
+def _compile_hopper_decode(kernel, cached, descs: dict[str, str], arch: int):
+    """One of the two Hopper decode kernels (the same arguments, ``descs`` their descriptor types; ``cached``
+    its launcher's ``CachedKernel``) for bf16, page 64, causal."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     signature = dict(descs)
@@ -121,30 +131,23 @@ def _compile_hopper_decode(kernel, descs: dict[str, str], arch: int):
                                                 "stride_ot", "stride_oh")})
     constexprs = dict(CAUSAL=True, PAGE=PAGE, META_W=METADATA_WIDTH, PDL=True)
     signature.update({name: "constexpr" for name in constexprs})
-    src = GluonASTSource(kernel, signature, constexprs=constexprs)
-    target, options = GPUTarget("cuda", arch, 32), dict(num_warps=4)
-    compiled = triton.compile(src, target=target, options=options)
-    # As the launcher compiles them (CachedKernel's ptx_pass): the TMA loads at L2 evict-first.
-    ptx = compiled.asm["ptx"]
-    if (hinted := tma_loads_evict_first(ptx)) != ptx:
-        compiled = triton.compile(src, target=target, options=dict(options, ir_override=ptx_override(hinted)))
-    return compiled
+    return _compile_as_launched(GluonASTSource(kernel, signature, constexprs=constexprs), arch, cached)
 
 
 def compile_sm90(arch: int = 90):
     """The Hopper Gluon main kernel compiled for bf16, page 64, causal."""
-    from pagedmla.kernels.triton.sm90.decode import _decode_sm90_kernel
+    from pagedmla.kernels.triton.sm90.decode import _MAIN, _decode_sm90_kernel
 
-    return _compile_hopper_decode(_decode_sm90_kernel, _gluon_descs(), arch)
+    return _compile_hopper_decode(_decode_sm90_kernel, _MAIN, _gluon_descs(), arch)
 
 
 def compile_seesaw(arch: int = 90):
     """The Hopper Gluon seesaw main kernel (``sm90/seesaw.py``) compiled for bf16, page 64, causal."""
-    from pagedmla.kernels.triton.sm90.seesaw import _decode_seesaw_kernel
+    from pagedmla.kernels.triton.sm90.seesaw import _SEESAW, _decode_seesaw_kernel
 
     descs = {"q_desc": _gluon_desc(DV // 2), "q_pe_desc": _gluon_desc(D - DV), "kv_desc": _gluon_desc(DV // 2),
              "kv_pe_desc": _gluon_desc(D - DV)}
-    return _compile_hopper_decode(_decode_seesaw_kernel, descs, arch)
+    return _compile_hopper_decode(_decode_seesaw_kernel, _SEESAW, descs, arch)
 
 
 @contextlib.contextmanager
@@ -243,7 +246,10 @@ def report(kernel, arch: int = 90) -> dict:
     out["cp_async_wait_depths"] = sorted(set(map(int, re.findall(r"ttg\.async_wait .*?\{num = (\d+)", ttgir))))
     out["cp_async"] = len(re.findall(r"cp\.async\.c[ag]\.shared\.global", ptx))
     out["tma_loads"] = len(re.findall(r"cp\.async\.bulk\.tensor", ptx))
-    out["evict_first_tma_loads"] = len(re.findall(r"cp\.async\.bulk\.tensor[\w.:]*\.L2::cache_hint", ptx))
+    # TMA loads given an evict-first policy in their own scope (``sm90.pipeline.tma_loads_evict_first``).
+    out["evict_first_tma_loads"] = len(re.findall(
+        r"createpolicy\.fractional\.L2::evict_first\.b64 (%\w+), 1\.0; (?:@!?%\w+\s+)?cp\.async\.bulk\.tensor"
+        r"\.\d+d\.shared::\w+\.global[\w.:]*\.L2::cache_hint [^;]*, \1; }", ptx))
     out["ldmatrix_trans"] = len(re.findall(r"ldmatrix\.sync\.aligned\.[\w.]*trans", ptx))
     # fp8 word tiles converted by ``common._e4m3_pairs_ptx`` (its byte permute, one per two words).
     out["e4m3_pair_permutes"] = len(re.findall(r"prmt\.b32 \S+, \S+, \S+, 0x3120;", ptx))

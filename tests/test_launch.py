@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import triton
@@ -97,17 +99,22 @@ def test_tma_loads_evict_first_rewrites_every_load_or_none():
     a load in a form the pass does not know leaves the whole text as it was (no half-hinted kernel)."""
     from pagedmla.kernels.triton.sm90.pipeline import tma_loads_evict_first
 
-    loads = [f"@%p10 {_TMA_OP} [%r1], [%rd2, {{%r3, %r4}}], [%r5];",
-             f"@!%p2 {_TMA_OP} [%r6], [%rd2, {{%r7, %r4}}], [%r5];", f"{_TMA_OP} [%r8], [%rd9, {{%r3, %r4}}], [%r5];"]
+    loads = [f"\t@%p10 {_TMA_OP} [%r1], [%rd2, {{%r3, %r4}}], [%r5];",
+             f"@!%p2\t{_TMA_OP} [%r6], [%rd2, {{%r7, %r4}}], [%r5];",
+             f"  {_TMA_OP} [%r8], [%rd9, {{%r3, %r4}}], [%r5];"]
     ptx = "\n".join(["mov.u32 %r1, 0;", *loads, "st.global.b32 [%rd1], %r1;"])
     hinted = tma_loads_evict_first(ptx).splitlines()
     assert hinted[0] == "mov.u32 %r1, 0;" and hinted[-1] == "st.global.b32 [%rd1], %r1;"
-    for line, pred in zip(hinted[1:4], ("@%p10 ", "@!%p2 ", "")):
-        assert line.startswith("{ .reg .b64 %l2pol; createpolicy.fractional.L2::evict_first.b64 %l2pol, 1.0; "
-                               f"{pred}{_TMA_OP}.L2::cache_hint [%r"), line
+    for line, indent, pred in zip(hinted[1:4], ("\t", "", "  "), ("@%p10 ", "@!%p2\t", "")):
+        assert line.startswith(f"{indent}{{ .reg .b64 %l2pol; createpolicy.fractional.L2::evict_first.b64 %l2pol, "
+                               f"1.0; {pred}{_TMA_OP}.L2::cache_hint [%r"), line
         assert line.endswith("], [%r5], %l2pol; }"), line
-    odd = ptx + f"\n{_TMA_OP} [%r8], [%rd9, {{%r3, %r4}}], [%r5], %rd11;"  # already carries an operand more
-    assert tma_loads_evict_first(odd) == odd
+    # Loads it does not know leave the text as it was: one operand more (already hinted), a CTA-local
+    # destination, a multicast.
+    for odd in (f"{_TMA_OP} [%r8], [%rd9, {{%r3, %r4}}], [%r5], %rd11;",
+                f"{_TMA_OP.replace('shared::cluster', 'shared::cta')} [%r8], [%rd9, {{%r3, %r4}}], [%r5];",
+                f"{_TMA_OP}.multicast::cluster [%r8], [%rd9, {{%r3, %r4}}], [%r5], %rs1;"):
+        assert tma_loads_evict_first(ptx + "\n" + odd) == ptx + "\n" + odd, odd
     assert tma_loads_evict_first("ret;") == "ret;"
 
 
@@ -157,6 +164,44 @@ def test_ptx_pass_compiles_again_from_the_rewritten_text(ptx, tmp_path, monkeypa
     stuck = _FakeJit(ptx)
     assert CachedKernel(stuck, ptx_pass=lambda text: text + " ")._compile((1,), (), {}).asm["ptx"] == ptx
     assert len(stuck.calls) == 1  # nowhere to write the file: the kernel as first compiled
+    monkeypatch.setattr(knobs.cache, "dir", str(tmp_path))
+    monkeypatch.setattr(knobs.compilation, "override", True)  # Triton would ignore ir_override: do not ask
+    overridden = _FakeJit(ptx)
+    assert CachedKernel(overridden, ptx_pass=lambda text: text + " ")._compile((1,), (), {}).asm["ptx"] == ptx
+    assert len(overridden.calls) == 1
+
+
+def test_ptx_pass_whose_text_does_not_compile_falls_back_with_a_warning(tmp_path, monkeypatch):
+    from triton import knobs
+
+    monkeypatch.setattr(knobs.cache, "dir", str(tmp_path))
+
+    class Broken(_FakeJit):
+        def warmup(self, *args, grid, **kwargs):
+            if "ir_override" in kwargs:
+                raise RuntimeError("ptxas: syntax error")
+            return super().warmup(*args, grid=grid, **kwargs)
+
+    with pytest.warns(RuntimeWarning, match="_scaled_copy: the PTX pass's text did not compile"):
+        compiled = CachedKernel(Broken("mul.f32;"), ptx_pass=lambda t: t + " ")._compile((1,), (), {})
+    assert compiled.asm["ptx"] == "mul.f32;"
+
+
+def test_ptx_override_files_are_landed_whole_by_concurrent_writers(tmp_path, monkeypatch):
+    """Threads writing the same text each use their own temporary file; the file ends whole and alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from triton import knobs
+
+    from pagedmla.kernels.triton.launch import ptx_override
+
+    monkeypatch.setattr(knobs.cache, "dir", str(tmp_path))
+    text = "add.f32 %f1, %f2, %f3;\n" * 20000
+    with ThreadPoolExecutor(8) as pool:
+        paths = set(pool.map(lambda _: ptx_override(text), range(32)))
+    (path,) = paths
+    assert open(path).read() == text
+    assert [p.name for p in (tmp_path / "pagedmla-ptx").iterdir()] == [os.path.basename(path)]
 
 
 @pytest.mark.gpu

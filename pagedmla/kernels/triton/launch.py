@@ -22,9 +22,10 @@ A ``CachedKernel`` may carry a PTX pass (``ptx_pass``): a rewrite of the compile
 say (``sm90.pipeline.tma_loads_evict_first``). The kernel is compiled as usual, then again from the rewritten
 text through Triton's ``ir_override`` option, whose file is named by the text's hash: the option is part of
 Triton's cache key, so the on-disk cache never serves a kernel compiled from other text (a process with a warm
-cache loads both from it). On a cold cache the first call of a specialisation compiles twice (the Hopper decode
-kernels: ~3 -> ~5.5 s and ~4 -> ~11 s on the CPU machine). Without the first compile's PTX
-(``TRITON_STORE_BINARY_ONLY``) the kernel runs unrewritten.
+cache loads both from it). On a cold cache the first call of a specialisation compiles twice (the Hopper
+decode kernels: ~3 -> ~5.5 s and ~4 -> ~11 s on the CPU machine). The kernel runs unrewritten without the
+first compile's PTX (``TRITON_STORE_BINARY_ONLY``), under ``TRITON_KERNEL_OVERRIDE`` (Triton then ignores
+``ir_override``) and, with a warning, when the rewritten text does not compile.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import hashlib
 import inspect
 import itertools
 import os
+import tempfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -176,14 +179,21 @@ class BoundLaunch:
 
 def ptx_override(ptx: str) -> str:
     """The path of a file holding ``ptx`` (under Triton's cache directory, named by the text's SHA-256), for
-    Triton's ``ir_override`` compile option; written once, atomically (processes may compile concurrently)."""
+    Triton's ``ir_override`` compile option; written once, atomically (threads and processes may compile the
+    same text at once: each writes its own temporary file, and any of them may land it)."""
     folder = Path(knobs.cache.dir) / "pagedmla-ptx"
     path = folder / f"{hashlib.sha256(ptx.encode()).hexdigest()}.ptx"
-    if not path.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f"{path.stem}.{os.getpid()}.tmp"
-        tmp.write_text(ptx)
+    if path.exists():
+        return str(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=path.stem, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(ptx)
         os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
     return str(path)
 
 
@@ -240,14 +250,20 @@ class CachedKernel:
         """The compiled kernel for these arguments, from its PTX rewritten by ``ptx_pass`` when there is one
         and it changes the text."""
         kernel = self.fn.warmup(*args, grid=grid, **kwargs)
-        ptx = kernel.asm.get("ptx") if self.ptx_pass is not None else None
+        # Triton reads ``ir_override`` only while its own override manager (TRITON_KERNEL_OVERRIDE) is off.
+        ptx = kernel.asm.get("ptx") if self.ptx_pass is not None and not knobs.compilation.override else None
         if ptx is None or (rewritten := self.ptx_pass(ptx)) == ptx:
             return kernel
         try:
             path = ptx_override(rewritten)
         except OSError:  # no writable cache directory for the file: the kernel as compiled (a hint, not a fix)
             return kernel
-        return self.fn.warmup(*args, grid=grid, ir_override=path, **kwargs)
+        try:
+            return self.fn.warmup(*args, grid=grid, ir_override=path, **kwargs)
+        except Exception as exc:  # whatever ptxas or Triton raised: the pass is wrong, not the kernel
+            warnings.warn(f"{self.fn.fn.__name__}: the PTX pass's text did not compile ({exc}); running the "
+                          "kernel as compiled", RuntimeWarning, stacklevel=2)
+            return kernel
 
     def bind(self, device: torch.device, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> BoundLaunch | None:
         """A ``BoundLaunch`` of the kernel compiled for these arguments (compiling it now if needed, without

@@ -29,10 +29,12 @@ if HAVE_GLUON:  # an older or newer Triton without this Gluon API: the portable 
 MAX_TILES = 2 ** 31 - 2 ** 20
 
 
-# A TMA tensor load as Triton 3.6 writes it in PTX: optional predicate, opcode, then the shared destination,
-# the [descriptor, {coordinates}] source and the mbarrier operands.
-_TMA_LOAD = re.compile(r"(@!?%p\d+ )?(cp\.async\.bulk\.tensor\.[1-5]d\.shared::cluster\.global"
+# A TMA tensor load as Triton 3.6 writes it in PTX, one per line: optional guard predicate, opcode, then the
+# shared destination, the [descriptor, {coordinates}] source and the mbarrier operands.
+_TMA_LOAD = re.compile(r"(?m)^(\s*)(@!?%\w+\s+)?(cp\.async\.bulk\.tensor\.[1-5]d\.shared::cluster\.global"
                        r"\.mbarrier::complete_tx::bytes) (\[[^\]]+\]), (\[[^\]]+\]), (\[[^\]]+\]);")
+# Every TMA tensor load, whatever its form (the all-or-nothing count).
+_ANY_TMA_LOAD = re.compile(r"cp\.async\.bulk\.tensor\.\d+d\.shared::\w+\.global")
 
 
 def tma_loads_evict_first(ptx: str) -> str:
@@ -45,9 +47,9 @@ def tma_loads_evict_first(ptx: str) -> str:
     hint, so ``CachedKernel(..., ptx_pass=...)`` applies this to the compiled PTX. Each load gets a scope of
     its own holding the policy register (the loads sit in the loader partition's function), its predicate
     moved inside."""
-    hinted, n = _TMA_LOAD.subn(r"{ .reg .b64 %l2pol; createpolicy.fractional.L2::evict_first.b64 %l2pol, 1.0; "
-                               r"\1\2.L2::cache_hint \3, \4, \5, %l2pol; }", ptx)
-    if n == 0 or n != len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global", ptx)):
+    hinted, n = _TMA_LOAD.subn(r"\1{ .reg .b64 %l2pol; createpolicy.fractional.L2::evict_first.b64 %l2pol, 1.0; "
+                               r"\2\3.L2::cache_hint \4, \5, \6, %l2pol; }", ptx)
+    if n == 0 or n != len(_ANY_TMA_LOAD.findall(ptx)):
         return ptx
     return hinted
 
