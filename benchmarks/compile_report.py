@@ -43,7 +43,7 @@ from triton.language import target_info
 
 from pagedmla.kernels.triton.common import KV_FORMATS, LOG2E, kv_format_width
 from pagedmla.kernels.triton.decode import DecodeConfig, _decode_split_kernel, default_config, fp8_pairs
-from pagedmla.kernels.triton.launch import ptx_override
+from pagedmla.kernels.triton.launch import rewritten_ptx_file
 from pagedmla.split_plan import BLOCK_N as SCHED_N
 from pagedmla.split_plan import METADATA_WIDTH
 
@@ -67,10 +67,8 @@ def _compile_as_launched(src, arch: int, cached) -> object:
     from the PTX its ``ptx_pass`` rewrites, where it has one (the Hopper decode kernels' evict-first loads)."""
     target, options = GPUTarget("cuda", arch, 32), dict(num_warps=4)
     compiled = triton.compile(src, target=target, options=options)
-    ptx = compiled.asm["ptx"]
-    if cached.ptx_pass is not None and (rewritten := cached.ptx_pass(ptx)) != ptx:
-        compiled = triton.compile(src, target=target, options=dict(options, ir_override=ptx_override(rewritten)))
-    return compiled
+    path = rewritten_ptx_file(cached.ptx_pass, compiled.asm["ptx"])
+    return compiled if path is None else triton.compile(src, target=target, options=dict(options, ir_override=path))
 
 
 def compile_paged_varlen_sm90(arch: int = 90, kv_scale: bool = False):

@@ -197,6 +197,22 @@ def ptx_override(ptx: str) -> str:
     return str(path)
 
 
+def rewritten_ptx_file(ptx_pass: Callable[[str], str] | None, ptx: str | None) -> str | None:
+    """The ``ir_override`` file (``ptx_override``) of ``ptx`` rewritten by ``ptx_pass``, or None where the
+    kernel should run as first compiled: no pass, no PTX kept (``TRITON_STORE_BINARY_ONLY``), Triton's own
+    override manager on (``TRITON_KERNEL_OVERRIDE``: Triton then ignores ``ir_override``), a pass that changes
+    nothing, or no writable cache directory for the file (the passes are hints, not fixes)."""
+    if ptx_pass is None or ptx is None or knobs.compilation.override:
+        return None
+    rewritten = ptx_pass(ptx)
+    if rewritten == ptx:
+        return None
+    try:
+        return ptx_override(rewritten)
+    except OSError:
+        return None
+
+
 def current_stream(device_index: int) -> int:
     """The raw handle of the current CUDA stream on ``device_index`` (what ``BoundLaunch.launch`` takes)."""
     return _raw_stream(device_index)
@@ -250,13 +266,8 @@ class CachedKernel:
         """The compiled kernel for these arguments, from its PTX rewritten by ``ptx_pass`` when there is one
         and it changes the text."""
         kernel = self.fn.warmup(*args, grid=grid, **kwargs)
-        # Triton reads ``ir_override`` only while its own override manager (TRITON_KERNEL_OVERRIDE) is off.
-        ptx = kernel.asm.get("ptx") if self.ptx_pass is not None and not knobs.compilation.override else None
-        if ptx is None or (rewritten := self.ptx_pass(ptx)) == ptx:
-            return kernel
-        try:
-            path = ptx_override(rewritten)
-        except OSError:  # no writable cache directory for the file: the kernel as compiled (a hint, not a fix)
+        path = rewritten_ptx_file(self.ptx_pass, kernel.asm.get("ptx") if self.ptx_pass is not None else None)
+        if path is None:
             return kernel
         try:
             return self.fn.warmup(*args, grid=grid, ir_override=path, **kwargs)
