@@ -266,7 +266,7 @@ class CachedKernel:
         """The compiled kernel for these arguments, from its PTX rewritten by ``ptx_pass`` when there is one
         and it changes the text."""
         kernel = self.fn.warmup(*args, grid=grid, **kwargs)
-        path = rewritten_ptx_file(self.ptx_pass, kernel.asm.get("ptx") if self.ptx_pass is not None else None)
+        path = rewritten_ptx_file(self.ptx_pass, kernel.asm.get("ptx"))
         if path is None:
             return kernel
         try:
