@@ -18,6 +18,7 @@ kernels are compiled as their launcher compiles them: again from their PTX with 
     python benchmarks/compile_report.py --paged-varlen-sm90           # the Hopper paged-prefill kernel
     python benchmarks/compile_report.py --varlen-sm90            # the Hopper ragged kernel, 192/128
     python benchmarks/compile_report.py --varlen-sm90 --per-seq  # the same, per-sequence tile numbering
+    python benchmarks/compile_report.py --varlen-sm90 --wg-partitions  # its long-prompt form
 
 Run it without ``TRITON_INTERPRET`` (the interpreter replaces the kernels it compiles).
 """
@@ -62,10 +63,10 @@ def _gluon_descs() -> dict[str, str]:
             "kv_pe_desc": _gluon_desc(D - DV)}
 
 
-def _compile_as_launched(src, arch: int, cached) -> object:
+def _compile_as_launched(src, arch: int, cached, num_warps: int = 4) -> object:
     """``src`` compiled for sm_``arch``a as its launcher (the ``CachedKernel`` ``cached``) compiles it: again
     from the PTX its ``ptx_pass`` rewrites, where it has one (the Hopper decode kernels' evict-first loads)."""
-    target, options = GPUTarget("cuda", arch, 32), dict(num_warps=4)
+    target, options = GPUTarget("cuda", arch, 32), dict(num_warps=num_warps)
     compiled = triton.compile(src, target=target, options=options)
     path = rewritten_ptx_file(cached.ptx_pass, compiled.asm["ptx"])
     return compiled if path is None else triton.compile(src, target=target, options=dict(options, ir_override=path))
@@ -91,13 +92,14 @@ def compile_paged_varlen_sm90(arch: int = 90, kv_scale: bool = False):
     return _compile_as_launched(src, arch, _MAIN)
 
 
-def compile_varlen_sm90(arch: int = 90, dk: int = 192, dv: int = 128, per_seq: bool = False):
+def compile_varlen_sm90(arch: int = 90, dk: int = 192, dv: int = 128, per_seq: bool = False, cta: bool = True):
     """The Hopper Gluon ragged-attention kernel (``sm90/varlen.py``) for bf16, causal, with the padded or
-    (``per_seq``) the per-sequence tile numbering."""
+    (``per_seq``) the per-sequence tile numbering, its one-partition consumer (``cta``, prompts up to
+    ``CTA_MAX_SEQLEN``) or a partition per warpgroup."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from pagedmla.kernels.triton.sm90.varlen import _MAIN, BLOCK_N, _varlen_sm90_kernel
+    from pagedmla.kernels.triton.sm90.varlen import _MAIN, BLOCK_M, BLOCK_N, _varlen_sm90_kernel
 
     def desc(rows: int, width: int) -> str:
         layout = gl.NVMMASharedLayout.get_default_for([rows, width], gl.bfloat16)
@@ -105,15 +107,17 @@ def compile_varlen_sm90(arch: int = 90, dk: int = 192, dv: int = 128, per_seq: b
 
     dk1 = 128 if dk == 192 else dk
     pe = (dk - dk1) or 64
-    signature = {"q_desc": desc(64, dk1), "q_pe_desc": desc(64, pe), "k_desc": desc(BLOCK_N, dk1),
+    q_rows = BLOCK_M if cta else BLOCK_M // 2
+    signature = {"q_desc": desc(q_rows, dk1), "q_pe_desc": desc(q_rows, pe), "k_desc": desc(BLOCK_N, dk1),
                  "k_pe_desc": desc(BLOCK_N, pe), "v_desc": desc(BLOCK_N, dv), "out_ptr": "*bf16", "lse_ptr": "*fp32",
                  "cu_q": "*i32", "cu_k": "*i32", "counter": "*i32", "err_ptr": "*i32", "H": "i32", "GROUP": "i32",
                  "NM": "i32", "T": "i32", "batch": "i32", "Tq": "i32", "Tk": "i32", "MAXQ": "i32", "qk_scale": "fp32",
                  "stride_ot": "i32", "stride_oh": "i32"}
-    constexprs = dict(DK1=dk1, DK2=dk - dk1, DV=dv, CAUSAL=True, SEARCH_STEPS=5 if per_seq else 1, PER_SEQ=per_seq)
+    constexprs = dict(DK1=dk1, DK2=dk - dk1, DV=dv, CAUSAL=True, SEARCH_STEPS=5 if per_seq else 1, PER_SEQ=per_seq,
+                      CTA=cta)
     signature.update({name: "constexpr" for name in constexprs})
     src = GluonASTSource(_varlen_sm90_kernel, signature, constexprs=constexprs)
-    return _compile_as_launched(src, arch, _MAIN)
+    return _compile_as_launched(src, arch, _MAIN, num_warps=8 if cta else 4)
 
 
 def _compile_hopper_decode(kernel, cached, descs: dict[str, str], arch: int):
@@ -268,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--paged-varlen-sm90", action="store_true", help="report the Hopper paged-prefill kernel instead")
     ap.add_argument("--varlen-sm90", action="store_true", help="report the Hopper ragged kernel (192/128) instead")
     ap.add_argument("--per-seq", action="store_true", help="with --varlen-sm90: the per-sequence tile numbering")
+    ap.add_argument("--wg-partitions", action="store_true",
+                    help="with --varlen-sm90: a consumer partition per warpgroup (prompts over CTA_MAX_SEQLEN)")
     ap.add_argument("--kv-format", choices=("fp8_e4m3", "fp8_ds_mla"), default=None,
                     help="the portable decode kernel over an FP8 cache (default: bf16 rows)")
     args = ap.parse_args(argv)
@@ -277,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.paged_varlen_sm90:
             kernel = compile_paged_varlen_sm90()
         else:
-            kernel = compile_varlen_sm90(per_seq=args.per_seq)
+            kernel = compile_varlen_sm90(per_seq=args.per_seq, cta=not args.wg_partitions)
         rep = report(kernel)
         print(json.dumps([rep]) if args.json else "\n".join(f"  {k}: {v}" for k, v in rep.items()))
         return 0

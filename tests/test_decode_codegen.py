@@ -124,22 +124,23 @@ def test_hopper_prefill_kernel_structure():
 
 
 def test_hopper_varlen_kernel_structure():
-    """The ragged Hopper kernel for 192/128: per consumer warpgroup 12 S and 8 P V MMAs of m64n128k16 per
-    128-key tile, issued from the first tile's prologue, the overlapped loop (S of tile j before P V of tile
-    j - 1, waited down to one group) and the last P V: 40 per partition's code, 80 in all; two-stage TMA
-    rings. The persistent tile loop spills a few words (kernel arguments reloaded once per work tile in the
-    epilogue, read off the SASS on 2026-11-30), bounded at today's 24 / 32 bytes so that any new spill fails here
-    (then read the SASS: one in the key loop costs far more than these); the per-sequence tile numbering
-    (NOTES, Prefill v6) reloads 16 more bytes; the value guards (2026-12-01) moved a few bytes between the
-    two numberings (a padded launch now reloads max_seqlen_q and the key count for its guard). The output
-    staged through shared memory (2026-12-02) took the padded numbering to 16 / 36 bytes and the per-sequence
-    one to 40 / 68: the added stores sit in the tile prologue and the loads in the epilogue, none between a
-    partition's first and last wgmma (read off the SASS with nvdisasm)."""
+    """The ragged Hopper kernel for 192/128: 12 S and 8 P V MMAs of m64n128k16 per 128-key tile and
+    warpgroup, issued from the first tile's prologue, the overlapped loop (S of tile j before P V of tile
+    j - 1, waited down to one group) and the last P V; two-stage TMA rings. Its two forms: one 8-warp
+    consumer partition (prompts up to ``CTA_MAX_SEQLEN``: both warpgroups run one copy of the code, 40 MMAs
+    in all, the key loop without a partition barrier: ``drop_key_loop_barrier``) and a partition per
+    warpgroup (80 in all). Spills are bounded at today's bytes (stores / loads) so that any new one fails here
+    (then read the SASS: one in the key loop costs far more than these): the one-partition form 20 / 20
+    (padded numbering) and 12 / 12 (per-sequence), the other 16 / 36 and 40 / 68 (kernel arguments and tile
+    bounds reloaded once per work tile; none between a partition's first and last wgmma in either form, read
+    off the SASS with nvdisasm)."""
     pytest.importorskip("triton.experimental.gluon")
-    (padded,) = _reports(extra=("--varlen-sm90",))
-    (per_seq,) = _reports(extra=("--varlen-sm90", "--per-seq"))
-    for rep, (stores, loads) in ((padded, (16, 36)), (per_seq, (40, 68))):
-        assert rep["wgmma"] == {"m64n128k16": 80} and rep["wgmma_wait_depths"] == [0, 1], rep
-        assert rep["kv_buffers"] == [2] and rep["tma_loads"] > 0, rep
-        assert rep["spill_store_load_bytes"][0] <= stores and rep["spill_store_load_bytes"][1] <= loads, rep
-        assert rep["shared_bytes"] <= 227 * 1024 and 40 in rep["setmaxnreg"], rep
+    cases = ((("--varlen-sm90",), 40, (20, 20)), (("--varlen-sm90", "--per-seq"), 40, (12, 12)),
+             (("--varlen-sm90", "--wg-partitions"), 80, (16, 36)),
+             (("--varlen-sm90", "--wg-partitions", "--per-seq"), 80, (40, 68)))
+    for extra, mmas, (stores, loads) in cases:
+        (rep,) = _reports(extra=extra)
+        assert rep["wgmma"] == {"m64n128k16": mmas} and rep["wgmma_wait_depths"] == [0, 1], (extra, rep)
+        assert rep["kv_buffers"] == [2] and rep["tma_loads"] > 0, (extra, rep)
+        assert rep["spill_store_load_bytes"][0] <= stores and rep["spill_store_load_bytes"][1] <= loads, (extra, rep)
+        assert rep["shared_bytes"] <= 227 * 1024 and 40 in rep["setmaxnreg"], (extra, rep)

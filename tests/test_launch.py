@@ -227,3 +227,17 @@ def test_gpu_ptx_pass_runs_the_rewritten_kernel():
         torch.testing.assert_close(y, x + 2.0)
         (compiled,) = kernel.compiled.values()
         assert compiled.metadata.ir_override.endswith(".ptx") and "add.f32" in compiled.asm["ptx"]
+
+
+def test_drop_key_loop_barrier_removes_exactly_one():
+    """The ragged kernel's PTX pass drops the consumer's barrier before a wait in a depth-2 loop block, and
+    leaves the text alone unless there is exactly one such barrier."""
+    from pagedmla.kernels.triton.sm90.varlen import drop_key_loop_barrier
+
+    wait = ("\t// begin inline asm\n\t\n{\n\t.reg .pred complete;\n\twaitLoop:\n"
+            "\tmbarrier.try_wait.parity.shared.b64 x;\n")
+    loop = "$L__BB0_7:  // in Loop: Header=BB0_5 Depth=2\n\tadd.s32 %r1, %r2, 1;\n\tbar.sync \t0, 256;\n" + wait
+    outer = "$L__BB0_3:  // in Loop: Header=BB0_2 Depth=1\n\tbar.sync \t0, 256;\n" + wait
+    assert drop_key_loop_barrier(outer + loop) == outer + loop.replace("\tbar.sync \t0, 256;\n", "")
+    assert drop_key_loop_barrier(outer) == outer
+    assert drop_key_loop_barrier(outer + loop + loop) == outer + loop + loop

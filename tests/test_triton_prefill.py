@@ -30,6 +30,7 @@ from pagedmla import errors
 from pagedmla.kernels.triton import paged_varlen as tpaged
 from pagedmla.kernels.triton import varlen as tvarlen
 from pagedmla.kernels.triton.common import PrefillConfig
+from pagedmla.kernels.triton.sm90 import varlen as sm90varlen
 from pagedmla.kernels.triton.sm90.mla import sm90_supported
 from pagedmla.kernels.triton.sm90.paged_varlen import paged_varlen_sm90
 from pagedmla.kernels.triton.sm90.varlen import varlen_sm90_plan, varlen_sm90_supported
@@ -48,6 +49,14 @@ def _varlen_sm90_or_skip(dk: int, dv: int, dtype: torch.dtype) -> None:
     x = torch.empty(1, 1, dk, dtype=dtype, device="cuda")
     if not varlen_sm90_supported(x, x, torch.empty(1, 1, dv, dtype=dtype, device="cuda")):
         pytest.skip("the Hopper kernel needs an sm_90 GPU and Triton's Gluon")
+
+
+@pytest.fixture(params=["one-partition", "wg-partitions"])
+def varlen_form(request, monkeypatch):
+    """Each Hopper ragged test runs both consumer forms, whatever its prompt lengths (``CTA_MAX_SEQLEN``
+    picks one per call by max_seqlen_q)."""
+    monkeypatch.setattr(sm90varlen, "CTA_MAX_SEQLEN", 2 ** 31 if request.param == "one-partition" else -1)
+    return request.param
 
 
 def _paged_sm90_or_skip(dtype: torch.dtype) -> None:
@@ -189,7 +198,7 @@ SM90_VARLEN_CASES = [
 @pytest.mark.parametrize("case", range(len(SM90_VARLEN_CASES)))
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_varlen_hopper_kernel(case, causal, dtype):
+def test_gpu_varlen_hopper_kernel(case, causal, dtype, varlen_form):
     """The Hopper ragged kernel against the oracle on ragged tails, GQA and every supported head dim; spare
     rows after the last sequence (an engine's buffers have capacity) hold NaN, never to be used; the output
     buffer starts NaN."""
@@ -201,7 +210,7 @@ def test_gpu_varlen_hopper_kernel(case, causal, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [True, False])
-def test_gpu_varlen_hopper_kernel_many_tiles(causal):
+def test_gpu_varlen_hopper_kernel_many_tiles(causal, varlen_form):
     """The persistent kernel's tile hand-off: thousands of work tiles (far more than SMs) over 60 sequences
     of 0-1500 tokens, q shorter and longer than k, GQA 4; a second call (the tile counter starts again)
     and CUDA-graph replays with new inputs give the same results."""
@@ -233,7 +242,7 @@ def test_gpu_varlen_hopper_kernel_many_tiles(causal):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [True, False])
-def test_gpu_varlen_hopper_kernel_skewed_batch(causal):
+def test_gpu_varlen_hopper_kernel_skewed_batch(causal, varlen_form):
     """One long prompt among many short ones (a chunked-prefill batch): the per-sequence tile numbering,
     every row of every sequence computed once (lengths around the 128-row tiles,
     sequences that start mid-tile, empty ones, GQA 4, q shorter than k for some)."""
@@ -248,7 +257,7 @@ def test_gpu_varlen_hopper_kernel_skewed_batch(causal):
 
 
 @pytest.mark.gpu
-def test_gpu_varlen_hopper_kernel_without_keys():
+def test_gpu_varlen_hopper_kernel_without_keys(varlen_form):
     _varlen_sm90_or_skip(192, 128, BF16)
     q, k, v, cu_q, cu_k = varlen_inputs([5, 3], [0, 0], 4, 4, 192, 128, BF16, "cuda", "no keys")
     o, lse = tvarlen.varlen_attention(q, k, v, cu_q, cu_k, 5, 0, 0.1, True, config=SM90)

@@ -14,16 +14,24 @@ number the tiles (``varlen_sm90_plan`` picks one per call):
   launch has ``(Tq // 128 + batch) * H`` tiles; the loader finds a tile's sequence by binary search over
   ``cu_seqlens_q`` and hands over its bounds. For one long prompt among many short ones the first numbering
   would hand out mostly empty tiles, one atomic and one hand-off each (2.3-3.7x slower on such batches,
-  benchmarks/NOTES.md); on equal lengths the second was 2-6% slower (its search sits between two tiles). Per tile
-the loader streams Q and the sequence's K and V in 128-key tiles through two two-stage shared-memory rings (K
-and V separately, with TMA, each K tile before the previous V tile), and the next tile's Q and first keys
-while the consumers finish the current one (each warpgroup's half of Q as soon as that warpgroup's last S is
-done, warpgroup 0's half and the first K tile before warpgroup 1's half). Two consumer warpgroups each own 64
-query rows (their S = Q K^T, online softmax, P kept in registers as the A operand of O += P V). Within a
-warpgroup, S of key tile j is issued before P V of key tile j - 1 and the softmax of tile j runs while that P
-V is on the tensor cores (FA3's intra-warpgroup overlap); a K slot is freed as soon as its S is done, so the
-split rings keep the loader a tile ahead. The warpgroups share every K/V tile but are otherwise independent,
-so one's softmax also overlaps the other's MMAs. A key tile that runs past a sequence's end holds the next
+  benchmarks/NOTES.md); on equal lengths the second was 2-6% slower (its search sits between two tiles).
+Per tile the loader streams Q and the sequence's K and V in 128-key tiles through two two-stage shared-memory
+rings (K and V separately, with TMA, each K tile before the previous V tile), and the next tile's Q and first
+keys while the consumers finish the current one. Two consumer warpgroups each own 64 query rows (their
+S = Q K^T, online softmax, P kept in registers as the A operand of O += P V). Within a warpgroup, S of key
+tile j is issued before P V of key tile j - 1 and the softmax of tile j runs while that P V is on the tensor
+cores (FA3's intra-warpgroup overlap); a K slot is freed as soon as its S is done, so the split rings keep the
+loader a tile ahead. The consumers come in two forms, chosen per call by
+``max_seqlen_q`` against ``CTA_MAX_SEQLEN`` (a ``CTA`` constexpr, so two compiled kernels):
+- short prompts: both warpgroups in one 8-warp partition running one copy of the code, Q loaded as one
+  128-row box, and FA3's inter-warpgroup ping-pong (named barriers hand the tensor cores from one
+  warpgroup's S and P V issue to the other's, so one's softmax runs under the other's MMAs). With a
+  partition per warpgroup the two copies of the consumer code did not fit the SM's instruction cache
+  together, which short prompts pay for on every tile (benchmarks/NOTES.md, Prefill v12-v13);
+- longer prompts: a partition per warpgroup, each warpgroup's half of Q loaded as soon as that warpgroup's
+  last S is done (warpgroup 0's half and the first K tile before warpgroup 1's half); the warpgroups share
+  every K/V tile but are otherwise independent, so one's softmax overlaps the other's MMAs without turns.
+A key tile that runs past a sequence's end holds the next
 sequence's rows, spare rows of the caller's buffer (anything, NaN included) or TMA's zero fill: their scores
 are masked, and each warpgroup zeroes those value rows in shared memory before its P V (0 * NaN would poison
 the output). A tile's output goes out through its last value slot (both warpgroups' P V done with it, each
@@ -36,6 +44,8 @@ kernel on the H200: benchmarks/NOTES.md, Prefill); ``PrefillConfig(use_sm90=Fals
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 
@@ -54,10 +64,38 @@ from pagedmla.kernels.triton.common import (
 from pagedmla.kernels.triton.launch import CachedKernel
 from pagedmla.kernels.triton.sm90.pipeline import HAVE_GLUON, MAX_TILES, descriptor, shared_layout, tma_rows
 
+# The consumer partition's barrier as Triton 3.6 writes it before an mbarrier wait, and the label comment of
+# the basic block it sits in (LLVM's loop-depth note).
+_WAIT_BARRIER = re.compile(r"\tbar\.sync \t0, 256;\n(?=\t// begin inline asm\n\t\n\{\n\t\.reg \.pred complete;\n"
+                           r"\twaitLoop:\n\tmbarrier\.try_wait)")
+
+
+def drop_key_loop_barrier(ptx: str) -> str:
+    """``ptx`` without the partition barrier that Triton 3.6 puts before the K wait of every key-loop
+    iteration of the 8-warp consumer, or ``ptx`` unchanged unless exactly one such barrier is found.
+
+    Why it may go: its shared-memory analysis syncs all 8 warps after a wgmma wait, which only waits for the
+    issuing warpgroup's MMAs (upstream Triton now marks such waits warpgroup-local), so every key tile held
+    each warpgroup until the other caught up: long prompts 16-19% slower on the H200. Nothing in the loop
+    needs it: the loop writes no shared memory but the K / V releases, each thread's own arrival after its
+    own warpgroup's wait (``_release``, counts of 256), and every thread waits for the TMA fills itself."""
+    drop = []
+    for m in _WAIT_BARRIER.finditer(ptx):
+        head = ptx[:m.start()]
+        label = head[max(head.rfind("\n$L__BB"), head.rfind("\n// %bb")) + 1:].split("\n", 1)[0]
+        if "Depth=2" in label:
+            drop.append(m)
+    if len(drop) != 1:
+        return ptx
+    return ptx[:drop[0].start()] + ptx[drop[0].end():]
+
+
 if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma,
@@ -79,8 +117,16 @@ if HAVE_GLUON:
 
 BLOCK_M = 128  # query rows per program: two warpgroups of 64
 BLOCK_N = 128  # keys per tile
+# Calls up to this max_seqlen_q run the one-partition consumer, longer ones a partition per warpgroup (module
+# docstring): on the H200 the first was 4-16% faster at 512-1024 tokens, 0.5% slower at 2048 and 2-4% slower
+# from 4096 (benchmarks/NOTES.md, Prefill v13); the switch sits between the measured lengths.
+CTA_MAX_SEQLEN = 1536
 if HAVE_GLUON:
     _WM = gl.constexpr(64)
+    _BM = gl.constexpr(BLOCK_M)
+    # The one-partition consumer's 8 warps, a lane each (reads of hand-off slots and of cu_seqlens_q).
+    _CONSUMERS = gl.constexpr(gl.BlockedLayout([1], [32], [8], [0]))
+    _CONSUMER_THREADS = gl.constexpr(256)
     _BN = gl.constexpr(BLOCK_N)
     _STAGES = gl.constexpr(2)
 
@@ -194,6 +240,17 @@ if HAVE_GLUON:
         return gl.max(receive_slot(i, tile_ids, tile_ready, tile_free, WARPGROUP), axis=0)
 
     @gluon.jit
+    def _load_q(q_desc, q_pe_desc, q_smem, q_pe_smem, q_ready, q_free, nq, row, q_col, DK1: gl.constexpr,
+                DK2: gl.constexpr):
+        """A tile's 128 query rows, once the previous tile's last S is done (the nq-th load)."""
+        mbarrier.wait(q_free, free_phase(nq, 1))
+        q_bytes: gl.constexpr = q_desc.block_type.nbytes + (q_pe_desc.block_type.nbytes if DK2 > 0 else 0)
+        mbarrier.expect(q_ready, q_bytes)
+        tma.async_copy_global_to_shared(q_desc, [row, q_col], q_ready, q_smem)
+        if DK2 > 0:
+            tma.async_copy_global_to_shared(q_pe_desc, [row, q_col + DK1], q_ready, q_pe_smem)
+
+    @gluon.jit
     def _load_q_half(q_desc, q_pe_desc, q_smem, q_pe_smem, q_ready, q_free, nq, row0, q_col, W: gl.constexpr,
                      DK1: gl.constexpr, DK2: gl.constexpr):
         """Warpgroup W's 64 query rows of a tile, once its previous tile's last S is done (the nq-th load)."""
@@ -212,7 +269,7 @@ if HAVE_GLUON:
                        q_ready, q_free,
                        k_ready, k_empty, v_ready, v_empty,
                        DK1: gl.constexpr, DK2: gl.constexpr, CAUSAL: gl.constexpr, SEARCH_STEPS: gl.constexpr,
-                       PER_SEQ: gl.constexpr):
+                       PER_SEQ: gl.constexpr, CTA: gl.constexpr):
         one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         if PER_SEQ:
             T = _tile_count(cu_q, H, batch)
@@ -246,8 +303,13 @@ if HAVE_GLUON:
                     # Warpgroup 0's half of Q, then the first K tile, then warpgroup 1's half: each half waits
                     # only for its own warpgroup's last S of the previous tile, so the warpgroup that finishes
                     # first starts the next tile without waiting for the other.
-                    _load_q_half(q_desc, q_pe_desc, q_smem, q_pe_smem, q_ready, q_free, nq, q_start + m0, q_col, 0,
-                                 DK1, DK2)
+                    if CTA:
+                        _load_q(q_desc, q_pe_desc, q_smem, q_pe_smem, q_ready.index(0), q_free.index(0), nq,
+                                q_start + m0, q_col, DK1, DK2)
+                        nq += 1
+                    else:
+                        _load_q_half(q_desc, q_pe_desc, q_smem, q_pe_smem, q_ready, q_free, nq, q_start + m0, q_col,
+                                     0, DK1, DK2)
                     kh = h // GROUP
                     k_col = kh * (DK1 + DK2)
                     v_col = kh * v_desc.block_type.shape[1]
@@ -265,10 +327,11 @@ if HAVE_GLUON:
                             if DK2 > 0:
                                 tma.async_copy_global_to_shared(k_pe_desc, [k_start + j * _BN, k_col + DK1], ready,
                                                                 k_pe_ring.index(s))
-                        if j == 0:
-                            _load_q_half(q_desc, q_pe_desc, q_smem, q_pe_smem, q_ready, q_free, nq, q_start + m0,
-                                         q_col, 1, DK1, DK2)
-                            nq += 1
+                        if not CTA:
+                            if j == 0:
+                                _load_q_half(q_desc, q_pe_desc, q_smem, q_pe_smem, q_ready, q_free, nq, q_start + m0,
+                                             q_col, 1, DK1, DK2)
+                                nq += 1
                         if j > 0:
                             c = base + j - 1
                             s = c % _STAGES
@@ -283,7 +346,8 @@ if HAVE_GLUON:
     def _scores(q, q_pe, k_ring, k_pe_ring, c, DK2: gl.constexpr, s_layout: gl.constexpr):
         """Issue S = Q K^T for ring position c (asynchronous: the caller waits)."""
         s = c % _STAGES
-        zero_s = gl.zeros([_WM, _BN], dtype=gl.float32, layout=s_layout)
+        rows: gl.constexpr = q.shape[0]  # a warpgroup's 64 or the tile's 128
+        zero_s = gl.zeros([rows, _BN], dtype=gl.float32, layout=s_layout)
         acc = warpgroup_mma(q, k_ring.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         if DK2 > 0:
             acc = warpgroup_mma(q_pe, k_pe_ring.index(s).permute((1, 0)), acc, is_async=True)
@@ -434,31 +498,212 @@ if HAVE_GLUON:
                             # The padded numbering gives each sequence NM row tiles: the top one poisons the rows of
                             # a sequence longer than max_seqlen_q that no tile covers.
                             _poison_rows(out_ptr, lse_ptr, q_start, NM * 2 * _WM + W * _WM, lq, 2 * _WM, h, H,
-                                         stride_ot, stride_oh, DV, o_layout)
+                                         stride_ot, stride_oh, DV, _WM, o_layout)
         if not rows_ok:
             # No partition of the q rows: every row of every head is NaN, this warpgroup's 64-row halves of the
             # 128-row tiles t = program, program + programs, ...
             for t in range(gl.program_id(0), gl.cdiv(Tq, 2 * _WM) * H, gl.num_programs(0)):
                 r0 = (t // H) * 2 * _WM + W * _WM
                 _poison_rows(out_ptr, lse_ptr, r0 * 0, r0, gl.minimum(r0 + _WM, Tq), 2 * _WM, t % H, H, stride_ot,
-                             stride_oh, DV, o_layout)
+                             stride_oh, DV, _WM, o_layout)
             if (gl.program_id(0) == 0) & (W == 0):
                 report(err_ptr, QUERY_INDPTR)
 
     @gluon.jit
+    def _release(bar):
+        """Every consumer thread's arrival on ``bar`` (initialised with ``_CONSUMER_THREADS``), no barrier
+        first: ``mbarrier.arrive`` is one thread's after a barrier of the whole partition, which held each
+        warpgroup at every K and V release until the other caught up (-16 to -18% on long prompts, NOTES,
+        Prefill v12); the copy-completion arrive (no cp.async is pending) is each thread's own."""
+        async_copy.mbarrier_arrive(bar, increment_count=False)
+
+    @gluon.jit
+    def _turn_wait(wg):
+        """Warpgroup ``wg`` (per thread: 0 or 1) waits for its turn to issue MMAs (named barrier 14 + wg,
+        completed by the other warpgroup's ``_turn_pass``)."""
+        gl.inline_asm_elementwise("bar.sync $1, 256; mov.b32 $0, 0;", "=r,r", [14 + wg], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
+    def _turn_pass(wg):
+        """Warpgroup ``wg`` hands the turn to the other one (an arrival on its named barrier 15 - wg)."""
+        gl.inline_asm_elementwise("bar.arrive $1, 256; mov.b32 $0, 0;", "=r,r", [15 - wg], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
+    def _store_staged_cta(o, v, v_free, out_ptr, q_start, m0, lq, h, stride_ot, stride_oh, DV: gl.constexpr):
+        """The tile's normalised output rows m0 .. m0 + 127 (of lq) through its last value slot v
+        (``restage``), once both warpgroups' P V have read it; releases the slot."""
+        rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
+        # Each warpgroup's P V reads every row of the slot: both are done before either writes into it.
+        gl.thread_barrier()
+        x = restage(v, o.to(v.dtype), rows_l)
+        r = m0 + gl.arange(0, _BM, layout=gl.SliceLayout(1, rows_l))
+        cols = gl.arange(0, DV, layout=gl.SliceLayout(0, rows_l))
+        tok = q_start.to(gl.int64) + r
+        gl.store(out_ptr + (tok * stride_ot + h * stride_oh)[:, None] + cols[None, :], x.to(out_ptr.dtype.element_ty),
+                 mask=(r < lq)[:, None])
+        # This thread's writes into the slot ordered before the loader's next TMA write into it.
+        fence_async_shared()
+        _release(v_free)
+
+    @gluon.jit
+    def _cta_consumer(q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids, tile_ready, tile_free, q_ready,
+                      q_free, k_ready, k_empty, v_ready, v_empty, out_ptr, lse_ptr, cu_q, cu_k, err_ptr, H, NM, T,
+                      batch, Tq, Tk, MAXQ, qk_scale, stride_ot, stride_oh, DK2: gl.constexpr, DV: gl.constexpr,
+                      CAUSAL: gl.constexpr, PER_SEQ: gl.constexpr):
+        """Both consumer warpgroups, one partition of 8 warps: query rows m0 .. m0 + 127 of each tile, 64 per
+        warpgroup (the MMAs' M = 128 is one m64 wgmma per warpgroup). One partition, not one per warpgroup,
+        so that both run the same instructions: with a copy each the SM's instruction cache held neither, and
+        a quarter of the warps' samples on 64 x 512 prompts waited for instructions (benchmarks/NOTES.md,
+        Prefill v12). The warpgroups take turns at the tensor cores (``_turn_wait`` / ``_turn_pass``, FA3's
+        ping-pong): ptxas waits for P V before the softmax's exponentials in every form, so a warpgroup's
+        softmax overlaps only the other's MMAs, and the turns keep the two out of step. FA3's
+        intra-warpgroup overlap: S of key tile j is issued before P V of key tile j - 1,
+        and the softmax of tile j runs while that P V is on the tensor cores; a K slot is released as soon as
+        its S is done, a V slot after its P V. Long (~100 lines): the prologue, the overlapped loop and the
+        epilogue share one ring position and the softmax state across the loop's edges, which helpers would
+        take and return whole."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                           instr_shape=[16, _BN, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                           instr_shape=[16, DV, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+        if PER_SEQ:
+            T = _tile_count(cu_q, H, batch)
+        q_ready = q_ready.index(0)
+        q_free = q_free.index(0)
+        wg = gl.arange(0, 256, layout=_CONSUMERS) // 128  # each thread's warpgroup
+        # Warpgroup 0 takes the first turn (``_turn_wait``).
+        gl.inline_asm_elementwise("{ .reg .pred p; setp.eq.s32 p, $1, 1; @p bar.arrive 14, 256; } mov.b32 $0, 0;",
+                                  "=r,r", [wg], dtype=gl.int32, is_pure=False, pack=1)
+        rows_ok = indptr_is_partition(cu_q, batch, Tq, gl.arange(0, 256, layout=_CONSUMERS))
+        T = gl.where(rows_ok, T, 0)
+        i = 0
+        nq = 0
+        base = 0
+        t = 0
+        while t < T:
+            if PER_SEQ:
+                t, h, q_start, lq, m0, lk, bits = receive_fields(i, tile_ids, tile_ready, tile_free, _CONSUMERS)
+            else:
+                t = gl.max(receive_slot(i, tile_ids, tile_ready, tile_free, _CONSUMERS), axis=0)
+            i += 1
+            if t < T:
+                if PER_SEQ:
+                    diag = lk - lq
+                    hi = _tile_end(lq, m0, lk, CAUSAL)
+                else:
+                    h, q_start, lq, m0, _, lk, diag, hi, bits = _tile_bounds(t, NM, H, cu_q, cu_k, Tk, MAXQ, CAUSAL)
+                if m0 < lq:
+                    rows = m0 + gl.arange(0, _BM, layout=row_l)
+                    # Keys row r sees: [0, lim) (bottom-right causal: query r of lq sees keys 0 .. r + lk - lq).
+                    # A key tile past a row's last key is all masked for that row (its P is 0).
+                    if CAUSAL:
+                        lim = gl.maximum(gl.minimum(rows + diag + 1, lk), 0)
+                        first_masked = gl.maximum(gl.minimum(m0 + diag + 1, lk), 0)
+                    else:
+                        lim = gl.zeros([_BM], dtype=gl.int32, layout=row_l) + lk
+                        first_masked = lk
+                    n_tiles = gl.cdiv(hi, _BN)
+                    m_i = gl.full([_BM], float("-inf"), dtype=gl.float32, layout=row_l)
+                    l_i = gl.zeros([_BM], dtype=gl.float32, layout=row_l)
+                    o = gl.zeros([_BM, DV], dtype=gl.float32, layout=o_layout)
+                    mbarrier.wait(q_ready, phase(nq, 1))
+                    nq += 1
+                    if n_tiles > 0:
+                        mbarrier.wait(k_ready.index(base % _STAGES), phase(base, _STAGES))
+                        _turn_wait(wg)
+                        acc = _scores(q_smem, q_pe_smem, k_ring, k_pe_ring, base, DK2, s_layout)
+                        _turn_pass(wg)
+                        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, q_smem))[0]
+                        _release(k_empty.index(base % _STAGES))
+                        p, alpha, m_i, l_i = online_softmax(acc, m_i, l_i, 0, first_masked, lim, qk_scale, s_layout)
+                        p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+                        for j in range(1, n_tiles):
+                            c = base + j
+                            mbarrier.wait(k_ready.index(c % _STAGES), phase(c, _STAGES))
+                            sv = (c - 1) % _STAGES
+                            mbarrier.wait(v_ready.index(sv), phase(c - 1, _STAGES))
+                            # The warpgroups take turns to issue a key tile's MMAs (FA3's ping-pong), so that one's
+                            # softmax runs while the other's MMAs hold the tensor cores.
+                            _turn_wait(wg)
+                            acc = _scores(q_smem, q_pe_smem, k_ring, k_pe_ring, c, DK2, s_layout)
+                            v = v_ring.index(sv)
+                            o = warpgroup_mma(p_op, v, o, is_async=True)
+                            _turn_pass(wg)
+                            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, q_smem))[0]
+                            _release(k_empty.index(c % _STAGES))
+                            p, alpha, m_i, l_i = online_softmax(acc, m_i, l_i, j * _BN, first_masked, lim, qk_scale,
+                                                                 s_layout)
+                            o = warpgroup_mma_wait(num_outstanding=0, deps=(o, v))[0]
+                            _release(v_empty.index(sv))
+                            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                            p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+                        # The tile's last S is done: the loader may bring the next tile's Q.
+                        _release(q_free)
+                        # Only a sequence's last key tile can run past its keys (earlier V tiles are whole).
+                        j = n_tiles - 1
+                        c = base + j
+                        sv = c % _STAGES
+                        mbarrier.wait(v_ready.index(sv), phase(c, _STAGES))
+                        v = v_ring.index(sv)
+                        if j * _BN + _BN > lk:
+                            zero_tail_rows(v, 0, lk - j * _BN, DV // 64, 8)
+                            # Each warpgroup's P V reads the rows the other's warps zeroed.
+                            gl.thread_barrier()
+                        o = warpgroup_mma(p_op, v, o, is_async=True)
+                        o = warpgroup_mma_wait(num_outstanding=0, deps=(o, v))[0]
+                    else:
+                        _release(q_free)
+                    base += n_tiles
+                    if (m0 == 0) & (h == 0):
+                        report(err_ptr, bits)
+                    inv_l, lse2 = finish_rows(l_i, m_i * qk_scale, bits != 0)
+                    r = m0 + gl.arange(0, _BM, layout=gl.SliceLayout(1, o_layout))
+                    ok = r < lq
+                    tok = q_start.to(gl.int64) + r
+                    o = o * gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))[:, None]
+                    if n_tiles > 0:
+                        _store_staged_cta(o, v_ring.index((base - 1) % _STAGES), v_empty.index((base - 1) % _STAGES),
+                                      out_ptr, q_start, m0, lq, h, stride_ot, stride_oh, DV)
+                    else:
+                        cols = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
+                        gl.store(out_ptr + (tok * stride_ot + h * stride_oh)[:, None] + cols[None, :],
+                                 o.to(out_ptr.dtype.element_ty), mask=ok[:, None])
+                    gl.store(lse_ptr + tok * H + h, gl.convert_layout(lse2 * _LN2, gl.SliceLayout(1, o_layout)),
+                             mask=ok)
+                    if not PER_SEQ:
+                        if m0 + _BM == NM * _BM:
+                            # The padded numbering gives each sequence NM row tiles: the top one poisons the rows of
+                            # a sequence longer than max_seqlen_q that no tile covers.
+                            _poison_rows(out_ptr, lse_ptr, q_start, NM * _BM, lq, _BM, h, H, stride_ot, stride_oh, DV,
+                                         _BM, o_layout)
+        if not rows_ok:
+            # No partition of the q rows: every row of every head is NaN, the 128-row tiles t = program,
+            # program + programs, ...
+            for t in range(gl.program_id(0), gl.cdiv(Tq, _BM) * H, gl.num_programs(0)):
+                r0 = (t // H) * _BM
+                _poison_rows(out_ptr, lse_ptr, r0 * 0, r0, gl.minimum(r0 + _BM, Tq), _BM, t % H, H, stride_ot,
+                             stride_oh, DV, _BM, o_layout)
+            if gl.program_id(0) == 0:
+                report(err_ptr, QUERY_INDPTR)
+
+    @gluon.jit
     def _poison_rows(out_ptr, lse_ptr, q_start, r_lo, r_hi, step, h, H, stride_ot, stride_oh, DV: gl.constexpr,
-                     layout: gl.constexpr):
-        """NaN into head h's output and LSE of rows q_start + r for r in r_lo .. r_hi - 1, 64 rows every
-        ``step`` (a warpgroup's half of each 128-row tile)."""
-        r_in = gl.arange(0, _WM, layout=gl.SliceLayout(1, layout))
+                     ROWS: gl.constexpr, layout: gl.constexpr):
+        """NaN into head h's output and LSE of rows q_start + r for r in r_lo .. r_hi - 1, ROWS rows every
+        ``step`` (a warpgroup's half of each 128-row tile, or the whole tile)."""
+        r_in = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
         cols = gl.arange(0, DV, layout=gl.SliceLayout(0, layout))
-        nan = gl.full([_WM, DV], float("nan"), out_ptr.dtype.element_ty, layout)
+        nan = gl.full([ROWS, DV], float("nan"), out_ptr.dtype.element_ty, layout)
         for r0 in range(r_lo, r_hi, step):
             r = r0 + r_in
             ok = r < r_hi
             tok = q_start.to(gl.int64) + r
             gl.store(out_ptr + (tok * stride_ot + h * stride_oh)[:, None] + cols[None, :], nan, mask=ok[:, None])
-            gl.store(lse_ptr + tok * H + h, gl.full([_WM], float("nan"), gl.float32, gl.SliceLayout(1, layout)),
+            gl.store(lse_ptr + tok * H + h, gl.full([ROWS], float("nan"), gl.float32, gl.SliceLayout(1, layout)),
                      mask=ok)
 
     @gluon.jit
@@ -466,11 +711,15 @@ if HAVE_GLUON:
         q_desc, q_pe_desc, k_desc, k_pe_desc, v_desc, out_ptr, lse_ptr, cu_q, cu_k, counter, err_ptr,
         H, GROUP, NM, T, batch, Tq, Tk, MAXQ, qk_scale, stride_ot, stride_oh,
         DK1: gl.constexpr, DK2: gl.constexpr, DV: gl.constexpr, CAUSAL: gl.constexpr, SEARCH_STEPS: gl.constexpr,
-        PER_SEQ: gl.constexpr,
+        PER_SEQ: gl.constexpr, CTA: gl.constexpr,
     ):
         dtype: gl.constexpr = q_desc.dtype
-        q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-        q_pe_smem = gl.allocate_shared_memory(dtype, [2] + q_pe_desc.block_type.shape, q_pe_desc.layout)
+        if CTA:  # one [128, dk] box of Q
+            q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+            q_pe_smem = gl.allocate_shared_memory(dtype, q_pe_desc.block_type.shape, q_pe_desc.layout)
+        else:  # a [64, dk] half per consumer warpgroup
+            q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+            q_pe_smem = gl.allocate_shared_memory(dtype, [2] + q_pe_desc.block_type.shape, q_pe_desc.layout)
         k_ring = gl.allocate_shared_memory(dtype, [_STAGES] + k_desc.block_type.shape, k_desc.layout)
         k_pe_ring = gl.allocate_shared_memory(dtype, [_STAGES] + k_pe_desc.block_type.shape, k_pe_desc.layout)
         v_ring = gl.allocate_shared_memory(dtype, [_STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -490,34 +739,52 @@ if HAVE_GLUON:
         v_empty = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], bar_layout)
         o_done = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
         mbarrier.init(o_done, count=2)  # both warpgroups' last P V of a tile
+        # A release: one arrive per consumer partition (after a barrier of its warps), or in the one-partition
+        # form every consumer thread's (``_release``: K, V and Q slots).
+        releases: gl.constexpr = _CONSUMER_THREADS if CTA else 2
         for i in gl.static_range(2):
             mbarrier.init(q_ready.index(i), count=1)
-            mbarrier.init(q_free.index(i), count=1)  # each warpgroup frees its own half
+            mbarrier.init(q_free.index(i), count=_CONSUMER_THREADS if CTA else 1)  # (per warpgroup's half)
             mbarrier.init(tile_ready.index(i), count=1)
-            mbarrier.init(tile_free.index(i), count=2)  # one arrive per consumer warpgroup
+            mbarrier.init(tile_free.index(i), count=1 if CTA else 2)
         for i in gl.static_range(_STAGES):
             mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)
+            mbarrier.init(k_empty.index(i), count=releases)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(v_empty.index(i), count=2)
-        gl.warp_specialize(
-            [(_varlen_consumer, (q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids, tile_ready, tile_free, q_ready,
-                                 q_free, k_ready, k_empty, v_ready, v_empty, o_done, out_ptr, lse_ptr, cu_q, cu_k,
-                                 err_ptr, H, NM, T, batch, Tq, Tk, MAXQ, qk_scale, stride_ot, stride_oh, 0, DK2, DV,
-                                 CAUSAL, PER_SEQ)),
-             (_varlen_consumer, (q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids, tile_ready, tile_free, q_ready,
-                                 q_free, k_ready, k_empty, v_ready, v_empty, o_done, out_ptr, lse_ptr, cu_q, cu_k,
-                                 err_ptr, H, NM, T, batch, Tq, Tk, MAXQ, qk_scale, stride_ot, stride_oh, 1, DK2, DV,
-                                 CAUSAL, PER_SEQ)),
-             (_varlen_loader, (q_desc, q_pe_desc, k_desc, k_pe_desc, v_desc, cu_q, cu_k, counter, GROUP, H, NM, T,
-                               batch, Tq, Tk, MAXQ, q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids, tile_ready,
-                               tile_free, q_ready, q_free, k_ready, k_empty, v_ready, v_empty, DK1, DK2, CAUSAL,
-                               SEARCH_STEPS, PER_SEQ))],
-            worker_num_warps=[4, 1],
-            worker_num_regs=[232, 40],
-        )
+            mbarrier.init(v_empty.index(i), count=releases)
+        if CTA:
+            gl.warp_specialize(
+                [(_cta_consumer, (q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids, tile_ready, tile_free,
+                                  q_ready, q_free, k_ready, k_empty, v_ready, v_empty, out_ptr, lse_ptr, cu_q, cu_k,
+                                  err_ptr, H, NM, T, batch, Tq, Tk, MAXQ, qk_scale, stride_ot, stride_oh, DK2, DV,
+                                  CAUSAL, PER_SEQ)),
+                 (_varlen_loader, (q_desc, q_pe_desc, k_desc, k_pe_desc, v_desc, cu_q, cu_k, counter, GROUP, H, NM,
+                                   T, batch, Tq, Tk, MAXQ, q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids,
+                                   tile_ready, tile_free, q_ready, q_free, k_ready, k_empty, v_ready, v_empty, DK1,
+                                   DK2, CAUSAL, SEARCH_STEPS, PER_SEQ, CTA))],
+                worker_num_warps=[1],
+                worker_num_regs=[40],
+            )
+        else:
+            gl.warp_specialize(
+                [(_varlen_consumer, (q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids, tile_ready, tile_free,
+                                     q_ready, q_free, k_ready, k_empty, v_ready, v_empty, o_done, out_ptr, lse_ptr,
+                                     cu_q, cu_k, err_ptr, H, NM, T, batch, Tq, Tk, MAXQ, qk_scale, stride_ot,
+                                     stride_oh, 0, DK2, DV, CAUSAL, PER_SEQ)),
+                 (_varlen_consumer, (q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids, tile_ready, tile_free,
+                                     q_ready, q_free, k_ready, k_empty, v_ready, v_empty, o_done, out_ptr, lse_ptr,
+                                     cu_q, cu_k, err_ptr, H, NM, T, batch, Tq, Tk, MAXQ, qk_scale, stride_ot,
+                                     stride_oh, 1, DK2, DV, CAUSAL, PER_SEQ)),
+                 (_varlen_loader, (q_desc, q_pe_desc, k_desc, k_pe_desc, v_desc, cu_q, cu_k, counter, GROUP, H, NM,
+                                   T, batch, Tq, Tk, MAXQ, q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids,
+                                   tile_ready, tile_free, q_ready, q_free, k_ready, k_empty, v_ready, v_empty, DK1,
+                                   DK2, CAUSAL, SEARCH_STEPS, PER_SEQ, CTA))],
+                worker_num_warps=[4, 1],
+                worker_num_regs=[232, 40],
+            )
 
-    _MAIN = CachedKernel(_varlen_sm90_kernel)
+    # The one-partition form's key-loop barrier goes (``drop_key_loop_barrier``); the pass finds none in the other.
+    _MAIN = CachedKernel(_varlen_sm90_kernel, ptx_pass=drop_key_loop_barrier)
 
 
 def varlen_sm90_args(q2: torch.Tensor, k2: torch.Tensor, v2: torch.Tensor, heads: int, kv_heads: int,
@@ -536,8 +803,10 @@ def varlen_sm90_args(q2: torch.Tensor, k2: torch.Tensor, v2: torch.Tensor, heads
         raise ValueError(f"max_seqlen_q: {max_seqlen_q} over {batch} sequences, {tq} rows and {heads} heads is {tiles} "
                          f"work tiles; the Hopper kernel's int32 tile counter takes fewer than {MAX_TILES} (the "
                          "portable kernel has no such limit)")
-    args = (descriptor(q2, [64, dk1], shared_layout(64, dk1, q2.dtype)),
-            descriptor(q2, [64, pe_width], shared_layout(64, pe_width, q2.dtype)),
+    cta = max_seqlen_q <= CTA_MAX_SEQLEN
+    q_rows = BLOCK_M if cta else BLOCK_M // 2
+    args = (descriptor(q2, [q_rows, dk1], shared_layout(q_rows, dk1, q2.dtype)),
+            descriptor(q2, [q_rows, pe_width], shared_layout(q_rows, pe_width, q2.dtype)),
             descriptor(k2, [BLOCK_N, dk1], shared_layout(BLOCK_N, dk1, q2.dtype)),
             descriptor(k2, [BLOCK_N, pe_width], shared_layout(BLOCK_N, pe_width, q2.dtype)),
             descriptor(v2, [BLOCK_N, dv], shared_layout(BLOCK_N, dv, q2.dtype)),
@@ -545,7 +814,8 @@ def varlen_sm90_args(q2: torch.Tensor, k2: torch.Tensor, v2: torch.Tensor, heads
             heads, heads // kv_heads, -(-max_seqlen_q // BLOCK_M), tiles, batch, tq, tk, max_seqlen_q,
             softmax_scale * LOG2E, out.stride(0), out.stride(1))
     options = dict(DK1=dk1, DK2=dk2, DV=dv, CAUSAL=bool(causal),
-                   SEARCH_STEPS=max(1, batch.bit_length()) if per_sequence else 1, PER_SEQ=per_sequence, num_warps=4)
+                   SEARCH_STEPS=max(1, batch.bit_length()) if per_sequence else 1, PER_SEQ=per_sequence,
+                   CTA=cta, num_warps=8 if cta else 4)
     return _MAIN, (min(tiles, sm_count(q2.device)), 1, 1), args, options
 
 
