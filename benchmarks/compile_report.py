@@ -95,7 +95,7 @@ def compile_paged_varlen_sm90(arch: int = 90, kv_scale: bool = False):
 def compile_varlen_sm90(arch: int = 90, dk: int = 192, dv: int = 128, per_seq: bool = False, cta: bool = True):
     """The Hopper Gluon ragged-attention kernel (``sm90/varlen.py``) for bf16, causal, with the padded or
     (``per_seq``) the per-sequence tile numbering, its one-partition consumer (``cta``, prompts up to
-    ``CTA_MAX_SEQLEN``) or a partition per warpgroup."""
+    ``CTA_SEQLEN``) or a partition per warpgroup."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--varlen-sm90", action="store_true", help="report the Hopper ragged kernel (192/128) instead")
     ap.add_argument("--per-seq", action="store_true", help="with --varlen-sm90: the per-sequence tile numbering")
     ap.add_argument("--wg-partitions", action="store_true",
-                    help="with --varlen-sm90: a consumer partition per warpgroup (prompts over CTA_MAX_SEQLEN)")
+                    help="with --varlen-sm90: a consumer partition per warpgroup (prompts outside CTA_SEQLEN)")
     ap.add_argument("--kv-format", choices=("fp8_e4m3", "fp8_ds_mla"), default=None,
                     help="the portable decode kernel over an FP8 cache (default: bf16 rows)")
     args = ap.parse_args(argv)

@@ -127,17 +127,19 @@ def test_hopper_varlen_kernel_structure():
     """The ragged Hopper kernel for 192/128: 12 S and 8 P V MMAs of m64n128k16 per 128-key tile and
     warpgroup, issued from the first tile's prologue, the overlapped loop (S of tile j before P V of tile
     j - 1, waited down to one group) and the last P V; two-stage TMA rings. Its two forms: one 8-warp
-    consumer partition (prompts up to ``CTA_MAX_SEQLEN``: both warpgroups run one copy of the code, 40 MMAs
+    consumer partition (prompts in ``CTA_SEQLEN``: both warpgroups run one copy of the code, 40 MMAs
     in all, the key loop without a partition barrier: ``drop_key_loop_barrier``) and a partition per
     warpgroup (80 in all). Spills are bounded at today's bytes (stores / loads) so that any new one fails here
     (then read the SASS: one in the key loop costs far more than these): the one-partition form 20 / 20
-    (padded numbering) and 12 / 12 (per-sequence), the other 16 / 36 and 40 / 68 (kernel arguments and tile
+    (padded numbering) and 52 / 52 (per-sequence), the other 16 / 36 and 20 / 44 (kernel arguments and tile
     bounds reloaded once per work tile; none between a partition's first and last wgmma in either form, read
-    off the SASS with nvdisasm)."""
+    off the SASS with nvdisasm). The per-sequence bounds were 12 / 12 and 40 / 68 before the hand-off's
+    fields became warp-uniform (2026-12-04: the one-partition form's 13 words are stored and reloaded around
+    the tile's epilogue)."""
     pytest.importorskip("triton.experimental.gluon")
-    cases = ((("--varlen-sm90",), 40, (20, 20)), (("--varlen-sm90", "--per-seq"), 40, (12, 12)),
+    cases = ((("--varlen-sm90",), 40, (20, 20)), (("--varlen-sm90", "--per-seq"), 40, (52, 52)),
              (("--varlen-sm90", "--wg-partitions"), 80, (16, 36)),
-             (("--varlen-sm90", "--wg-partitions", "--per-seq"), 80, (40, 68)))
+             (("--varlen-sm90", "--wg-partitions", "--per-seq"), 80, (20, 44)))
     for extra, mmas, (stores, loads) in cases:
         (rep,) = _reports(extra=extra)
         assert rep["wgmma"] == {"m64n128k16": mmas} and rep["wgmma_wait_depths"] == [0, 1], (extra, rep)

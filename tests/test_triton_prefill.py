@@ -53,9 +53,9 @@ def _varlen_sm90_or_skip(dk: int, dv: int, dtype: torch.dtype) -> None:
 
 @pytest.fixture(params=["one-partition", "wg-partitions"])
 def varlen_form(request, monkeypatch):
-    """Each Hopper ragged test runs both consumer forms, whatever its prompt lengths (``CTA_MAX_SEQLEN``
-    picks one per call by max_seqlen_q)."""
-    monkeypatch.setattr(sm90varlen, "CTA_MAX_SEQLEN", 2 ** 31 if request.param == "one-partition" else -1)
+    """Each Hopper ragged test runs both consumer forms, whatever its prompt lengths (``CTA_SEQLEN`` picks
+    one per call by max_seqlen_q)."""
+    monkeypatch.setattr(sm90varlen, "CTA_SEQLEN", (-1, 2 ** 31) if request.param == "one-partition" else (0, -1))
     return request.param
 
 
@@ -253,6 +253,17 @@ def test_gpu_varlen_hopper_kernel_skewed_batch(causal, varlen_form):
     lk = [n + int(torch.randint(0, 3, (1,), generator=gen)) * 40 for n in lq]
     assert varlen_sm90_plan(max(lq), sum(lq), 16, len(lq))[1]  # the per-sequence numbering runs
     check_varlen(varlen_kernel(SM90), lq, lk, 16, 4, 192, 128, causal, BF16, "cuda", HOPPER, ("skewed", causal),
+                 scale=192 ** -0.5, out=True, stds=(0.5, 1.0, 1.0))
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_hopper_kernel_many_sequences(varlen_form):
+    """Over 1024 sequences (an 11-step search per tile), most of them a few rows or empty: their numbered
+    tiles past the rows are claimed again by the loader, not handed over."""
+    _varlen_sm90_or_skip(192, 128, BF16)
+    lq = [1500] + [i % 5 for i in range(1100)] + [200]
+    assert varlen_sm90_plan(max(lq), sum(lq), 2, len(lq))[1]
+    check_varlen(varlen_kernel(SM90), lq, lq, 2, 2, 192, 128, True, BF16, "cuda", HOPPER, ("many", True),
                  scale=192 ** -0.5, out=True, stds=(0.5, 1.0, 1.0))
 
 

@@ -106,9 +106,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _receive_tile(i, tile_info, tile_ready, tile_free):
         """A warpgroup's i-th tile as the loader published it (``_publish_tile``'s seven fields)."""
-        # Every thread holds the whole slot: the fields come out without cross-thread reductions.
-        layout: gl.constexpr = gl.BlockedLayout([8], [32], [4], [0])
-        return receive_fields(i, tile_info, tile_ready, tile_free, layout)
+        return receive_fields(i, tile_info, tile_ready, tile_free, WARPGROUP)
 
     @gluon.jit
     def _store_rows(o, scale, lse2, col0, out_ptr, lse_ptr, row0, r0, n_rows, WRITE_LSE: gl.constexpr,

@@ -117,28 +117,46 @@ if HAVE_GLUON:
         return gl.max(slot.load(ONE_WARP), axis=0)
 
     @gluon.jit
+    def _await_slot(i, slots, ready):
+        """Consumer side of a two-slot hand-off: slot ``i % 2`` of ``slots`` once the i-th publication is in."""
+        s = i % 2
+        mbarrier.wait(ready.index(s), phase(i, 2))
+        return slots.index(s)
+
+    @gluon.jit
+    def _hand_back(i, free):
+        """The i-th slot handed back to the loader once every warp has read it (the arrive is one thread's)."""
+        gl.thread_barrier()
+        mbarrier.arrive(free.index(i % 2), count=1)
+
+    @gluon.jit
+    def _slot_word(slot, k: gl.constexpr, layout: gl.constexpr):
+        """Word k of a hand-off slot, every thread reading it from the same address (a [1] tensor in
+        ``layout``), so that ptxas sees a warp-uniform value (``receive_fields``)."""
+        return gl.max(slot.slice(k, 1).load(layout), axis=0)
+
+    @gluon.jit
     def receive_slot(i, slots, ready, free, layout: gl.constexpr):
         """Consumer side of a two-slot hand-off: the i-th published slot of ``slots`` loaded in ``layout``,
         the slot handed back to the loader once every warp has read it."""
-        s = i % 2
-        mbarrier.wait(ready.index(s), phase(i, 2))
-        info = slots.index(s).load(layout)
-        # Every warp has read the slot before it is handed back (the arrive is one thread's).
-        gl.thread_barrier()
-        mbarrier.arrive(free.index(s), count=1)
+        info = _await_slot(i, slots, ready).load(layout)
+        _hand_back(i, free)
         return info
 
     @gluon.jit
     def receive_fields(i, slots, ready, free, layout: gl.constexpr):
-        """Words 0 .. 6 of the i-th published slot (``receive_slot``) of a hand-off whose slots hold 8 int32
-        words, loaded in ``layout`` (every thread holding the whole slot, or a lane each: the sums reduce across
-        threads where needed)."""
-        info = receive_slot(i, slots, ready, free, layout)
-        k = gl.arange(0, 8, layout=layout)
-        return (gl.sum(gl.where(k == 0, info, 0), axis=0), gl.sum(gl.where(k == 1, info, 0), axis=0),
-                gl.sum(gl.where(k == 2, info, 0), axis=0), gl.sum(gl.where(k == 3, info, 0), axis=0),
-                gl.sum(gl.where(k == 4, info, 0), axis=0), gl.sum(gl.where(k == 5, info, 0), axis=0),
-                gl.sum(gl.where(k == 6, info, 0), axis=0))
+        """Words 0 .. 6 of the i-th published slot of a hand-off whose slots hold 8 int32 words, each read
+        whole by every thread of ``layout``. Why not one load of the slot and a reduction per word: values
+        that come out of cross-lane shuffles are per-thread to ptxas, and so was all the tile arithmetic,
+        the key loop's trip count and every wgmma descriptor derived from them (R2UR and vector ALU
+        instead of the uniform datapath: 11% more instructions and time on a 4096-token prompt,
+        benchmarks/NOTES.md, Prefill v14)."""
+        slot = _await_slot(i, slots, ready)
+        fields = (_slot_word(slot, 0, layout), _slot_word(slot, 1, layout), _slot_word(slot, 2, layout),
+                  _slot_word(slot, 3, layout), _slot_word(slot, 4, layout), _slot_word(slot, 5, layout),
+                  _slot_word(slot, 6, layout))
+        _hand_back(i, free)
+        return fields
 
     @gluon.jit
     def online_softmax(acc, m_i, l_i, n0, first_masked, lim, qk_scale, s_layout: gl.constexpr):

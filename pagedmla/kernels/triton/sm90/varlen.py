@@ -22,15 +22,16 @@ S = Q K^T, online softmax, P kept in registers as the A operand of O += P V). Wi
 tile j is issued before P V of key tile j - 1 and the softmax of tile j runs while that P V is on the tensor
 cores (FA3's intra-warpgroup overlap); a K slot is freed as soon as its S is done, so the split rings keep the
 loader a tile ahead. The consumers come in two forms, chosen per call by
-``max_seqlen_q`` against ``CTA_MAX_SEQLEN`` (a ``CTA`` constexpr, so two compiled kernels):
-- short prompts: both warpgroups in one 8-warp partition running one copy of the code, Q loaded as one
-  128-row box, and FA3's inter-warpgroup ping-pong (named barriers hand the tensor cores from one
-  warpgroup's S and P V issue to the other's, so one's softmax runs under the other's MMAs). With a
+``max_seqlen_q`` against ``CTA_SEQLEN`` (a ``CTA`` constexpr, so two compiled kernels):
+- prompts of 129-1536 tokens: both warpgroups in one 8-warp partition running one copy of the code, Q
+  loaded as one 128-row box, and FA3's inter-warpgroup ping-pong (named barriers hand the tensor cores from
+  one warpgroup's S and P V issue to the other's, so one's softmax runs under the other's MMAs). With a
   partition per warpgroup the two copies of the consumer code did not fit the SM's instruction cache
-  together, which short prompts pay for on every tile (benchmarks/NOTES.md, Prefill v12-v13);
-- longer prompts: a partition per warpgroup, each warpgroup's half of Q loaded as soon as that warpgroup's
-  last S is done (warpgroup 0's half and the first K tile before warpgroup 1's half); the warpgroups share
-  every K/V tile but are otherwise independent, so one's softmax overlaps the other's MMAs without turns.
+  together, which short prompts pay for on every tile (benchmarks/NOTES.md, Prefill v12-v14);
+- longer prompts and those of one tile: a partition per warpgroup, each warpgroup's half of Q loaded as soon
+  as that warpgroup's last S is done (warpgroup 0's half and the first K tile before warpgroup 1's half), a
+  half past the sequence's end skipped; the warpgroups share every K/V tile but are otherwise independent,
+  so one's softmax overlaps the other's MMAs without turns.
 A key tile that runs past a sequence's end holds the next
 sequence's rows, spare rows of the caller's buffer (anything, NaN included) or TMA's zero fill: their scores
 are masked, and each warpgroup zeroes those value rows in shared memory before its P V (0 * NaN would poison
@@ -117,10 +118,12 @@ if HAVE_GLUON:
 
 BLOCK_M = 128  # query rows per program: two warpgroups of 64
 BLOCK_N = 128  # keys per tile
-# Calls up to this max_seqlen_q run the one-partition consumer, longer ones a partition per warpgroup (module
-# docstring): on the H200 the first was 4-16% faster at 512-1024 tokens, 0.5% slower at 2048 and 2-4% slower
-# from 4096 (benchmarks/NOTES.md, Prefill v13); the switch sits between the measured lengths.
-CTA_MAX_SEQLEN = 1536
+# Calls with lo < max_seqlen_q <= hi run the one-partition consumer, others a partition per warpgroup (module
+# docstring). On the H200 the first was 4-16% faster at 512-1024 tokens, 0.5% slower at 2048 and 2-4% slower
+# from 4096 (benchmarks/NOTES.md, Prefill v13); at 128 tokens and below, where a sequence fills at most one
+# tile, 0.5-2.5% slower, and 25% at 64 (its 128 rows computed whole, where each warpgroup of the other form
+# skips a half past the sequence's end; Prefill v14). The switches sit between the measured lengths.
+CTA_SEQLEN = (128, 1536)
 if HAVE_GLUON:
     _WM = gl.constexpr(64)
     _BM = gl.constexpr(BLOCK_M)
@@ -216,17 +219,24 @@ if HAVE_GLUON:
             return lk
 
     @gluon.jit
-    def _publish_tile_info(slot, t, cu_q, cu_k, H, batch, Tk, MAXQ, SEARCH_STEPS: gl.constexpr):
-        """Loader: the bounds of per-sequence tile t into its hand-off slot; returns (head, q_start, lq, m0,
-        k_start, lk). Past the last tile the search still reads inside cu_q / cu_k (the consumers then only
-        look at the id)."""
+    def _claim_tile_info(counter, tile_ids, s, T, cu_q, cu_k, H, batch, Tk, MAXQ, SEARCH_STEPS: gl.constexpr):
+        """Loader: claim the next per-sequence tile that holds query rows and publish its bounds in hand-off
+        slot ``s``; returns (id, head, q_start, lq, m0, k_start, lk). The numbering gives a sequence and head
+        up to one tile past its rows (``varlen_sm90_plan``): those are claimed again here instead of handed
+        over, since each hand-off is a round trip the consumers wait on (one long prompt among 63 short ones
+        had 4096 of 16256 tiles empty). Past the last tile the search still reads inside cu_q / cu_k (the
+        consumers then only look at the id)."""
         one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        t = claim_tile(counter, tile_ids, s)
         h, q_start, lq, m0, k_start, lk, bits = _tile_of(t, cu_q, cu_k, H, batch, Tk, MAXQ, SEARCH_STEPS)
+        while (t < T) & (m0 >= lq):
+            t = claim_tile(counter, tile_ids, s)
+            h, q_start, lq, m0, k_start, lk, bits = _tile_of(t, cu_q, cu_k, H, batch, Tk, MAXQ, SEARCH_STEPS)
         idx = gl.arange(0, 8, layout=one)
-        slot.store(gl.where(idx == 0, t, gl.where(idx == 1, h, gl.where(idx == 2, q_start, gl.where(
+        tile_ids.index(s).store(gl.where(idx == 0, t, gl.where(idx == 1, h, gl.where(idx == 2, q_start, gl.where(
             idx == 3, lq, gl.where(idx == 4, m0, gl.where(idx == 5, lk, bits)))))))
         gl.thread_barrier()
-        return h, q_start, lq, m0, k_start, lk
+        return t, h, q_start, lq, m0, k_start, lk
 
     @gluon.jit
     def _receive_tile_info(i, tile_info, tile_ready, tile_free):
@@ -285,10 +295,8 @@ if HAVE_GLUON:
             s = i % 2
             mbarrier.wait(tile_free.index(s), free_phase(i, 2))
             if PER_SEQ:
-                t = claim_tile(counter, tile_ids, s)
-                slot = tile_ids.index(s)
-                h, q_start, lq, m0, k_start, lk = _publish_tile_info(slot, t, cu_q, cu_k, H, batch, Tk, MAXQ,
-                                                                     SEARCH_STEPS)
+                t, h, q_start, lq, m0, k_start, lk = _claim_tile_info(counter, tile_ids, s, T, cu_q, cu_k, H, batch,
+                                                                      Tk, MAXQ, SEARCH_STEPS)
             else:
                 t = claim_tile(counter, tile_ids, s)
             mbarrier.arrive(tile_ready.index(s), count=1)
@@ -803,7 +811,7 @@ def varlen_sm90_args(q2: torch.Tensor, k2: torch.Tensor, v2: torch.Tensor, heads
         raise ValueError(f"max_seqlen_q: {max_seqlen_q} over {batch} sequences, {tq} rows and {heads} heads is {tiles} "
                          f"work tiles; the Hopper kernel's int32 tile counter takes fewer than {MAX_TILES} (the "
                          "portable kernel has no such limit)")
-    cta = max_seqlen_q <= CTA_MAX_SEQLEN
+    cta = CTA_SEQLEN[0] < max_seqlen_q <= CTA_SEQLEN[1]
     q_rows = BLOCK_M if cta else BLOCK_M // 2
     args = (descriptor(q2, [q_rows, dk1], shared_layout(q_rows, dk1, q2.dtype)),
             descriptor(q2, [q_rows, pe_width], shared_layout(q_rows, pe_width, q2.dtype)),
