@@ -8,12 +8,12 @@ machine affect all alike. Each other checkout's ``pagedmla/`` is copied to a tem
 bisect a change of speed in one run (benchmarks/NOTES.md, decode v19).
 
 Cells: ``pagedmla.bench.decode.grid`` (decode, ``flash_mla_with_kvcache`` after ``get_mla_metadata``, eager, as
-a user calls it) and ``pagedmla.bench.prefill``'s ragged (``flash_attn_varlen_func``, causal 192/128) and paged
-(``flash_mla_varlen_with_kvcache``, causal 576/512) grids. Each version is timed ``--rounds`` times per cell,
-alternating (``triton.testing.do_bench`` median, L2 flushed); the table gives each version's best median,
-the ratio other / this (above 1: this checkout is faster) and the spread of each version's rounds (the
-noise the ratio should be read against). ``same`` says whether the versions returned this checkout's output bit
-for bit, and names those that did not.
+a user calls it) and ``pagedmla.bench.prefill``'s ragged (``flash_attn_varlen_func``, causal 192/128, its
+skewed batches included) and paged (``flash_mla_varlen_with_kvcache``, causal 576/512) grids. Each version
+is timed ``--rounds`` times per cell, alternating (``triton.testing.do_bench`` median, L2 flushed); the table
+gives each version's best median, the ratio other / this (above 1: this checkout is faster) and the spread
+of each version's rounds (the noise the ratio should be read against). ``same`` says whether the versions
+returned this checkout's output bit for bit, and names those that did not.
 ``--match`` keeps the cells whose name holds one of its strings (e.g. ``h16 s4096``). ``--graphs`` also times
 each decode cell as CUDA graphs of ``GRAPH_CALLS`` calls over rotated input copies (``bench_decode --graphs``'s
 timer, what an engine replaying graphs pays), alternating with the eager timings.
@@ -115,6 +115,16 @@ def ragged_cells(quick: bool) -> Cells:
             return (lambda lib: lambda i: lib.flash_attn_varlen_func(q, k, v, cu, cu, seqlen, seqlen, 192 ** -0.5,
                                                                      True)), None
         cells.append((f"ragged {b}x{seqlen} h{h}", setup))
+    # One long prompt among many short ones (the per-sequence tile numbering's case).
+    for long, n, short, h in bprefill.SKEWED_GRID[:1] if quick else bprefill.SKEWED_GRID:
+        def setup(graphs: bool, long=long, n=n, short=short, h=h) -> tuple[Bind, None]:
+            lens = torch.tensor([0, long] + [short] * n, device="cuda")
+            cu = lens.cumsum(0).to(torch.int32)
+            t = long + n * short
+            q, k, v = bprefill.rnd(t, h, 192), bprefill.rnd(t, h, 192), bprefill.rnd(t, h, 128)
+            return (lambda lib: lambda i: lib.flash_attn_varlen_func(q, k, v, cu, cu, long, long, 192 ** -0.5,
+                                                                     True)), None
+        cells.append((f"ragged 1x{long}+{n}x{short} h{h}", setup))
     return cells
 
 
