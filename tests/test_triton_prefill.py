@@ -241,6 +241,34 @@ def test_gpu_varlen_hopper_kernel_many_tiles(causal, varlen_form):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 128])
+def test_gpu_varlen_hopper_forms_agree_eager_and_replayed(heads, monkeypatch):
+    """Both consumer forms give the same bits, called eagerly and replayed as CUDA graphs (the arithmetic is
+    the same: the one-partition form's extra key tiles are fully masked, P = 0 and the rescale 1). A scratch
+    script once saw the forms' replayed outputs differ at 16 heads while eager ones agreed (NOTES, Prefill
+    v14); this checks every one of 20 replays per form on each device run."""
+    _varlen_sm90_or_skip(192, 128, BF16)
+    n, batch = 256, 16
+    q, k, v, cu_q, cu_k = varlen_inputs([n] * batch, [n] * batch, heads, heads, 192, 128, BF16, "cuda",
+                                        ("forms", heads))
+    outs = []
+    for form in ((-1, 2 ** 31), (0, -1)):  # one partition, then a partition per warpgroup
+        monkeypatch.setattr(sm90varlen, "CTA_SEQLEN", form)
+        eager = tvarlen.varlen_attention(q, k, v, cu_q, cu_k, n, n, 192 ** -0.5, True, config=SM90)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            g_o, g_lse = tvarlen.varlen_attention(q, k, v, cu_q, cu_k, n, n, 192 ** -0.5, True, config=SM90)
+        # As the scratch script ran them: replays back to back, each after a 256 MB write (do_bench's L2 flush).
+        flush = torch.empty(1 << 26, dtype=torch.int32, device="cuda")
+        for i in range(20):
+            flush.zero_()
+            graph.replay()
+            assert torch.equal(g_o, eager[0]) and torch.equal(g_lse, eager[1]), (form, i)
+        outs.append(eager)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("causal", [True, False])
 def test_gpu_varlen_hopper_kernel_skewed_batch(causal, varlen_form):
     """One long prompt among many short ones (a chunked-prefill batch): the per-sequence tile numbering,
