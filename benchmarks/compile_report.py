@@ -6,7 +6,9 @@ descriptors where the config uses TMA), or the Hopper Gluon kernel for configs e
 reports, from the compiled artefacts: shared memory, registers and spills (the Triton wheel's ``ptxas
 -v``), the MMA instructions and their shapes, the wgmma wait depths, the KV buffers of the key loop (their
 leading dimension is the number of pipeline buffers), the ``cp.async`` wait depths and the register
-budgets (``setmaxnreg``) of warp-specialised kernels, and the L2 hints of loads and stores. The Hopper decode
+budgets (``setmaxnreg``) of warp-specialised kernels, the L2 hints of loads and stores, and the SASS's
+instruction count and its ``R2UR`` moves (the wheel's ``nvdisasm``: values ptxas cannot prove warp-uniform
+reach the uniform datapath through them, NOTES Prefill v14). The Hopper decode
 kernels are compiled as their launcher compiles them: again from their PTX with every TMA load at L2 evict-first
 (``sm90.pipeline.tma_loads_evict_first``). Triton-internal APIs (3.6); the numbers describe code, not speed.
 
@@ -235,6 +237,11 @@ def report(kernel, arch: int = 90) -> dict:
         Path(path).write_text(ptx)
         res = subprocess.run([str(ptxas), "-v", f"--gpu-name=sm_{arch}a", path, "-o", os.path.join(tmp, "k.o")],
                              capture_output=True, text=True)
+        sass = subprocess.run([str(ptxas.with_name("nvdisasm")), os.path.join(tmp, "k.o")], capture_output=True,
+                              text=True).stdout if res.returncode == 0 else ""
+    opcodes = re.findall(r"(?m)^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
+    out["sass_instructions"] = len(opcodes)
+    out["sass_r2ur"] = opcodes.count("R2UR")
     info = res.stderr
     regs = re.search(r"Used (\d+) registers", info)
     out["registers"] = int(regs.group(1)) if regs else None

@@ -140,9 +140,19 @@ def test_hopper_varlen_kernel_structure():
     cases = ((("--varlen-sm90",), 40, (20, 20)), (("--varlen-sm90", "--per-seq"), 40, (52, 52)),
              (("--varlen-sm90", "--wg-partitions"), 80, (16, 36)),
              (("--varlen-sm90", "--wg-partitions", "--per-seq"), 80, (20, 44)))
+    reps = {}
     for extra, mmas, (stores, loads) in cases:
         (rep,) = _reports(extra=extra)
+        reps[extra] = rep
         assert rep["wgmma"] == {"m64n128k16": mmas} and rep["wgmma_wait_depths"] == [0, 1], (extra, rep)
         assert rep["kv_buffers"] == [2] and rep["tma_loads"] > 0, (extra, rep)
         assert rep["spill_store_load_bytes"][0] <= stores and rep["spill_store_load_bytes"][1] <= loads, (extra, rep)
         assert rep["shared_bytes"] <= 227 * 1024 and 40 in rep["setmaxnreg"], (extra, rep)
+    # The per-sequence hand-off's fields reach the consumers as warp-uniform values (``receive_fields``): with
+    # a lane per word and cross-lane sums, every value derived from them went per-thread and the key loop
+    # moved its ring positions and wgmma descriptors into uniform registers at each use (R2UR 127 / 216
+    # against the padded numbering's 60 / 120, one / two partitions; 11% more instructions and time on the
+    # H200, NOTES Prefill v14). Now 68 / 130.
+    for form in ((), ("--wg-partitions",)):
+        padded, per_seq = reps[("--varlen-sm90", *form)], reps[("--varlen-sm90", *form, "--per-seq")]
+        assert per_seq["sass_r2ur"] <= padded["sass_r2ur"] + 24, (form, per_seq["sass_r2ur"], padded["sass_r2ur"])
