@@ -52,8 +52,7 @@ def parse_cell(cell: str) -> tuple[list[int], int]:
 def plan_forcing(numbering: str):
     """``varlen_sm90_plan`` with the numbering fixed: ``padded`` or ``per_seq``."""
     def plan(max_seqlen_q: int, total_q: int, heads: int, batch: int) -> tuple[int, bool]:
-        padded = -(-max_seqlen_q // sv.BLOCK_M) * heads * batch
-        per_sequence = (total_q // sv.BLOCK_M + batch) * heads
+        padded, per_sequence = sv.tile_counts(max_seqlen_q, total_q, heads, batch)
         return (padded, False) if numbering == "padded" else (per_sequence, True)
     return plan
 
@@ -87,9 +86,9 @@ def time_cell(cell: str, forms: list[str], numberings: list[str]) -> dict:
                 out.fill_(float("nan"))
                 row[f"{form}_{numbering}_us"] = graph_us(
                     lambda: sv.varlen_sm90(q, k, v, cu, cu, max(lens), 192 ** -0.5, True, out, lse))
-                got = (out.clone(), lse.clone())
-                first = first or got
-                row[f"{form}_{numbering}_same"] = torch.equal(got[0], first[0]) and torch.equal(got[1], first[1])
+                if first is None:
+                    first = out.clone(), lse.clone()
+                row[f"{form}_{numbering}_same"] = torch.equal(out, first[0]) and torch.equal(lse, first[1])
     finally:
         sv.CTA_SEQLEN, sv.varlen_sm90_plan = saved
     return row
@@ -112,8 +111,8 @@ def main(argv: list[str] | None = None) -> None:
                  f"{args.numberings!r}")
     if not torch.cuda.is_available():
         sys.exit("bench_varlen_forms.py times the Hopper ragged kernel: no CUDA device here")
-    qk, v = torch.empty(1, 1, 192, device="cuda", dtype=torch.bfloat16), torch.empty(1, 1, 128, device="cuda")
-    if not sv.varlen_sm90_supported(qk, qk, v.bfloat16()):
+    qk = torch.empty(1, 1, 192, device="cuda", dtype=torch.bfloat16)
+    if not sv.varlen_sm90_supported(qk, qk, qk[..., :128]):
         sys.exit("bench_varlen_forms.py times the Hopper ragged kernel: it needs an sm_90 GPU and Triton's Gluon")
     rows = []
     for cell, _ in cells:

@@ -21,8 +21,8 @@ keys while the consumers finish the current one. Two consumer warpgroups each ow
 S = Q K^T, online softmax, P kept in registers as the A operand of O += P V). Within a warpgroup, S of key
 tile j is issued before P V of key tile j - 1 and the softmax of tile j runs while that P V is on the tensor
 cores (FA3's intra-warpgroup overlap); a K slot is freed as soon as its S is done, so the split rings keep the
-loader a tile ahead. The consumers come in two forms, chosen per call by
-``max_seqlen_q`` against ``CTA_SEQLEN`` (a ``CTA`` constexpr, so two compiled kernels):
+loader a tile ahead. The consumers come in two forms, chosen per call by ``max_seqlen_q`` against
+``CTA_SEQLEN`` (a ``CTA`` constexpr, so two compiled kernels):
 - prompts of 129-1536 tokens: both warpgroups in one 8-warp partition running one copy of the code, Q
   loaded as one 128-row box, and FA3's inter-warpgroup ping-pong (named barriers hand the tensor cores from
   one warpgroup's S and P V issue to the other's, so one's softmax runs under the other's MMAs). With a
@@ -32,13 +32,13 @@ loader a tile ahead. The consumers come in two forms, chosen per call by
   as that warpgroup's last S is done (warpgroup 0's half and the first K tile before warpgroup 1's half), a
   half past the sequence's end skipped; the warpgroups share every K/V tile but are otherwise independent,
   so one's softmax overlaps the other's MMAs without turns.
-A key tile that runs past a sequence's end holds the next
-sequence's rows, spare rows of the caller's buffer (anything, NaN included) or TMA's zero fill: their scores
-are masked, and each warpgroup zeroes those value rows in shared memory before its P V (0 * NaN would poison
-the output). A tile's output goes out through its last value slot (both warpgroups' P V done with it, each
-writing its 64 rows there and reading them back as whole rows) so that it is stored in 128-byte lines: from
-the MMA layout every store instruction wrote 4-byte pieces of 8 rows, and at 128-token prompts those partial
-sectors held the L2 at 88% of its throughput with DRAM at 66% (benchmarks/NOTES.md, Prefill v10).
+A key tile that runs past a sequence's end holds the next sequence's rows, spare rows of the caller's buffer
+(anything, NaN included) or TMA's zero fill: their scores are masked, and each warpgroup zeroes those value
+rows in shared memory before its P V (0 * NaN would poison the output). A tile's output goes out through its
+last value slot (both warpgroups' P V done with it, each writing its 64 rows there and reading them back as
+whole rows) so that it is stored in 128-byte lines: from the MMA layout every store instruction wrote 4-byte
+pieces of 8 rows, and at 128-token prompts those partial sectors held the L2 at 88% of its throughput with
+DRAM at 66% (benchmarks/NOTES.md, Prefill v10).
 
 ``varlen_attention`` runs it by default where ``varlen_sm90_supported`` accepts a call (it was the faster
 kernel on the H200: benchmarks/NOTES.md, Prefill); ``PrefillConfig(use_sm90=False)`` asks for the portable one.
@@ -134,12 +134,17 @@ if HAVE_GLUON:
     _STAGES = gl.constexpr(2)
 
 
+def tile_counts(max_seqlen_q: int, total_q: int, heads: int, batch: int) -> tuple[int, int]:
+    """Work tiles of a launch over ``total_q`` packed query rows in each numbering (module docstring):
+    (padded, per-sequence)."""
+    return -(-max_seqlen_q // BLOCK_M) * heads * batch, (total_q // BLOCK_M + batch) * heads
+
+
 def varlen_sm90_plan(max_seqlen_q: int, total_q: int, heads: int, batch: int) -> tuple[int, bool]:
     """(work tiles, per-sequence numbering) of a launch over ``total_q`` packed query rows (see the module
     docstring): the per-sequence numbering once more than half of the longest-sequence grid would be empty
     tiles, where their hand-offs cost more than the per-sequence numbering's search between tiles."""
-    padded = -(-max_seqlen_q // BLOCK_M) * heads * batch
-    per_sequence = (total_q // BLOCK_M + batch) * heads
+    padded, per_sequence = tile_counts(max_seqlen_q, total_q, heads, batch)
     # (max_seqlen_q 0 with rows to write: only the per-sequence numbering has tiles for them.)
     if padded > 2 * per_sequence or padded == 0:
         return per_sequence, True
@@ -675,7 +680,7 @@ if HAVE_GLUON:
                     o = o * gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))[:, None]
                     if n_tiles > 0:
                         _store_staged_cta(o, v_ring.index((base - 1) % _STAGES), v_empty.index((base - 1) % _STAGES),
-                                      out_ptr, q_start, m0, lq, h, stride_ot, stride_oh, DV)
+                                          out_ptr, q_start, m0, lq, h, stride_ot, stride_oh, DV)
                     else:
                         cols = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
                         gl.store(out_ptr + (tok * stride_ot + h * stride_oh)[:, None] + cols[None, :],
