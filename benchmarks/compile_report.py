@@ -6,9 +6,9 @@ descriptors where the config uses TMA), or the Hopper Gluon kernel for configs e
 reports, from the compiled artefacts: shared memory, registers and spills (the Triton wheel's ``ptxas
 -v``), the MMA instructions and their shapes, the wgmma wait depths, the KV buffers of the key loop (their
 leading dimension is the number of pipeline buffers), the ``cp.async`` wait depths and the register
-budgets (``setmaxnreg``) of warp-specialised kernels, the L2 hints of loads and stores, and the SASS's
-instruction count and its ``R2UR`` moves (the wheel's ``nvdisasm``: values ptxas cannot prove warp-uniform
-reach the uniform datapath through them, NOTES Prefill v14). The Hopper decode
+budgets (``setmaxnreg``) of warp-specialised kernels, the wgmma waits ptxas injects, the L2 hints of loads
+and stores, and the SASS's instruction count and its ``R2UR`` moves (the wheel's ``nvdisasm``: values ptxas
+cannot prove warp-uniform reach the uniform datapath through them, NOTES Prefill v14). The Hopper decode
 kernels are compiled as their launcher compiles them: again from their PTX with every TMA load at L2 evict-first
 (``sm90.pipeline.tma_loads_evict_first``). Triton-internal APIs (3.6); the numbers describe code, not speed.
 
@@ -247,6 +247,9 @@ def report(kernel, arch: int = 90) -> dict:
     out["registers"] = int(regs.group(1)) if regs else None
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
     out["spill_store_load_bytes"] = (int(spill.group(1)), int(spill.group(2))) if spill else None
+    # Waits ptxas adds for registers it cannot prove free of an in-flight wgmma (its note C7517): each one
+    # holds the warpgroup until every MMA issued so far is done (NOTES decode v25).
+    out["ptxas_injected_waits"] = len(re.findall(r"\(C7517\) warpgroup\.wait is injected", info))
     out["mma_sync"] = dict(collections.Counter(re.findall(r"mma\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)))
     out["wgmma"] = dict(collections.Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)))
     out["wgmma_wait_depths"] = sorted(set(map(int, re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx))))

@@ -87,6 +87,7 @@ def test_hopper_kernel_structure():
     assert rep["shared_bytes"] <= 227 * 1024 and 32 in rep["setmaxnreg"], rep
     assert 0 < rep["evict_last_stores"] < rep["global_stores"], rep  # the partials only (PARTIALS_EVICTION)
     assert rep["evict_first_tma_loads"] == rep["tma_loads"], rep  # the launcher's PTX pass hints every load
+    assert rep["ptxas_injected_waits"] == 0, rep
 
 
 def test_hopper_seesaw_kernel_structure():
@@ -95,7 +96,9 @@ def test_hopper_seesaw_kernel_structure():
     compiled twice, for pairs with and without a tile B: 20 m64n256k16 in all); 27 TMA boxes (Q and two KV
     slots, each as 4 + 4 + 1 boxes of 64 columns); per-partition register budgets and, in the partitions,
     no spill: the 8 bytes are one value passed to the loader before the partitions split (read off the SASS
-    on 2026-12-02). A Triton that hoists the loop's wgmma descriptors again spills ~540 bytes here."""
+    on 2026-12-02). A Triton that hoists the loop's wgmma descriptors again spills ~540 bytes here. No wgmma
+    wait injected by ptxas: without the explicit one before warpgroup 1 rescales O beside S_B, ptxas waits for
+    S_B there (its note C7517; NOTES decode v25)."""
     pytest.importorskip("triton.experimental.gluon")
     (rep,) = _reports(extra=("--decode-seesaw",))
     assert rep["wgmma"] == {"m64n64k16": 72, "m64n256k16": 20}, rep
@@ -104,6 +107,7 @@ def test_hopper_seesaw_kernel_structure():
     assert rep["shared_bytes"] <= 227 * 1024 and {32, 232} <= set(rep["setmaxnreg"]), rep
     assert 0 < rep["evict_last_stores"] < rep["global_stores"], rep
     assert rep["evict_first_tma_loads"] == rep["tma_loads"], rep
+    assert rep["ptxas_injected_waits"] == 0, rep
 
 
 def test_hopper_prefill_kernel_structure():
@@ -121,6 +125,7 @@ def test_hopper_prefill_kernel_structure():
     assert rep["shared_bytes"] <= 227 * 1024 and 32 in rep["setmaxnreg"], rep
     # Each KV tile is read again by the sequence's other row tiles: no evict-first hint here (decode's only).
     assert rep["evict_first_tma_loads"] == 0, rep
+    assert rep["ptxas_injected_waits"] == 0, rep
 
 
 def test_hopper_varlen_kernel_structure():
@@ -148,6 +153,7 @@ def test_hopper_varlen_kernel_structure():
         assert rep["kv_buffers"] == [2] and rep["tma_loads"] > 0, (extra, rep)
         assert rep["spill_store_load_bytes"][0] <= stores and rep["spill_store_load_bytes"][1] <= loads, (extra, rep)
         assert rep["shared_bytes"] <= 227 * 1024 and 40 in rep["setmaxnreg"], (extra, rep)
+        assert rep["ptxas_injected_waits"] == 0, (extra, rep)
     # The per-sequence hand-off's fields reach the consumers as warp-uniform values (``receive_fields``): with
     # a lane per word and cross-lane sums, every value derived from them went per-thread and the key loop
     # moved its ring positions and wgmma descriptors into uniform registers at each use (R2UR 127 / 216

@@ -8,8 +8,9 @@ half of P V for both tiles, m being the running row max:
 
 - 0: S_A = Q K_A^T, m_A = max(m, rowmax S_A), P_A = exp(S_A - m_A) (to shared memory, with m_A);
   O_L = O_L e^(m - m_A) + P_A V_A,L
-- 1: S_B = Q K_B^T (beside 0's softmax); O_R = O_R e^(m - m_A) + P_A V_A,R (behind S_B on the tensor cores);
-  m_B = max(m_A, rowmax S_B), P_B = exp(S_B - m_B) (to shared memory, with m_B) beside 0's P_A V_A,L;
+- 1: S_B = Q K_B^T (queued after S_A, so that it runs beside 0's softmax); O_R = O_R e^(m - m_A) + P_A V_A,R
+  (behind S_B on the tensor cores); m_B = max(m_A, rowmax S_B), P_B = exp(S_B - m_B) (to shared memory, with
+  m_B) beside 0's P_A V_A,L;
   O_R = O_R e^(m_A - m_B) + P_B V_B,R
 - 0: O_L = O_L e^(m_A - m_B) + P_B V_B,L
 
@@ -19,7 +20,7 @@ it computed (rescaled like its O half); the two shares are added at the end of a
 1.4-6.7% faster than ``decode.py``'s kernel as CUDA graphs on 128-row requests (128 heads, or 64 x q_len 2)
 and 1-5% slower on memory-bound 32-64-row ones (benchmarks/NOTES.md, decode v18): ``SEESAW_MIN_ROWS``.
 
-Shared memory (232080 of the 232448 bytes a CTA may have): Q as two [64, 256] halves and its [64, 64] rope
+Shared memory (232112 of the 232448 bytes a CTA may have): Q as two [64, 256] halves and its [64, 64] rope
 part, each KV slot as two [64, 256] halves and its rope part, P_A and the per-row statistics. P_B lives in
 Q's rope buffer: both warpgroups copy the rope part into registers at a request's start (the rope part of S
 is an MMA with A in registers), and the loader brings the next request's Q once both are done. The loader
@@ -27,10 +28,12 @@ warp fills each half of a slot once the warpgroups that read it are done with it
 0's P_A V_A,L, its right half after 0's S_A and 1's P_A V_A,R; slot 1's right half after 1's P_B V_B,R, its
 left half after 1's S_B and 0's P_B V_B,L), and each S starts on the half freed first.
 
-Two things Triton 3.6 needs spelled out (measured, benchmarks/NOTES.md decode v18): buffer indices that vary
-with the tile loop (constant ones let it hoist every wgmma descriptor out of the loop: 540 bytes of spills),
-and shared-memory views taken separately in each branch that reads them (one view shared by an if and its
-else let it reuse, in the else, descriptor registers set only in the if: wrong P V results).
+Three things Triton 3.6 and its ptxas need spelled out (measured, benchmarks/NOTES.md decode v18, v25):
+buffer indices that vary with the tile loop (constant ones let it hoist every wgmma descriptor out of the
+loop: 540 bytes of spills), shared-memory views taken separately in each branch that reads them (one view
+shared by an if and its else let it reuse, in the else, descriptor registers set only in the if: wrong P V
+results), and an explicit wgmma wait naming O before warpgroup 1 rescales it with S_B in flight (without
+it ptxas injects a wait for every MMA there; ``compile_report.py`` counts such waits).
 """
 
 from __future__ import annotations
@@ -195,9 +198,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _wg0(q_h, q_pe, kv_l, kv_r, kv_pe, p_a, stats, q_ready, q_free, ready_l, ready_r, empty_l, empty_r,
-             a_ready, b_ready, pa_free, pb_free, pe_taken, fin, page_flags, PIECES, CAPACITY, seqlens_ptr, meta_ptr,
-             splits_ptr, out_ptr, lse_ptr, partials_ptr, err_ptr, B, PARTS, H, Q_LEN, ROWS, qk_scale, stride_ob,
-             stride_ot, stride_oh, CAUSAL: gl.constexpr, META_W: gl.constexpr):
+             a_ready, a_issued, b_ready, pa_free, pb_free, pe_taken, fin, page_flags, PIECES, CAPACITY, seqlens_ptr,
+             meta_ptr, splits_ptr, out_ptr, lse_ptr, partials_ptr, err_ptr, B, PARTS, H, Q_LEN, ROWS, qk_scale,
+             stride_ob, stride_ot, stride_oh, CAUSAL: gl.constexpr, META_W: gl.constexpr):
         """Warpgroup 0: S and softmax of each pair's tile A, O[:, :256] over both tiles."""
         pid_m = gl.program_id(0)
         zero = gl.program_id(2)  # the grid has one z block
@@ -226,6 +229,10 @@ if HAVE_GLUON:
                     mbarrier.wait(ready_r.index(0), phase(g, 1))
                     acc = warpgroup_mma(q_r, kv_r.index(s0).permute((1, 0)), acc, is_async=True)
                     acc = warpgroup_mma(q_pe_op, kv_pe.index(s0).permute((1, 0)), acc, is_async=True)
+                    # Every warp's S_A is queued on its tensor core before warpgroup 1 queues S_B: S_A finishes
+                    # first and this softmax runs beside S_B (issued together, the two would end together).
+                    gl.thread_barrier()
+                    mbarrier.arrive(a_issued, count=1)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, q_l, q_r, ka, kv_r.index(s0),
                                                                       kv_pe.index(s0)))[0]
                     mbarrier.arrive(empty_r.index(0), count=1)
@@ -273,9 +280,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _wg1(q_h, q_pe, kv_l, kv_r, kv_pe, p_a, stats, q_ready, q_free, ready_l, ready_r, empty_l, empty_r,
-             a_ready, b_ready, pa_free, pb_free, pe_taken, fin, page_flags, PIECES, CAPACITY, seqlens_ptr, meta_ptr,
-             splits_ptr, out_ptr, lse_ptr, partials_ptr, B, PARTS, H, Q_LEN, ROWS, qk_scale, stride_ob, stride_ot,
-             stride_oh, CAUSAL: gl.constexpr, META_W: gl.constexpr):
+             a_ready, a_issued, b_ready, pa_free, pb_free, pe_taken, fin, page_flags, PIECES, CAPACITY, seqlens_ptr,
+             meta_ptr, splits_ptr, out_ptr, lse_ptr, partials_ptr, B, PARTS, H, Q_LEN, ROWS, qk_scale, stride_ob,
+             stride_ot, stride_oh, CAUSAL: gl.constexpr, META_W: gl.constexpr):
         """Warpgroup 1: S and softmax of each pair's tile B, O[:, 256:] over both tiles."""
         pid_m = gl.program_id(0)
         zero = gl.program_id(2)  # the grid has one z block
@@ -299,6 +306,9 @@ if HAVE_GLUON:
                         kr = kv_r.index(s0 + 1)
                         zero_s = gl.zeros([mla._BM, mla._BN], dtype=gl.float32, layout=mla.S_LAYOUT)
                         mbarrier.wait(ready_r.index(1), phase(gb, 1))
+                        # (Warpgroup 0 cannot be a pair further on: its next S_A needs slot 0's right half,
+                        # which this warpgroup's P_A V_A,R below frees.)
+                        mbarrier.wait(a_issued, phase(g, 1))
                         acc = warpgroup_mma(q_r, kr.permute((1, 0)), zero_s, use_acc=False, is_async=True)
                         acc = warpgroup_mma(q_pe_op, kv_pe.index(s0 + 1).permute((1, 0)), acc, is_async=True)
                         mbarrier.wait(ready_l.index(1), phase(gb, 1))
@@ -309,6 +319,10 @@ if HAVE_GLUON:
                         m_a = stats.slice(_M * mla._BM, mla._BM).load(_ROW)
                         scale_a = stats.slice(_SCALE_A * mla._BM, mla._BM).load(_ROW)
                         l_i = l_i * scale_a
+                        # O's last MMA was waited for, but without this wait ptxas cannot tell O from S_B's
+                        # accumulator and waits for S_B before the rescale (its C7517 note), so the rescale
+                        # and P_A V_A,R's issue ran after S_B instead of beside it. One group may stay: S_B.
+                        o = warpgroup_mma_wait(num_outstanding=1, deps=(o,))
                         o = o * gl.convert_layout(scale_a, _OROW)[:, None]
                         mbarrier.wait(ready_r.index(0), phase(g, 1))
                         pa = p_a.index(s0)
@@ -392,6 +406,7 @@ if HAVE_GLUON:
         empty_l = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
         empty_r = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
         a_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
+        a_issued = gl.allocate_shared_memory(gl.int64, [1], bar)
         b_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
         pa_free = gl.allocate_shared_memory(gl.int64, [1], bar)
         pb_free = gl.allocate_shared_memory(gl.int64, [1], bar)
@@ -408,6 +423,7 @@ if HAVE_GLUON:
         mbarrier.init(empty_l.index(1), count=2)
         mbarrier.init(empty_r.index(1), count=1)
         mbarrier.init(a_ready, count=1)
+        mbarrier.init(a_issued, count=1)
         mbarrier.init(b_ready, count=1)
         mbarrier.init(pa_free, count=1)
         mbarrier.init(pb_free, count=1)
@@ -415,11 +431,11 @@ if HAVE_GLUON:
         mbarrier.init(fin, count=2)
         gl.warp_specialize(
             [(_wg0, (q_h, q_pe, kv_l, kv_r, kv_pe, p_a, stats, q_ready, q_free, ready_l, ready_r, empty_l,
-                     empty_r, a_ready, b_ready, pa_free, pb_free, pe_taken, fin, page_flags,
+                     empty_r, a_ready, a_issued, b_ready, pa_free, pb_free, pe_taken, fin, page_flags,
                      PIECES, CAPACITY, seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr, partials_ptr, err_ptr, B,
                      PARTS, H, Q_LEN, ROWS, qk_scale, stride_ob, stride_ot, stride_oh, CAUSAL, META_W)),
              (_wg1, (q_h, q_pe, kv_l, kv_r, kv_pe, p_a, stats, q_ready, q_free, ready_l, ready_r, empty_l,
-                     empty_r, a_ready, b_ready, pa_free, pb_free, pe_taken, fin, page_flags,
+                     empty_r, a_ready, a_issued, b_ready, pa_free, pb_free, pe_taken, fin, page_flags,
                      PIECES, CAPACITY, seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr, partials_ptr, B, PARTS,
                      H, Q_LEN, ROWS, qk_scale, stride_ob, stride_ot, stride_oh, CAUSAL, META_W)),
              (_seesaw_loader, (q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, CAPACITY,
