@@ -244,15 +244,28 @@ if HAVE_GLUON:
         return t, h, q_start, lq, m0, k_start, lk
 
     @gluon.jit
-    def _receive_tile_info(i, tile_info, tile_ready, tile_free):
-        """Consumer side of a per-sequence hand-off: the loader's i-th tile as (id, head, q_start, lq, m0, lk,
-        error bits)."""
-        return receive_fields(i, tile_info, tile_ready, tile_free, WARPGROUP)
+    def _receive_work(i, tile_ids, tile_ready, tile_free, layout: gl.constexpr, PER_SEQ: gl.constexpr):
+        """Consumer side of the tile hand-off, read by every thread of ``layout``: (the id of the loader's i-th
+        tile, the fields ``_work_bounds`` takes): with the per-sequence numbering the loader published the
+        tile's (id, head, q_start, lq, m0, lk, error bits), with the padded one only its id."""
+        if PER_SEQ:
+            fields = receive_fields(i, tile_ids, tile_ready, tile_free, layout)
+            return fields[0], fields
+        else:
+            t = gl.max(receive_slot(i, tile_ids, tile_ready, tile_free, layout), axis=0)
+            return t, (t,)
 
     @gluon.jit
-    def _receive_tile(i, tile_ids, tile_ready, tile_free):
-        """Consumer side of the tile hand-off: the id the loader published as its i-th tile."""
-        return gl.max(receive_slot(i, tile_ids, tile_ready, tile_free, WARPGROUP), axis=0)
+    def _work_bounds(t, fields, NM, H, cu_q, cu_k, Tk, MAXQ, CAUSAL: gl.constexpr, PER_SEQ: gl.constexpr):
+        """A received tile t < T as (head, q_start, lq, m0, lk, diagonal offset lk - lq, end of the keys any
+        row of the tile sees, error bits): from the loader's fields (per-sequence numbering) or computed from
+        the id (padded numbering, only for ids below the count: ``_tile_bounds`` loads the sequence's bounds)."""
+        if PER_SEQ:
+            _, h, q_start, lq, m0, lk, bits = fields
+            return h, q_start, lq, m0, lk, lk - lq, _tile_end(lq, m0, lk, CAUSAL), bits
+        else:
+            h, q_start, lq, m0, _, lk, diag, hi, bits = _tile_bounds(t, NM, H, cu_q, cu_k, Tk, MAXQ, CAUSAL)
+            return h, q_start, lq, m0, lk, diag, hi, bits
 
     @gluon.jit
     def _load_q(q_desc, q_pe_desc, q_smem, q_pe_smem, q_ready, q_free, nq, row, q_col, DK1: gl.constexpr,
@@ -408,17 +421,11 @@ if HAVE_GLUON:
         base = 0
         t = 0
         while t < T:
-            if PER_SEQ:
-                t, h, q_start, lq, m0, lk, bits = _receive_tile_info(i, tile_ids, tile_ready, tile_free)
-            else:
-                t = _receive_tile(i, tile_ids, tile_ready, tile_free)
+            t, fields = _receive_work(i, tile_ids, tile_ready, tile_free, WARPGROUP, PER_SEQ)
             i += 1
             if t < T:
-                if PER_SEQ:
-                    diag = lk - lq
-                    hi = _tile_end(lq, m0, lk, CAUSAL)
-                else:
-                    h, q_start, lq, m0, _, lk, diag, hi, bits = _tile_bounds(t, NM, H, cu_q, cu_k, Tk, MAXQ, CAUSAL)
+                h, q_start, lq, m0, lk, diag, hi, bits = _work_bounds(t, fields, NM, H, cu_q, cu_k, Tk, MAXQ, CAUSAL,
+                                                                      PER_SEQ)
                 if m0 < lq:
                     mw = m0 + W * _WM
                     rows = mw + gl.arange(0, _WM, layout=row_l)
@@ -598,17 +605,11 @@ if HAVE_GLUON:
         base = 0
         t = 0
         while t < T:
-            if PER_SEQ:
-                t, h, q_start, lq, m0, lk, bits = receive_fields(i, tile_ids, tile_ready, tile_free, _CONSUMERS)
-            else:
-                t = gl.max(receive_slot(i, tile_ids, tile_ready, tile_free, _CONSUMERS), axis=0)
+            t, fields = _receive_work(i, tile_ids, tile_ready, tile_free, _CONSUMERS, PER_SEQ)
             i += 1
             if t < T:
-                if PER_SEQ:
-                    diag = lk - lq
-                    hi = _tile_end(lq, m0, lk, CAUSAL)
-                else:
-                    h, q_start, lq, m0, _, lk, diag, hi, bits = _tile_bounds(t, NM, H, cu_q, cu_k, Tk, MAXQ, CAUSAL)
+                h, q_start, lq, m0, lk, diag, hi, bits = _work_bounds(t, fields, NM, H, cu_q, cu_k, Tk, MAXQ, CAUSAL,
+                                                                      PER_SEQ)
                 if m0 < lq:
                     rows = m0 + gl.arange(0, _BM, layout=row_l)
                     # Keys row r sees: [0, lim) (bottom-right causal: query r of lq sees keys 0 .. r + lk - lq).
