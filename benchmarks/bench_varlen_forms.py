@@ -69,8 +69,8 @@ def graph_us(fn) -> float:
     return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
 
 
-def time_cell(cell: str, forms: list[str], numberings: list[str]) -> dict:
-    lens, heads = parse_cell(cell)
+def time_cell(cell: str, lens: list[int], heads: int, forms: list[str], numberings: list[str]) -> dict:
+    """One cell's row: each form x numbering's graph time and whether it returned the first one's bits."""
     t = sum(lens)
     q, k = ((torch.randn(2, t, heads, 192, device="cuda") / 10).clamp_(-1, 1)).bfloat16()
     v = ((torch.randn(t, heads, 128, device="cuda") / 10).clamp_(-1, 1)).bfloat16()
@@ -115,8 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     if not sv.varlen_sm90_supported(qk, qk, qk[..., :128]):
         sys.exit("bench_varlen_forms.py times the Hopper ragged kernel: it needs an sm_90 GPU and Triton's Gluon")
     rows = []
-    for cell, _ in cells:
-        row = time_cell(cell, forms, numberings)
+    for cell, (lens, heads) in cells:
+        row = time_cell(cell, lens, heads, forms, numberings)
         rows.append(row)
         times = "  ".join(f"{f}/{n} {row[f'{f}_{n}_us']:8.1f}" for f in forms for n in numberings)
         same = all(row[f"{f}_{n}_same"] for f in forms for n in numberings)
