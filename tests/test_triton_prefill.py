@@ -51,11 +51,15 @@ def _varlen_sm90_or_skip(dk: int, dv: int, dtype: torch.dtype) -> None:
         pytest.skip("the Hopper kernel needs an sm_90 GPU and Triton's Gluon")
 
 
-@pytest.fixture(params=["one-partition", "wg-partitions"])
+# ``CTA_SEQLEN`` ranges that force each Hopper ragged consumer form whatever the prompt lengths.
+FORCED_FORMS = {"one-partition": (-1, 2 ** 31), "wg-partitions": (0, -1)}
+
+
+@pytest.fixture(params=list(FORCED_FORMS))
 def varlen_form(request, monkeypatch):
     """Each Hopper ragged test runs both consumer forms, whatever its prompt lengths (``CTA_SEQLEN`` picks
     one per call by max_seqlen_q)."""
-    monkeypatch.setattr(sm90varlen, "CTA_SEQLEN", (-1, 2 ** 31) if request.param == "one-partition" else (0, -1))
+    monkeypatch.setattr(sm90varlen, "CTA_SEQLEN", FORCED_FORMS[request.param])
     return request.param
 
 
@@ -252,7 +256,7 @@ def test_gpu_varlen_hopper_forms_agree_eager_and_replayed(heads, monkeypatch):
     q, k, v, cu_q, cu_k = varlen_inputs([n] * batch, [n] * batch, heads, heads, 192, 128, BF16, "cuda",
                                         ("forms", heads))
     outs = []
-    for form in ((-1, 2 ** 31), (0, -1)):  # one partition, then a partition per warpgroup
+    for form in FORCED_FORMS.values():
         monkeypatch.setattr(sm90varlen, "CTA_SEQLEN", form)
         eager = tvarlen.varlen_attention(q, k, v, cu_q, cu_k, n, n, 192 ** -0.5, True, config=SM90)
         graph = torch.cuda.CUDAGraph()
