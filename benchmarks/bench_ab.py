@@ -16,11 +16,15 @@ of each version's rounds (the noise the ratio should be read against). ``same`` 
 returned this checkout's output bit for bit, and names those that did not.
 ``--match`` keeps the cells whose name holds one of its strings (e.g. ``h16 s4096``). ``--graphs`` also times
 each decode cell as CUDA graphs of ``GRAPH_CALLS`` calls over rotated input copies (``bench_decode --graphs``'s
-timer, what an engine replaying graphs pays), alternating with the eager timings.
+timer, what an engine replaying graphs pays), alternating with the eager timings; ``--queued`` as
+``QUEUED_CALLS`` eager calls queued back to back after a one-block kernel each (``bench.decode.queued_timer``:
+what an engine's eager step pays on the device, the gaps between kernels included, which do_bench's per-call
+events and L2 flush hide).
 
     git archive REV pagedmla | tar -x -C /tmp/rev     # the other checkout (a directory holding pagedmla/)
     python3 benchmarks/bench_ab.py --other /tmp/rev [--other /tmp/rev2 ...] [--quick] [--rounds 2]
-        [--only decode|ragged|paged] [--kv-format fp8_e4m3|fp8_ds_mla] [--match SUBSTRING] [--graphs] [--csv F]
+        [--only decode|ragged|paged] [--kv-format fp8_e4m3|fp8_ds_mla] [--match SUBSTRING] [--graphs] [--queued]
+        [--csv F]
 """
 
 from __future__ import annotations
@@ -78,20 +82,21 @@ def timed(fn: Callable[[], object]) -> float:
 
 # bind(lib): lib's call on input copy i (eager timings use copy 0).
 Bind = Callable[[ModuleType], Callable[[int], torch.Tensor]]
-# setup(graphs): makes a cell's inputs once; (bind, input copies for CUDA-graph timing, or None: eager only).
+# setup(rotated): makes a cell's inputs once, rotated copies with ``rotated``; (bind, the copies for the CUDA-graph
+# and queued timers, or None: eager only).
 Setup = Callable[[bool], tuple[Bind, int | None]]
 Cells = list[tuple[str, Setup]]
 
 
 def decode_cells(quick: bool, fmt: str | None = None) -> Cells:
     """(name, setup) per cell. ``fmt``: the cache quantised to that FP8 format (``pagedmla.kv_format``, this
-    checkout's quantiser: the bytes are the format's, the same for every version). With graphs the cell makes
+    checkout's quantiser: the bytes are the format's, the same for every version). With ``rotated`` the cell makes
     ``bench_decode``'s rotated copies (enough to leave L2 cold within a graph), else one (do_bench flushes L2
     between eager calls)."""
     cells = []
     for cell in bdecode.grid(quick):
-        def setup(graphs: bool, cell=cell) -> tuple[Bind, int | None]:
-            l2 = torch.cuda.get_device_properties(0).L2_cache_size if graphs else 0
+        def setup(rotated: bool, cell=cell) -> tuple[Bind, int | None]:
+            l2 = torch.cuda.get_device_properties(0).L2_cache_size if rotated else 0
             inp = bdecode.Inputs(cell, seed=0, l2_bytes=l2)
             caches = [(c, {}) if fmt is None else fp8_caches(c)[fmt] for c in inp.cache]
 
@@ -99,7 +104,7 @@ def decode_cells(quick: bool, fmt: str | None = None) -> Cells:
                 meta, splits = lib.get_mla_metadata(inp.seqlens, cell.q_len * cell.heads, 1)
                 return lambda i: lib.flash_mla_with_kvcache(inp.q[i], caches[i][0], inp.table, inp.seqlens,
                                                             bdecode.DV, meta, splits, causal=True, **caches[i][1])[0]
-            return bind, len(inp.q) if graphs else None
+            return bind, len(inp.q) if rotated else None
         cells.append((f"decode{'' if fmt is None else ' ' + fmt} b{cell.b} q{cell.q_len} h{cell.heads} "
                       f"s{cell.mean}", setup))
     return cells
@@ -108,7 +113,7 @@ def decode_cells(quick: bool, fmt: str | None = None) -> Cells:
 def ragged_cells(quick: bool) -> Cells:
     cells = []
     for b, seqlen, h in bprefill.RAGGED_GRID[:3] if quick else bprefill.RAGGED_GRID:
-        def setup(graphs: bool, b=b, seqlen=seqlen, h=h) -> tuple[Bind, None]:
+        def setup(rotated: bool, b=b, seqlen=seqlen, h=h) -> tuple[Bind, None]:
             t = b * seqlen
             q, k, v = bprefill.rnd(t, h, 192), bprefill.rnd(t, h, 192), bprefill.rnd(t, h, 128)
             cu = torch.arange(0, t + 1, seqlen, device="cuda", dtype=torch.int32)
@@ -117,7 +122,7 @@ def ragged_cells(quick: bool) -> Cells:
         cells.append((f"ragged {b}x{seqlen} h{h}", setup))
     # One long prompt among many short ones (the per-sequence tile numbering's case).
     for long, n, short, h in bprefill.SKEWED_GRID[:1] if quick else bprefill.SKEWED_GRID:
-        def setup(graphs: bool, long=long, n=n, short=short, h=h) -> tuple[Bind, None]:
+        def setup(rotated: bool, long=long, n=n, short=short, h=h) -> tuple[Bind, None]:
             lens = torch.tensor([0, long] + [short] * n, device="cuda")
             cu = lens.cumsum(0).to(torch.int32)
             t = long + n * short
@@ -131,7 +136,7 @@ def ragged_cells(quick: bool) -> Cells:
 def paged_cells(quick: bool) -> Cells:
     cells = []
     for b, new, cached, h in bprefill.PAGED_GRID[:2] if quick else bprefill.PAGED_GRID:
-        def setup(graphs: bool, b=b, new=new, cached=cached, h=h) -> tuple[Bind, None]:
+        def setup(rotated: bool, b=b, new=new, cached=cached, h=h) -> tuple[Bind, None]:
             pages_per = triton.cdiv(new + cached, bprefill.PAGE)
             num_pages = b * pages_per + 1
             cache = bprefill.rnd(num_pages, bprefill.PAGE, 1, 576)
@@ -157,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-format", choices=("fp8_e4m3", "fp8_ds_mla"), action="append", default=[],
                     help="time the decode grid on a cache of this FP8 format (repeatable; without --only, only these)")
     ap.add_argument("--graphs", action="store_true", help="also time the decode cells as CUDA graphs")
+    ap.add_argument("--queued", action="store_true",
+                    help="also time the decode cells as eager calls queued back to back (no per-call event)")
     ap.add_argument("--csv", metavar="PATH", help="write every cell's figures to PATH")
     args = ap.parse_args(argv)
     args.kv_format = list(dict.fromkeys(args.kv_format))  # a format named twice runs once
@@ -175,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
             for name, setup in parts[part](args.quick):
                 if args.match and not any(m in name for m in args.match):
                     continue
-                rows.append(time_cell(name, setup, versions, args.rounds, args.graphs))
+                rows.append(time_cell(name, setup, versions, args.rounds, args.graphs, args.queued))
                 torch.cuda.empty_cache()
     print_table(rows, names)
     if args.csv:
@@ -186,13 +193,14 @@ def main(argv: list[str] | None = None) -> None:
             w.writerows(rows)
 
 
-def time_cell(name: str, setup: Setup, versions: dict[str, ModuleType], rounds: int, graphs: bool = False) -> dict:
+def time_cell(name: str, setup: Setup, versions: dict[str, ModuleType], rounds: int, graphs: bool = False,
+              queued: bool = False) -> dict:
     """One cell's row: each version's best median over ``rounds`` alternating timings, its spread, the ratio
     other / this per other version, and whether every version's output equals this checkout's bit for bit
     (``differ``: the versions whose output does not).
     With ``graphs`` a decode cell also gets each version's CUDA-graph figures (µs per call, ``graph_`` keys),
-    timed in the same rounds."""
-    bind, copies = setup(graphs)
+    timed in the same rounds; with ``queued`` the queued eager figures (``queued_`` keys) too."""
+    bind, copies = setup(graphs or queued)
     fns = {v: bind(lib) for v, lib in versions.items()}
     outs = {v: fn(0) for v, fn in fns.items()}
     differ = [v for v, o in outs.items() if not torch.equal(outs["this"], o)]
@@ -204,6 +212,8 @@ def time_cell(name: str, setup: Setup, versions: dict[str, ModuleType], rounds: 
             timers |= {("graph_", v): bdecode.graph_timer(fn, copies) for v, fn in fns.items()}
         except RuntimeError as e:  # a version that cannot be captured: this cell keeps eager figures only
             print(f"{name}: no CUDA-graph figures ({str(e).splitlines()[0]})", flush=True)
+    if queued and copies is not None:
+        timers |= {("queued_", v): bdecode.queued_timer(fn, copies) for v, fn in fns.items()}
     times: dict[tuple[str, str], list[float]] = {key: [] for key in timers}
     for _ in range(rounds):
         for key, timer in timers.items():
@@ -220,14 +230,18 @@ def time_cell(name: str, setup: Setup, versions: dict[str, ModuleType], rounds: 
     return row
 
 
+# Timer kinds beside the eager one: row-key prefix -> (column label, summary label).
+KINDS = {"graph_": ("graph ", "graphs"), "queued_": ("queued ", "queued")}
+
+
 def print_table(rows: list[dict], others: list[str]) -> None:
     """The markdown table (µs, ratios other / this, spreads; the graph figures where a row has them) and each
     other version's geometric mean."""
-    kinds = [""] + (["graph_"] if any("graph_this_us" in r for r in rows) else [])
+    kinds = [""] + [k for k in KINDS if any(f"{k}this_us" in r for r in rows)]
     versions = ["this", *others]
     head = ["cell"]
     for kind in kinds:
-        label = "graph " if kind else ""
+        label = KINDS[kind][0] if kind else ""
         head += [f"{label}{v} µs" for v in versions] + [f"{label}{o} / this" for o in others]
         head.append(f"{label}spread " + " / ".join(versions))
     print("\n| " + " | ".join(head + ["same"]) + " |")
@@ -247,8 +261,9 @@ def print_table(rows: list[dict], others: list[str]) -> None:
             ratios = [r[f"ratio_{kind}{o}"] for r in rows if f"ratio_{kind}{o}" in r]
             if ratios:
                 geo = float(torch.tensor(ratios).log().mean().exp())
-                print(f"\n{o} / this{' (graphs)' if kind else ''}: geomean {geo:.3f}, min {min(ratios):.3f}, "
-                      f"max {max(ratios):.3f} over {len(ratios)} cells")
+                what = f" ({KINDS[kind][1]})" if kind else ""
+                print(f"\n{o} / this{what}: geomean {geo:.3f}, min {min(ratios):.3f}, max {max(ratios):.3f} over "
+                      f"{len(ratios)} cells")
 
 
 if __name__ == "__main__":

@@ -133,7 +133,7 @@ def _compile_hopper_decode(kernel, cached, descs: dict[str, str], arch: int):
     signature.update({name: "i32" for name in ("B", "PARTS", "H", "Q_LEN", "ROWS")}, qk_scale="fp32")
     signature.update({name: "i32" for name in ("stride_btb", "PIECES", "CAPACITY", "num_pages", "stride_ob",
                                                 "stride_ot", "stride_oh")})
-    constexprs = dict(CAUSAL=True, PAGE=PAGE, META_W=METADATA_WIDTH, PDL=True)
+    constexprs = dict(CAUSAL=True, PAGE=PAGE, META_W=METADATA_WIDTH, PDL=True, WAIT_PRIOR=True)
     signature.update({name: "constexpr" for name in constexprs})
     return _compile_as_launched(GluonASTSource(kernel, signature, constexprs=constexprs), arch, cached)
 
@@ -208,7 +208,7 @@ def compile_decode(cfg: DecodeConfig, heads: int, arch: int = 90, kv_format: str
                      NC=cfg.chunks, DR=D - DV, HAS_PE=True, META_W=METADATA_WIDTH, USE_TMA=cfg.use_tma,
                      CARRY_PAGES=cfg.carry_pages, PRECISION="tf32",
                      KV_FMT=0 if kv_format is None else KV_FORMATS[kv_format], NAN_FIXUP=False,
-                     PAIRS=fp8_pairs(cfg, kv_format), PDL=False, OUT_TYPED=True)
+                     PAIRS=fp8_pairs(cfg, kv_format), PDL=False, OUT_TYPED=True, WAIT_PRIOR=True)
     target = GPUTarget("cuda", arch, 32)
     backend = CUDABackend(target)
     signature, constexprs, attrs = {}, {}, {}
@@ -270,6 +270,12 @@ def report(kernel, arch: int = 90) -> dict:
     # Global stores kept in L2 ahead of the streamed rows (``common.PARTIALS_EVICTION``: the split-KV partials).
     out["evict_last_stores"] = len(re.findall(r"st\.global\.L1::evict_last\.L2::cache_hint", ptx))
     out["global_stores"] = len(re.findall(r"\bst\.global\.", ptx))
+    # A main kernel launched as its predecessor's programmatic dependent reads nothing before its
+    # ``griddepcontrol.wait`` (``common.wait_prior_options``): the global accesses the PTX has ahead of it.
+    first_wait = ptx.find("griddepcontrol.wait")
+    out["prior_waits"] = ptx.count("griddepcontrol.wait")
+    out["global_accesses_before_prior_wait"] = None if first_wait < 0 else len(re.findall(
+        r"\b(?:ld|st|atom|red)\.global\.|\bcp\.async\.", ptx[:first_wait]))
     return out
 
 

@@ -139,6 +139,32 @@ def test_graph_figures_beside_the_eager_ones(monkeypatch, capsys):
     assert "HEAD / this: geomean 1.211, min 1.200, max 1.222 over 2 cells" in out
 
 
+def test_queued_figures_beside_the_eager_ones(monkeypatch, capsys):
+    """``--queued``: a decode cell gets each version's queued timer over its input copies (rotated copies made
+    without ``--graphs`` too), timed in the same rounds, and its own columns and geomean."""
+    bench = load("bench_ab")
+    versions = {"this": _Lib("this", 1.0), "HEAD": _Lib("HEAD", 1.0)}
+    eager = {"this": iter([10.0, 9.0]), "HEAD": iter([11.0, 12.0])}
+    queued = {"this": iter([6.0, 5.0]), "HEAD": iter([6.5, 6.0])}
+    made = []
+
+    def queued_timer(call, copies):
+        made.append((call.version, copies))
+        return lambda: next(queued[call.version])
+
+    monkeypatch.setattr(bench, "timed", lambda fn: next(eager[fn.func.version]))
+    monkeypatch.setattr(bench.bdecode, "queued_timer", queued_timer)
+    row = bench.time_cell("decode b128 q1 h16 s1024", _setup(4), versions, rounds=2, queued=True)
+    assert made == [("this", 4), ("HEAD", 4)]
+    assert (row["queued_this_us"], row["queued_HEAD_us"]) == (5.0, 6.0)
+    assert row["ratio_queued_HEAD"] == pytest.approx(1.2) and "graph_this_us" not in row
+    bench.print_table([row], ["HEAD"])
+    out = capsys.readouterr().out
+    assert "queued this µs | queued HEAD µs | queued HEAD / this" in out
+    assert "| 5.0 | 6.0 | 1.200 | 20.0% / 8.3% | yes |" in out
+    assert "HEAD / this (queued): geomean 1.200, min 1.200, max 1.200 over 1 cells" in out
+
+
 def test_csv_takes_every_rows_columns(monkeypatch, tmp_path):
     """``--csv`` with a decode cell's graph figures after a prefill row without them: the header is every row's
     keys, the prefill row's graph fields empty."""
@@ -150,7 +176,7 @@ def test_csv_takes_every_rows_columns(monkeypatch, tmp_path):
     monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(bench, "import_other", lambda checkout, into, name: _Lib(name, 1.0))
     monkeypatch.setattr(bench, "ragged_cells", lambda quick: [("ragged", None)])
-    monkeypatch.setattr(bench, "time_cell", lambda name, setup, versions, rounds, graphs: rows.pop(0))
+    monkeypatch.setattr(bench, "time_cell", lambda name, setup, versions, rounds, graphs, queued: rows.pop(0))
     monkeypatch.setattr(bench, "print_table", lambda rows, names: None)
     monkeypatch.setattr(bench.torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(bench, "decode_cells", lambda quick, fmt=None: [("decode", None)])

@@ -47,6 +47,14 @@ def test_carried_page_ids_double_buffer_the_small_tiles():
     # verdict word without it.
     for rep in (base16, carried16, carried32):
         assert 0 < rep["evict_last_stores"] < rep["global_stores"], rep
+        _waits_for_the_prior_kernel(rep)
+
+
+def _waits_for_the_prior_kernel(rep: dict) -> None:
+    """Built as launched on a Hopper GPU (``common.wait_prior_options``): one ``griddepcontrol.wait``, no
+    global load or store before it (the warp-specialised kernels' partitions start after it, at the
+    partition split)."""
+    assert rep["prior_waits"] == 1 and rep["global_accesses_before_prior_wait"] == 0, rep
 
 
 def _fp8_reports(fmt: str) -> list[dict]:
@@ -88,6 +96,7 @@ def test_hopper_kernel_structure():
     assert 0 < rep["evict_last_stores"] < rep["global_stores"], rep  # the partials only (PARTIALS_EVICTION)
     assert rep["evict_first_tma_loads"] == rep["tma_loads"], rep  # the launcher's PTX pass hints every load
     assert rep["ptxas_injected_waits"] == 0, rep
+    _waits_for_the_prior_kernel(rep)
 
 
 def test_hopper_seesaw_kernel_structure():
@@ -108,6 +117,7 @@ def test_hopper_seesaw_kernel_structure():
     assert 0 < rep["evict_last_stores"] < rep["global_stores"], rep
     assert rep["evict_first_tma_loads"] == rep["tma_loads"], rep
     assert rep["ptxas_injected_waits"] == 0, rep
+    _waits_for_the_prior_kernel(rep)
 
 
 def test_hopper_prefill_kernel_structure():

@@ -208,6 +208,70 @@ def test_gpu_combine_launch_follows_the_batch(b, heads, pdl):
     assert plan.pdl == (pdl and pdl_available(q.device))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,q_len", [(16, 1), (64, 1), (64, 2)])
+def test_gpu_main_kernel_waits_for_the_kernel_before_it(heads, q_len):
+    """The main kernels launch as the stream's previous kernel's programmatic dependent (their programs start
+    while it ends, ``common.wait_prior_options``) and read nothing before its end: calls queued back to back
+    with no sync, each right after kernels that rewrite its q, cache and lengths and then its schedule (the
+    metadata kernel, the launch just before the main one), give bit for bit what the same inputs give with
+    the GPU idle before the call; the portable (16 rows), one-softmax (64) and seesaw (128) kernels."""
+    b, page = 32, 64
+    sets = []
+    for seed in range(4):
+        lens = varlen_lens(b, 900, q_len, seed=100 + seed)
+        q, _, cache, table, seqlens = decode_inputs(DecodeCase(f"prior-{seed}", lens, q_len, heads, page, None),
+                                                    BF16, "cuda", seed)
+        sets.append((q.clone(), cache.clone(), table.clone(), seqlens.clone()))
+    pages = max(s[1].shape[0] for s in sets)
+    width = max(s[2].shape[1] for s in sets)
+    static_q = torch.empty_like(sets[0][0])
+    static_cache = torch.full((pages, *sets[0][1].shape[1:]), float("nan"), dtype=BF16, device="cuda")
+    static_table = torch.zeros(b, width, dtype=torch.int32, device="cuda")
+    static_lens = torch.empty_like(sets[0][3])
+
+    def load(i):
+        q, cache, table, seqlens = sets[i]
+        static_q.copy_(q)
+        static_cache[: cache.shape[0]].copy_(cache)
+        static_table[:, : table.shape[1]].copy_(table)
+        static_lens.copy_(seqlens)
+
+    def call():
+        meta, splits = get_mla_metadata(static_lens, q_len * heads, 1)
+        return flash_mla_with_kvcache(static_q, static_cache, static_table, static_lens, 512, meta, splits,
+                                      causal=True, provider="triton")
+
+    expected = []
+    for i in range(len(sets)):
+        load(i)
+        torch.cuda.synchronize()
+        out, lse = call()
+        expected.append((out.clone(), lse.clone()))
+    torch.cuda.synchronize()
+    got = []
+    for _ in range(3):
+        for i in range(len(sets)):
+            load(i)
+            out, lse = call()
+            got.append((out.clone(), lse.clone()))
+    torch.cuda.synchronize()
+    for k, (out, lse) in enumerate(got):
+        want = expected[k % len(sets)]
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1]), k
+    meta, _ = get_mla_metadata(static_lens, q_len * heads, 1)
+    plan = _DecodePlan(static_q, static_cache, static_table, 512, meta, 576 ** -0.5, True, None, None)
+    assert plan.wait_prior == pdl_available(static_q.device)
+
+
+def test_wait_prior_options():
+    """Launched as a programmatic dependent exactly when the kernel is compiled to wait."""
+    from pagedmla.kernels.triton.common import wait_prior_options
+
+    assert wait_prior_options(True) == {"WAIT_PRIOR": True, "launch_pdl": True}
+    assert wait_prior_options(False) == {"WAIT_PRIOR": False}
+
+
 def test_pdl_only_on_compiled_cuda_kernels():
     assert not pdl_available(torch.device("cpu"))
 

@@ -142,6 +142,34 @@ def graph_timer(call: Callable[[int], object], copies: int) -> Callable[[], floa
     return lambda: bench(graph.replay) / GRAPH_CALLS
 
 
+QUEUED_CALLS = 32
+
+
+def queued_timer(call: Callable[[int], object], copies: int) -> Callable[[], float]:
+    """A timer of ``QUEUED_CALLS`` eager calls over the rotated input copies queued back to back, each after a
+    one-block kernel (the model's previous kernel), with no event between them: µs per call of the device's
+    time, its gaps between kernels included, as an engine's eager step queues attention. The queue is filled
+    behind a GPU sleep first, so the host's launch cost is not in it (do_bench's L2 flush and per-call events
+    serialise every call; benchmarks/NOTES.md, decode v29). Best of five."""
+    tick = torch.zeros(1, device="cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def timer() -> float:
+        best = float("inf")
+        for _ in range(5):
+            torch.cuda._sleep(5_000_000)  # ~3 ms at the H200's clock: longer than queuing the calls
+            start.record()
+            for i in range(QUEUED_CALLS):
+                tick.add_(1)
+                call(i % copies)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) * 1e3 / QUEUED_CALLS)
+        return best
+
+    return timer
+
+
 def bench_graph(call: Callable[[int], object], copies: int) -> float:
     """``graph_timer``'s figure, once."""
     return graph_timer(call, copies)()

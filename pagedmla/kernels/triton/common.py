@@ -54,6 +54,15 @@ def fp8_nan_fixup() -> bool:
     return triton_interpreting()
 
 
+def wait_prior_options(wait_prior: bool) -> dict:
+    """Launch options of a main kernel that follows the stream's previous kernel as a programmatic dependent
+    (PDL; ``wait_prior`` from ``device.pdl_available``): launched with the attribute, its programs are
+    scheduled while that kernel's last programs end instead of a launch latency (~1.4 µs on the H200) after
+    its end, and ``WAIT_PRIOR`` makes them wait for its end (``griddepcontrol.wait``) before their first
+    global memory access. FlashMLA's main kernel starts the same way (benchmarks/NOTES.md, decode v29)."""
+    return dict(WAIT_PRIOR=wait_prior, launch_pdl=True) if wait_prior else dict(WAIT_PRIOR=False)
+
+
 def kv_format_width(kv_fmt: str | None, d: int) -> int:
     """Elements of one row of a cache in format ``kv_fmt`` for q's head dim ``d``: d, or 656 bytes for
     fp8_ds_mla."""

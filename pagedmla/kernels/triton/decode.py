@@ -60,6 +60,7 @@ from pagedmla.kernels.triton.common import (
     kv_format_width,
     partials_views,
     report,
+    wait_prior_options,
 )
 from pagedmla.kernels.triton.launch import CachedKernel, current_stream
 from pagedmla.kernels.triton.metadata import part_bounds, request_span, schedule_matches
@@ -374,7 +375,7 @@ def _decode_split_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DV: tl.constexpr, NC: tl.constexpr, DR: tl.constexpr,
     HAS_PE: tl.constexpr, META_W: tl.constexpr, USE_TMA: tl.constexpr, CARRY_PAGES: tl.constexpr,
     PRECISION: tl.constexpr, KV_FMT: tl.constexpr, NAN_FIXUP: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr,
-    OUT_TYPED: tl.constexpr,
+    OUT_TYPED: tl.constexpr, WAIT_PRIOR: tl.constexpr,
 ):
     """One program: a row tile of one split-plan part's requests, every KV step of each and its result.
     Long (~110 lines) on purpose: the loop-carried state (the accumulator chunks, row max and sum, the
@@ -384,6 +385,9 @@ def _decode_split_kernel(
         # The combine's programs may be scheduled once every program here has started (or ended): each waits
         # for this grid's end before it reads the partials (``_decode_combine_kernel``).
         gdc_launch_dependents()
+    if WAIT_PRIOR:
+        # Launched as the previous kernel's programmatic dependent: nothing is read before its end.
+        gdc_wait()
     DC: tl.constexpr = DV // NC
     k_scale = 1.0
     if KV_FMT == 1:
@@ -614,10 +618,11 @@ def partials_size(b: int, parts: int, rows: int, head_dim_v: int, value_bytes: i
 
 
 def _portable_main_args(q, k_cache, block_table, cache_seqlens, metadata, num_splits, softmax_scale, causal, cfg,
-                        out, lse, partials, err, kv_fmt=None, k_scale=None, pdl=False, out_typed=False):
+                        out, lse, partials, err, kv_fmt=None, k_scale=None, pdl=False, out_typed=False,
+                        wait_prior=False):
     """(kernel, grid, args, options) of the portable main kernel (``kv_fmt``, ``k_scale``: an FP8 cache's
     format and scale, ``paged_decode_triton``; ``pdl``: the combine kernel follows as a programmatic
-    dependent launch)."""
+    dependent launch; ``wait_prior``: this kernel is launched as one itself, ``common.wait_prior_options``)."""
     b, q_len, h, d = q.shape
     rows = q_len * h
     head_dim_v = out.shape[-1]
@@ -654,7 +659,7 @@ def _portable_main_args(q, k_cache, block_table, cache_seqlens, metadata, num_sp
                    USE_TMA=use_tma, CARRY_PAGES=cfg.carry_pages,
                    PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FMT=fmt_id,
                    NAN_FIXUP=fmt_id > 0 and fp8_nan_fixup(), PAIRS=pairs, PDL=pdl, OUT_TYPED=out_typed,
-                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **wait_prior_options(wait_prior))
     return _SPLIT, (m_tiles, metadata.shape[0], 1), args, options
 
 
@@ -709,6 +714,7 @@ class _DecodePlan:
         # over more programs, and the early-scheduled combine would only wait beside the main grid (v11).
         per_sm = tile_plan(self.rows, self.cfg.use_sm90)[1]  # the portable small tiles run two parts per SM
         self.pdl = 2 * b * per_sm >= self.parts and pdl_available(q.device)
+        self.wait_prior = pdl_available(q.device)
         sms = sm_count(q.device) if q.is_cuda else 8
         many = 2 * b >= self.parts and self.rows >= 32
         self.block_r = 16 if many else few_requests_block_r(b, self.rows, head_dim_v, sms)
@@ -753,13 +759,13 @@ class _DecodePlan:
             main_args = seesaw.seesaw_main_args if self.rows >= seesaw.SEESAW_MIN_ROWS else sm90_main_args
             kernel, grid, args, options = main_args(q_rows, k_cache, block_table, cache_seqlens, metadata,
                                                     num_splits, self.scale, self.causal, out, lse, partials,
-                                                    err, self.pdl)
+                                                    err, self.pdl, self.wait_prior)
             own_q = q_rows.data_ptr() == q_in.data_ptr()
         else:
             kernel, grid, args, options = _portable_main_args(q, k_cache, block_table, cache_seqlens, metadata,
                                                               num_splits, self.scale, self.causal, self.cfg, out,
                                                               lse, partials, err, self.kv_fmt, k_scale, self.pdl,
-                                                              self.out_typed)
+                                                              self.out_typed, self.wait_prior)
             own_q = q is q_in
         cgrid, cargs, coptions = _combine_args(out, lse, partials, num_splits, cache_seqlens, err, self.parts,
                                                self.capacity, self.pdl, self.block_r, self.out_typed)

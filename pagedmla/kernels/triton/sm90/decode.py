@@ -34,6 +34,7 @@ from pagedmla.kernels.triton.common import (
     SCHEDULE,
     partials_views,
     report,
+    wait_prior_options,
 )
 from pagedmla.kernels.triton.launch import CachedKernel
 from pagedmla.kernels.triton.metadata import part_bounds, request_span, schedule_matches
@@ -47,7 +48,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-    from pagedmla.kernels.triton.sm90.pipeline import free_phase, launch_dependents, phase
+    from pagedmla.kernels.triton.sm90.pipeline import free_phase, launch_dependents, phase, wait_prior_grids
 
 
 if HAVE_GLUON:
@@ -203,11 +204,14 @@ if HAVE_GLUON:
         out_ptr, lse_ptr, partials_ptr, err_ptr,
         B, PARTS, H, Q_LEN, ROWS, qk_scale, stride_btb, PIECES, CAPACITY, num_pages, stride_ob, stride_ot, stride_oh,
         CAUSAL: gl.constexpr, PAGE: gl.constexpr, META_W: gl.constexpr, PDL: gl.constexpr,
+        WAIT_PRIOR: gl.constexpr,
     ):
         if PDL:
             # One program per SM part, all resident at once: let the combine kernel's programs be scheduled
             # now (they wait for this grid's end before reading partials).
             launch_dependents()
+        if WAIT_PRIOR:
+            wait_prior_grids()
         (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, p_ready, p_free, kv_ready,
          kv_empty, page_flags) = mla.mla_buffers(q_desc, q_pe_desc, kv_desc, kv_pe_desc)
         gl.warp_specialize(
@@ -232,12 +236,13 @@ _MAIN = CachedKernel(_decode_sm90_kernel, ptx_pass=tma_loads_evict_first) if HAV
 
 
 def sm90_main_args(q_rows, k_cache, block_table, cache_seqlens, metadata, num_splits, softmax_scale, causal,
-                   out, lse, partials, err, pdl: bool = False):
+                   out, lse, partials, err, pdl: bool = False, wait_prior: bool = False):
     """(kernel, grid, args, options) of the main kernel over ``q_rows`` (q as [b * rows, 576] from
     ``tma_rows``): results of one-piece requests into out / lse, the rest into ``partials`` (decode.py's
     ``partials_size`` layout; the portable launcher allocates it and runs the combine kernel afterwards).
     softmax_scale > 0 (the softmax keeps unscaled row maxima; the public ops check it). ``pdl``: the combine
-    kernel follows as a programmatic dependent launch."""
+    kernel follows as a programmatic dependent launch; ``wait_prior``: this kernel is launched as one itself
+    (``common.wait_prior_options``)."""
     b, q_len, h, _ = out.shape
     rows = q_len * h
     parts = metadata.shape[0]
@@ -246,5 +251,6 @@ def sm90_main_args(q_rows, k_cache, block_table, cache_seqlens, metadata, num_sp
             b, parts, h, q_len, rows, softmax_scale * LOG2E, block_table.stride(0), b + parts,
             block_table.shape[1] * k_cache.shape[1], k_cache.shape[0],
             out.stride(0), out.stride(1), out.stride(2))
-    options = dict(CAUSAL=bool(causal), PAGE=k_cache.shape[1], META_W=METADATA_WIDTH, PDL=pdl, num_warps=4)
+    options = dict(CAUSAL=bool(causal), PAGE=k_cache.shape[1], META_W=METADATA_WIDTH, PDL=pdl, num_warps=4,
+                   **wait_prior_options(wait_prior))
     return _MAIN, (-(-rows // BLOCK_M), metadata.shape[0], 1), args, options

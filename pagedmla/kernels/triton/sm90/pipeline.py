@@ -105,6 +105,14 @@ if HAVE_GLUON:
                                   is_pure=False, pack=1)
 
     @gluon.jit
+    def wait_prior_grids():
+        """Programmatic dependent launch, the other side: a kernel launched with the PDL attribute may start
+        while the stream's previous kernel ends; this waits until that grid has ended and its writes are
+        visible. Called before the kernel's first global memory access (a no-op without the attribute)."""
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
     def claim_tile(counter, slots, s):
         """Loader warp: take the next work tile from the global ``counter``; one lane's atomic result goes
         through word 0 of hand-off slot ``s`` of ``slots`` (int32 [2, words] in shared memory) so that every

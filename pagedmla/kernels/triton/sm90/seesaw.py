@@ -38,7 +38,14 @@ it ptxas injects a wait for every MMA there; ``compile_report.py`` counts such w
 
 from __future__ import annotations
 
-from pagedmla.kernels.triton.common import BLOCK_TABLE, LOG2E, checked_page, finish_rows, report
+from pagedmla.kernels.triton.common import (
+    BLOCK_TABLE,
+    LOG2E,
+    checked_page,
+    finish_rows,
+    report,
+    wait_prior_options,
+)
 from pagedmla.kernels.triton.launch import CachedKernel
 from pagedmla.kernels.triton.metadata import part_bounds, request_span
 from pagedmla.kernels.triton.sm90.mla import BLOCK_M, D_QK, D_V
@@ -67,6 +74,7 @@ if HAVE_GLUON:
         launch_dependents,
         online_softmax,
         phase,
+        wait_prior_grids,
         zero_tail_rows,
     )
 
@@ -382,9 +390,12 @@ if HAVE_GLUON:
         out_ptr, lse_ptr, partials_ptr, err_ptr,
         B, PARTS, H, Q_LEN, ROWS, qk_scale, stride_btb, PIECES, CAPACITY, num_pages, stride_ob, stride_ot, stride_oh,
         CAUSAL: gl.constexpr, PAGE: gl.constexpr, META_W: gl.constexpr, PDL: gl.constexpr,
+        WAIT_PRIOR: gl.constexpr,
     ):
         if PDL:
             launch_dependents()
+        if WAIT_PRIOR:
+            wait_prior_grids()
         dtype: gl.constexpr = q_desc.dtype
         half_l: gl.constexpr = q_desc.layout
         pe_l: gl.constexpr = q_pe_desc.layout
@@ -451,7 +462,7 @@ _SEESAW = CachedKernel(_decode_seesaw_kernel, ptx_pass=tma_loads_evict_first) if
 
 
 def seesaw_main_args(q_rows, k_cache, block_table, cache_seqlens, metadata, num_splits, softmax_scale, causal,
-                     out, lse, partials, err, pdl: bool = False):
+                     out, lse, partials, err, pdl: bool = False, wait_prior: bool = False):
     """``decode.sm90_main_args`` for the seesaw kernel: the same arguments and bound-launch address slots
     (q, q, cache, cache), with [64, 256] value-half and [64, 64] rope boxes."""
     b, q_len, h, _ = out.shape
@@ -466,5 +477,6 @@ def seesaw_main_args(q_rows, k_cache, block_table, cache_seqlens, metadata, num_
             b, parts, h, q_len, rows, softmax_scale * LOG2E, block_table.stride(0), b + parts,
             block_table.shape[1] * k_cache.shape[1], k_cache.shape[0],
             out.stride(0), out.stride(1), out.stride(2))
-    options = dict(CAUSAL=bool(causal), PAGE=k_cache.shape[1], META_W=METADATA_WIDTH, PDL=pdl, num_warps=4)
+    options = dict(CAUSAL=bool(causal), PAGE=k_cache.shape[1], META_W=METADATA_WIDTH, PDL=pdl, num_warps=4,
+                   **wait_prior_options(wait_prior))
     return _SEESAW, (-(-rows // BLOCK_M), parts, 1), args, options
