@@ -17,6 +17,7 @@ kernels are compiled as their launcher compiles them: again from their PTX with 
     python benchmarks/compile_report.py --config m64n64w8s2c1h   # the Hopper kernel
     python benchmarks/compile_report.py --kv-format fp8_ds_mla   # the portable kernel on an FP8 cache
     python benchmarks/compile_report.py --decode-seesaw          # the Hopper seesaw decode kernel (>= 128 rows)
+    python benchmarks/compile_report.py --decode-sm90-fp8 --kv-format fp8_ds_mla  # the Hopper FP8 decode kernel
     python benchmarks/compile_report.py --paged-varlen-sm90           # the Hopper paged-prefill kernel
     python benchmarks/compile_report.py --varlen-sm90            # the Hopper ragged kernel, 192/128
     python benchmarks/compile_report.py --varlen-sm90 --per-seq  # the same, per-sequence tile numbering
@@ -154,6 +155,40 @@ def compile_seesaw(arch: int = 90):
     return _compile_hopper_decode(_decode_seesaw_kernel, _SEESAW, descs, arch)
 
 
+def compile_sm90_fp8(kv_format: str, arch: int = 90):
+    """The Hopper Gluon FP8-cache decode kernel (``sm90/decode_fp8.py``) for bf16 q, page 64, causal, over a
+    ``kv_format`` cache, as its launcher compiles it."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from pagedmla.kernels.triton.sm90.decode_fp8 import (
+        _FORMAT_IDS,
+        _MAIN,
+        _decode_sm90_fp8_kernel,
+        _fp8_layout,
+        _scales_layout,
+    )
+
+    def desc(dtype: str, width: int, layout) -> str:
+        return f"tensordesc<{dtype}[64, {width}],{layout!r}>"
+
+    e4m3 = kv_format == "fp8_e4m3"
+    signature = {"q_desc": _gluon_desc(DV), "q_pe_desc": _gluon_desc(D - DV),
+                 "lat_desc": desc("fp8e4nv", DV, _fp8_layout(64, DV)),
+                 "pe_desc": desc("fp8e4nv", D - DV, _fp8_layout(64, D - DV)) if e4m3 else _gluon_desc(D - DV),
+                 "sc_desc": "constexpr" if e4m3 else desc("fp32", 4, _scales_layout())}
+    signature.update({name: "*i32" for name in ("bt_ptr", "seqlens_ptr", "meta_ptr", "splits_ptr")})
+    signature.update(out_ptr="*bf16", lse_ptr="*fp32", partials_ptr="*fp32", err_ptr="*i32",
+                     kv_scale_ptr="*fp32" if e4m3 else "constexpr")
+    signature.update({name: "i32" for name in ("B", "PARTS", "H", "Q_LEN", "ROWS")}, qk_scale="fp32")
+    signature.update({name: "i32" for name in ("stride_btb", "PIECES", "CAPACITY", "num_pages", "stride_ob",
+                                                "stride_ot", "stride_oh")})
+    constexprs = dict(CAUSAL=True, PAGE=PAGE, META_W=METADATA_WIDTH, PDL=True, WAIT_PRIOR=True,
+                      KV_FMT=_FORMAT_IDS[kv_format])
+    signature.update({name: "constexpr" for name in constexprs})
+    constexprs.update({"sc_desc": None} if e4m3 else {"kv_scale_ptr": None})
+    return _compile_as_launched(GluonASTSource(_decode_sm90_fp8_kernel, signature, constexprs=constexprs), arch, _MAIN)
+
+
 @contextlib.contextmanager
 def _targeting(target: GPUTarget):
     """Kernels' target checks (``triton.language.target_info``, e.g. the FP8 word tiles' inline PTX) see
@@ -265,6 +300,8 @@ def report(kernel, arch: int = 90) -> dict:
     out["ldmatrix_trans"] = len(re.findall(r"ldmatrix\.sync\.aligned\.[\w.]*trans", ptx))
     # fp8 word tiles converted by ``common._e4m3_pairs_ptx`` (its byte permute, one per two words).
     out["e4m3_pair_permutes"] = len(re.findall(r"prmt\.b32 \S+, \S+, \S+, 0x3120;", ptx))
+    # Hardware conversions of two e4m3 values to fp16 (the Hopper FP8 decode's in-place widening).
+    out["e4m3x2_converts"] = ptx.count("cvt.rn.f16x2.e4m3x2")
     out["shared_byte_loads"] = len(re.findall(r"ld\.shared(?:\.v[24])?\.[ubs]8\b", ptx))
     out["setmaxnreg"] = sorted(set(map(int, re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx))))
     # Global stores kept in L2 ahead of the streamed rows (``common.PARTIALS_EVICTION``: the split-KV partials).
@@ -285,17 +322,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", type=int, default=None, help="query heads (default: the config's rows)")
     ap.add_argument("--json", action="store_true", help="print one JSON list of the reports instead")
     ap.add_argument("--decode-seesaw", action="store_true", help="report the Hopper seesaw decode kernel instead")
+    ap.add_argument("--decode-sm90-fp8", action="store_true",
+                    help="report the Hopper FP8-cache decode kernel instead (--kv-format picks the format)")
     ap.add_argument("--paged-varlen-sm90", action="store_true", help="report the Hopper paged-prefill kernel instead")
     ap.add_argument("--varlen-sm90", action="store_true", help="report the Hopper ragged kernel (192/128) instead")
     ap.add_argument("--per-seq", action="store_true", help="with --varlen-sm90: the per-sequence tile numbering")
     ap.add_argument("--wg-partitions", action="store_true",
                     help="with --varlen-sm90: a consumer partition per warpgroup (prompts outside CTA_SEQLEN)")
     ap.add_argument("--kv-format", choices=("fp8_e4m3", "fp8_ds_mla"), default=None,
-                    help="the portable decode kernel over an FP8 cache (default: bf16 rows)")
+                    help="the portable decode kernel over an FP8 cache (default: bf16 rows); with "
+                         "--decode-sm90-fp8 its format")
     args = ap.parse_args(argv)
-    if args.decode_seesaw or args.paged_varlen_sm90 or args.varlen_sm90:
+    if args.decode_seesaw or args.decode_sm90_fp8 or args.paged_varlen_sm90 or args.varlen_sm90:
         if args.decode_seesaw:
             kernel = compile_seesaw()
+        elif args.decode_sm90_fp8:
+            kernel = compile_sm90_fp8(args.kv_format or "fp8_e4m3")
         elif args.paged_varlen_sm90:
             kernel = compile_paged_varlen_sm90()
         else:

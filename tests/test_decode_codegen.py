@@ -120,6 +120,25 @@ def test_hopper_seesaw_kernel_structure():
     _waits_for_the_prior_kernel(rep)
 
 
+@pytest.mark.parametrize("fmt, converts, spills", [("fp8_e4m3", 288, (328, 376)), ("fp8_ds_mla", 256, (504, 554))])
+def test_hopper_fp8_kernel_structure(fmt, converts, spills):
+    """The FP8-cache Hopper decode kernel (sm90/decode_fp8.py): the one-softmax kernel's MMAs on its 16-bit
+    ring (36 m64n64k16 and 8 m64n256k16), every FP8 value widened by the hardware's two-at-a-time e4m3
+    conversion (per converter thread and tile: 256 latent pairs, and fp8_e4m3's 32 rope pairs), every TMA load
+    evict-first, within the 227 KB of shared memory (fp8_ds_mla's scale ring included), no wgmma wait
+    injected by ptxas, nothing read before the prior kernel's end; spills bounded at today's build (2026-12-04
+    cross-compile, the partitions' budgets of sm90/decode_fp8.py), so that a new spill is noticed."""
+    pytest.importorskip("triton.experimental.gluon")
+    (rep,) = _reports(extra=("--decode-sm90-fp8", "--kv-format", fmt))
+    assert rep["wgmma"] == {"m64n64k16": 36, "m64n256k16": 8} and not rep["mma_sync"], rep
+    assert rep["e4m3x2_converts"] == converts and rep["e4m3_pair_permutes"] == 0, rep
+    assert rep["tma_loads"] > 0 and rep["evict_first_tma_loads"] == rep["tma_loads"], rep
+    assert rep["shared_bytes"] <= 227 * 1024, rep
+    assert rep["spill_store_load_bytes"][0] <= spills[0] and rep["spill_store_load_bytes"][1] <= spills[1], rep
+    assert rep["ptxas_injected_waits"] == 0, rep
+    _waits_for_the_prior_kernel(rep)
+
+
 def test_hopper_prefill_kernel_structure():
     """The paged-prefill Hopper kernel reuses the decode kernel's steps: the same MMAs and ring. Its loader
     warp (32 registers) carries the next tile's bounds and the next page id and spills a few words per tile

@@ -1,8 +1,8 @@
 """The portable Triton kernels on FP8 caches, beyond the conformance grid (``test_conformance.py``): a NaN stored
 in a live FP8 value reaches the output as on the torch reference (the interpreter decodes the NaN codes as
-+-480, ``common.fp8_nan_fixup``), FlashMLA's padded page stride reads in place, the Hopper decode refuses FP8
-caches by name, and the paged prefill's dequantise-first path (``rows.dequantize_pages`` + the Hopper kernel)
-matches the reference."""
++-480, ``common.fp8_nan_fixup``), FlashMLA's padded page stride reads in place, the Hopper FP8 decode
+(``sm90/decode_fp8.py``) matches the oracle and guards its pages on the GPU, and the paged prefill's
+dequantise-first path (``rows.dequantize_pages`` + the Hopper kernel) matches the reference."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pagedmla.kernels.triton.common import PrefillConfig
 from pagedmla.kernels.triton.decode import DecodeConfig, paged_decode_triton, select_config
 from pagedmla.kernels.triton.paged_varlen import dequantize_first, paged_varlen_attention
 from pagedmla.kernels.triton.rows import dequantize_pages
+from pagedmla.kernels.triton.sm90.decode_fp8 import sm90_fp8_supported
 
 K_SCALE = torch.tensor([0.004])
 
@@ -68,14 +69,16 @@ def test_decode_reads_flashmla_padded_page_stride():
 
 
 @pytest.mark.parametrize("kv_format", ["fp8_e4m3", "fp8_ds_mla"])
-def test_hopper_kernels_refuse_fp8_caches(kv_format):
+def test_hopper_kernels_name_what_an_fp8_cache_needs(kv_format):
+    """A forced Hopper config off an sm_90 GPU (this machine) is refused by name; the paged prefill's names
+    its dequantise-first path."""
     lens = [4]
     cache, kw = _cache(kv_format, lens, 64, "hopper")
     ks = kw.get("k_scale")
     seqlens = torch.tensor(lens, dtype=torch.int32)
     q = torch.randn(1, 1, 32, 576, generator=gen("triton-fp8-hopper-q")).half()
     md, ns = pagedmla.get_mla_metadata(seqlens, 32, 1)
-    with pytest.raises(ValueError, match="^config: use_sm90 reads bf16/fp16 caches"):
+    with pytest.raises(ValueError, match="^config: use_sm90 needs an sm_90 GPU"):
         paged_decode_triton(q, cache.k_cache, cache.block_table, seqlens, 512, md, ns, 576 ** -0.5, True,
                             config=DecodeConfig(block_m=64, use_sm90=True), kv_format=kv_format, k_scale=ks)
     # The paged prefill runs the Hopper kernel over dequantised pages, which this machine (CPU) cannot.
@@ -298,3 +301,67 @@ def test_dequantise_first_prefill_poisons_a_bad_page_only(kv_format):
     assert torch.equal(lse1[:lo], lse0[:lo]) and torch.equal(lse1[hi:], lse0[hi:])
     assert torch.isnan(out1[lo:hi]).all() and torch.isnan(lse1[lo:hi]).all()
     assert errors.device_errors(dev) & errors.BLOCK_TABLE
+
+
+def _hopper_fp8_case(kv_format, lens, q_len, heads, key):
+    """A GPU FP8 decode case on the Hopper kernel's pages (64): (q, cache, seqlens, metadata, keywords)."""
+    cache, kw = _cache(kv_format, lens, 64, key)
+    q = (torch.randn(len(lens), q_len, heads, 576, generator=gen("triton-fp8-sm90-q", key)) * 2).bfloat16().cuda()
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    md, ns = pagedmla.get_mla_metadata(seqlens, q_len * heads, 1)
+    kw = {k: v.cuda() for k, v in kw.items() if isinstance(v, torch.Tensor)} | (
+        {"is_fp8_kvcache": True} if kv_format == "fp8_ds_mla" else {})
+    return q, cache, seqlens, (md, ns), kw
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_format", ["fp8_e4m3", "fp8_ds_mla"])
+@pytest.mark.parametrize("q_len, heads", [(1, 32), (1, 64), (2, 64), (1, 128), (2, 128)])
+def test_gpu_hopper_fp8_decode_matches_the_oracle(kv_format, q_len, heads):
+    """More than 16 query rows on an FP8 cache run the Hopper kernel (converted in shared memory) on sm_90:
+    against the float64 oracle on the dequantised rows, lengths 0 / 1 / 63 / 64 / 65 and long ones, scattered
+    pages, NaN in every unused slot (of the requests' last pages too), bf16 queries of magnitude ~2."""
+    if not torch.cuda.is_available() or not sm90_fp8_supported(
+            torch.empty(1, 576, dtype=torch.bfloat16, device="cuda"),
+            torch.empty(1, 64, 1, 576 if kv_format == "fp8_e4m3" else 656, dtype=torch.uint8, device="cuda"), 512,
+            kv_format):
+        pytest.skip("needs an sm_90 GPU with Gluon")
+    lens = [0, 1, 63, 64, 65, 700, 1500]
+    q, cache, seqlens, (md, ns), kw = _hopper_fp8_case(kv_format, lens, q_len, heads, (q_len, heads))
+    k_cache = cache.k_cache.cuda()
+    assert select_config(q, k_cache, 512, None, kv_format).use_sm90
+    out, lse = pagedmla.flash_mla_with_kvcache(q, k_cache, cache.block_table.cuda(), seqlens, 512, md, ns,
+                                               causal=True, provider="triton", **kw)
+    b = len(lens)
+    qo = [q_len * i for i in range(b + 1)]
+    ref_out, ref_lse = dense_paged(q.cpu().reshape(b * q_len, heads, 576), qo, cache.rows, 576 ** -0.5, True, 512)
+    ref_out = ref_out.reshape(b, q_len, heads, 512)
+    ref_lse = ref_lse.reshape(b, q_len, heads).transpose(1, 2)
+    assert_attention_close(out.cpu(), lse.cpu(), ref_out, ref_lse, TOLERANCES[torch.bfloat16], kv_format)
+    live = torch.tensor(lens) > 0
+    assert cos_diff(out.cpu()[live], ref_out[live]) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_format", ["fp8_e4m3", "fp8_ds_mla"])
+def test_gpu_hopper_fp8_decode_poisons_a_bad_page_only(kv_format):
+    """A page id beyond the cache in one request's block table: that request's rows are NaN and the error word
+    names the block table; every other request's result is bit-identical to a clean run's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    lens = [300, 200, 130]
+    q, cache, seqlens, (md, ns), kw = _hopper_fp8_case(kv_format, lens, 1, 64, "bad-page")
+    k_cache, table = cache.k_cache.cuda(), cache.block_table.cuda()
+    if not sm90_fp8_supported(q, k_cache, 512, kv_format):
+        pytest.skip("needs an sm_90 GPU with Gluon")
+    clean = pagedmla.flash_mla_with_kvcache(q, k_cache, table, seqlens, 512, md, ns, causal=True, provider="triton",
+                                            **kw)
+    errors.device_errors(q.device)
+    bad = table.clone()
+    bad[1, 2] = k_cache.shape[0] + 10 ** 6
+    out, lse = pagedmla.flash_mla_with_kvcache(q, k_cache, bad, seqlens, 512, md, ns, causal=True, provider="triton",
+                                               **kw)
+    assert torch.isnan(out[1]).all() and torch.isnan(lse[1]).all()
+    for i in (0, 2):
+        assert torch.equal(out[i], clean[0][i]) and torch.equal(lse[i], clean[1][i])
+    assert errors.device_errors(q.device) & errors.BLOCK_TABLE

@@ -66,6 +66,7 @@ from pagedmla.kernels.triton.launch import CachedKernel, current_stream
 from pagedmla.kernels.triton.metadata import part_bounds, request_span, schedule_matches
 from pagedmla.kernels.triton.sm90 import seesaw
 from pagedmla.kernels.triton.sm90.decode import sm90_main_args
+from pagedmla.kernels.triton.sm90.decode_fp8 import sm90_fp8_main_args, sm90_fp8_supported
 from pagedmla.kernels.triton.sm90.mla import sm90_supported
 from pagedmla.kernels.triton.sm90.pipeline import tma_rows
 from pagedmla.split_plan import BLOCK_N as SCHED_BLOCK_N
@@ -86,9 +87,9 @@ class DecodeConfig:
     buffer with ``cp.async.wait_group 0`` into two buffers with the next tile in flight (benchmarks/NOTES.md
     v5); on the H200 it made 16-row tiles 6-13% and 32-row tiles 14-16% faster;
     use_sm90: run a Hopper Gluon main kernel (64-row tiles, warp-specialised, wgmma) instead: the seesaw one
-    (``sm90/seesaw.py``) for requests of at least ``SEESAW_MIN_ROWS`` query rows, ``sm90/decode.py``'s below;
-    the other fields do not apply to them. Without a config, requests of more than 16 query rows use one
-    wherever ``sm90_supported`` holds.
+    (``sm90/seesaw.py``) for requests of at least ``SEESAW_MIN_ROWS`` query rows, ``sm90/decode.py``'s below,
+    ``sm90/decode_fp8.py``'s on an FP8 cache; the other fields do not apply to them. Without a config,
+    requests of more than 16 query rows use one wherever ``sm90_supported`` (``sm90_fp8_supported``) holds.
     """
 
     block_m: int
@@ -744,7 +745,9 @@ class _DecodePlan:
                 pp, ep = partials.data_ptr(), err.data_ptr()
                 stream = current_stream(dev.index)
                 if self.cfg.use_sm90:
-                    main.launch(grid, stream, (bp, sp, mp, np_, op, lp, pp, ep), (qp, qp, kp, kp))
+                    # fp8_ds_mla's rows carry a third descriptor (their scales).
+                    maps = (qp, qp, kp, kp, kp) if self.kv_fmt == "fp8_ds_mla" else (qp, qp, kp, kp)
+                    main.launch(grid, stream, (bp, sp, mp, np_, op, lp, pp, ep, *xp), maps)
                 else:
                     main.launch(grid, stream, (qp, kp, bp, sp, mp, np_, op, lp, pp, ep, *xp), (kp, kp))
                 combine.launch(cgrid, stream, (op, lp, pp, np_, sp, ep))
@@ -756,10 +759,16 @@ class _DecodePlan:
             q = q.contiguous()
         if self.cfg.use_sm90:
             q_rows = tma_rows(q.reshape(-1, q.shape[-1]))
-            main_args = seesaw.seesaw_main_args if self.rows >= seesaw.SEESAW_MIN_ROWS else sm90_main_args
-            kernel, grid, args, options = main_args(q_rows, k_cache, block_table, cache_seqlens, metadata,
-                                                    num_splits, self.scale, self.causal, out, lse, partials,
-                                                    err, self.pdl, self.wait_prior)
+            if self.kv_fmt is not None:
+                kernel, grid, args, options = sm90_fp8_main_args(q_rows, k_cache, self.kv_fmt, k_scale, block_table,
+                                                                 cache_seqlens, metadata, num_splits, self.scale,
+                                                                 self.causal, out, lse, partials, err, self.pdl,
+                                                                 self.wait_prior)
+            else:
+                main_args = seesaw.seesaw_main_args if self.rows >= seesaw.SEESAW_MIN_ROWS else sm90_main_args
+                kernel, grid, args, options = main_args(q_rows, k_cache, block_table, cache_seqlens, metadata,
+                                                        num_splits, self.scale, self.causal, out, lse, partials,
+                                                        err, self.pdl, self.wait_prior)
             own_q = q_rows.data_ptr() == q_in.data_ptr()
         else:
             kernel, grid, args, options = _portable_main_args(q, k_cache, block_table, cache_seqlens, metadata,
@@ -809,13 +818,15 @@ def paged_decode_triton(
     bottom-right aligned. Returns out [b, q_len, h, head_dim_v] in q's dtype and lse [b, h, q_len] float32 (natural
     log); a row with no visible key gets output 0 and LSE -inf. The value is the first head_dim_v columns of each
     row. FP8 caches (``kv_format`` "fp8_e4m3" with ``k_scale`` float32 [1], or "fp8_ds_mla": ``pagedmla.kv_format``;
-    the public call checks them) run the portable kernel, which dequantises each tile as it loads it.
+    the public call checks them) are dequantised tile by tile as they are read: in registers by the portable
+    kernel, in shared memory by the Hopper one (``sm90/decode_fp8.py``).
     Values only the device sees are guarded (``pagedmla.errors``): a request whose length is negative or
     beyond its block-table row, or which reads a page id outside the cache, gets NaN rows; metadata made for
     other lengths makes every row NaN. ``out`` / ``lse`` (contiguous, those shapes and dtypes) receive the
     results when given, e.g. a CUDA graph's static buffers; ``config`` overrides the tile shape (benchmarks
-    sweep it). On sm_90 GPUs, bf16/fp16 with pages a multiple of 64, requests of more than 16 query rows run
-    a Hopper main kernel (``sm90/seesaw.py`` from 128 rows, ``sm90/decode.py`` below). No host
+    sweep it). On sm_90 GPUs, with pages a multiple of 64, requests of more than 16 query rows run a Hopper
+    main kernel (bf16/fp16 caches: ``sm90/seesaw.py`` from 128 rows, ``sm90/decode.py`` below; FP8 caches:
+    ``sm90/decode_fp8.py``). No host
     synchronisation: capturable in a CUDA graph.
     """
     key = (q.shape, q.stride(), q.dtype, q.get_device(), k_cache.shape, k_cache.stride(), k_cache.dtype,
@@ -886,11 +897,14 @@ def launch_combine(out: torch.Tensor, lse: torch.Tensor, partials: torch.Tensor,
 def select_config(q: torch.Tensor, k_cache: torch.Tensor, head_dim_v: int,
                   config: DecodeConfig | None = None, kv_format: str | None = None) -> DecodeConfig:
     """The main-kernel config ``paged_decode_triton`` runs for these inputs: ``config`` (checked), else the
-    Hopper kernel for more than 16 query rows where ``sm90_supported`` holds (never for an FP8 ``kv_format``:
-    the Hopper kernels read bf16/fp16 caches), else ``default_config`` with no more column chunks than
+    Hopper kernel for more than 16 query rows where ``sm90_supported`` (an FP8 ``kv_format``:
+    ``sm90_fp8_supported``) holds, else ``default_config`` with no more column chunks than
     keep each 16 columns wide (the dots' least depth: head_dim_v 16 or 32 run one or two chunks)."""
     rows = q.shape[1] * q.shape[2]
-    hopper = kv_format is None and sm90_supported(q, k_cache, head_dim_v)
+    if kv_format is None:
+        hopper = sm90_supported(q, k_cache, head_dim_v)
+    else:
+        hopper = sm90_fp8_supported(q, k_cache, head_dim_v, kv_format)
     if config is None:
         if rows >= SM90_MIN_ROWS and hopper:
             return DecodeConfig(block_m=64, use_sm90=True)
@@ -899,12 +913,10 @@ def select_config(q: torch.Tensor, k_cache: torch.Tensor, head_dim_v: int,
             cfg = dataclasses.replace(cfg, chunks=max(1, head_dim_v // 16))
         return cfg
     if config.use_sm90:
-        if kv_format is not None:
-            raise ValueError(f"config: use_sm90 reads bf16/fp16 caches, not {kv_format}; FP8 caches run the "
-                             "portable kernel")
         if not hopper:
-            raise ValueError("config: use_sm90 needs an sm_90 GPU, Triton's Gluon, bf16/fp16 q and cache, head "
-                             "dims 576/512, pages a multiple of 64 and a contiguous cache")
+            raise ValueError("config: use_sm90 needs an sm_90 GPU, Triton's Gluon, bf16/fp16 q, a cache of q's "
+                             "dtype or an FP8 one, head dims 576/512, pages a multiple of 64 and a contiguous "
+                             "cache")
     elif (SCHED_BLOCK_N % config.block_n or config.block_m not in (16, 32, 64) or config.chunks not in (1, 2, 4)
             or head_dim_v // config.chunks < 16):
         raise ValueError(f"config: block_n must divide {SCHED_BLOCK_N}, block_m be 16, 32 or 64, chunks 1, 2 or 4 "

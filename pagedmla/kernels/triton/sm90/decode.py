@@ -20,6 +20,9 @@ The decode plan runs it for requests of fewer than ``seesaw.SEESAW_MIN_ROWS`` (1
 memory-bound ones; from 128 rows ``seesaw.py``'s kernel, where each warpgroup's softmax overlaps the other's
 MMAs, is faster (benchmarks/NOTES.md, decode v18).
 
+Over an FP8 cache ``decode_fp8.py`` runs the same two warpgroups (``KV_FMT`` > 0: its scales enter the
+scores and the outputs) on a ring its converter fills.
+
 Requirements (``mla.sm90_supported`` checks them): CUDA capability 9.0, Triton with Gluon, q and cache bf16 or
 fp16, head dims 576 / 512, page size a multiple of 64, a contiguous cache, 64-row tiles.
 """
@@ -48,7 +51,13 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-    from pagedmla.kernels.triton.sm90.pipeline import free_phase, launch_dependents, phase, wait_prior_grids
+    from pagedmla.kernels.triton.sm90.pipeline import (
+        WARPGROUP,
+        free_phase,
+        launch_dependents,
+        phase,
+        wait_prior_grids,
+    )
 
 
 if HAVE_GLUON:
@@ -138,8 +147,12 @@ if HAVE_GLUON:
         q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, kv_ready, kv_empty,
         p_ready, p_free, page_flags, PIECES, CAPACITY, seqlens_ptr, meta_ptr, splits_ptr, out_ptr,
         lse_ptr, partials_ptr, err_ptr, B, PARTS, H, Q_LEN, ROWS, qk_scale, stride_ob, stride_ot, stride_oh,
-        CAUSAL: gl.constexpr, PAGE: gl.constexpr, META_W: gl.constexpr,
+        kv_scale_ptr, q_scale_smem, CAUSAL: gl.constexpr, PAGE: gl.constexpr, META_W: gl.constexpr,
+        KV_FMT: gl.constexpr,
     ):
+        # An FP8 cache (KV_FMT > 0, ``decode_fp8.py``): fp8_e4m3's scale and the power of two that took each Q
+        # tile into fp16 (``q_scale_smem``) multiply the scores; the scale multiplies the outputs.
+        v_scale = mla.kv_scale(kv_scale_ptr, KV_FMT == 1)
         s_layout: gl.constexpr = mla.S_LAYOUT
         o_layout: gl.constexpr = mla.O_LAYOUT
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -162,17 +175,20 @@ if HAVE_GLUON:
                     first_masked = seqlen
                     lim = gl.zeros([mla._BM], dtype=gl.int32, layout=row_l) + seqlen
                 mbarrier.wait(q_ready, phase(nq, 1))
-                o, m_i, l_i, it, npm = mla.softmax_tiles(it, npm, tok_lo, tok_hi, first_masked, lim, seqlen, qk_scale,
+                qk = qk_scale
+                if KV_FMT > 0:
+                    qk = qk_scale * v_scale * gl.max(q_scale_smem.load(WARPGROUP), axis=0)
+                o, m_i, l_i, it, npm = mla.softmax_tiles(it, npm, tok_lo, tok_hi, first_masked, lim, seqlen, qk,
                                                          q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem,
                                                          q_free, kv_ready, kv_empty, p_ready, p_free, s_layout,
                                                          o_layout, False)
                 bits = bits | gl.where(mla.pages_ok(page_flags.index(nq % 2)), 0, BLOCK_TABLE)
                 report(err_ptr, bits)
-                inv_l, lse2 = mla.softmax_finish(m_i, l_i, qk_scale, bits != 0, npm, scale_smem, p_ready, p_free)
+                inv_l, lse2 = mla.softmax_finish(m_i, l_i, qk, bits != 0, npm, scale_smem, p_ready, p_free)
                 npm += 1
                 nq += 1
                 is_direct, piece = _piece(splits_ptr, b, begin_req, begin_split, PIECES)
-                _store_half(o, gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)),
+                _store_half(o, gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)) * v_scale,
                             gl.convert_layout(lse2, gl.SliceLayout(1, o_layout)), 0, is_direct,
                             out_ptr, lse_ptr, partials_ptr, PIECES, b, piece, pid_m, H, Q_LEN, ROWS,
                             stride_ob, stride_ot, stride_oh, True, o_layout)
@@ -181,8 +197,9 @@ if HAVE_GLUON:
     def _value_warpgroup(
         kv_ring, p_smem, scale_smem, kv_ready, kv_empty, p_ready, p_free, PIECES, CAPACITY, seqlens_ptr, meta_ptr,
         splits_ptr, out_ptr, lse_ptr, partials_ptr, B, PARTS, H, Q_LEN, ROWS, stride_ob, stride_ot, stride_oh,
-        PAGE: gl.constexpr, META_W: gl.constexpr,
+        kv_scale_ptr, PAGE: gl.constexpr, META_W: gl.constexpr, KV_FMT: gl.constexpr,
     ):
+        v_scale = mla.kv_scale(kv_scale_ptr, KV_FMT == 1)
         o_layout: gl.constexpr = mla.O_LAYOUT
         pid_m = gl.program_id(0)
         begin_req, begin_blk, end_req, end_blk, begin_split = part_bounds(meta_ptr, gl.program_id(1), B - 1, META_W)
@@ -195,7 +212,7 @@ if HAVE_GLUON:
                 o, inv_l, it, npm = mla.value_tiles(it, npm, tok_lo, tok_hi, seqlen, kv_ring, p_smem, scale_smem,
                                                     kv_ready, kv_empty, p_ready, p_free, o_layout, False)
                 is_direct, piece = _piece(splits_ptr, b, begin_req, begin_split, PIECES)
-                _store_half(o, inv_l, inv_l, 256, is_direct, out_ptr, lse_ptr, partials_ptr, PIECES, b, piece,
+                _store_half(o, inv_l * v_scale, inv_l, 256, is_direct, out_ptr, lse_ptr, partials_ptr, PIECES, b, piece,
                             pid_m, H, Q_LEN, ROWS, stride_ob, stride_ot, stride_oh, False, o_layout)
 
     @gluon.jit
@@ -213,17 +230,16 @@ if HAVE_GLUON:
         if WAIT_PRIOR:
             wait_prior_grids()
         (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, p_ready, p_free, kv_ready,
-         kv_empty, page_flags) = mla.mla_buffers(q_desc, q_pe_desc, kv_desc, kv_pe_desc)
+         kv_empty, page_flags) = mla.mla_buffers(q_desc, q_pe_desc, q_desc.dtype)
         gl.warp_specialize(
             [(_softmax_warpgroup, (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free,
                                    kv_ready, kv_empty, p_ready, p_free, page_flags, PIECES, CAPACITY,
                                    seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr, partials_ptr, err_ptr, B,
-                                   PARTS, H, Q_LEN, ROWS, qk_scale, stride_ob, stride_ot, stride_oh, CAUSAL, PAGE,
-                                   META_W)),
+                                   PARTS, H, Q_LEN, ROWS, qk_scale, stride_ob, stride_ot, stride_oh, None, None,
+                                   CAUSAL, PAGE, META_W, 0)),
              (_value_warpgroup, (kv_ring, p_smem, scale_smem, kv_ready, kv_empty, p_ready, p_free, PIECES, CAPACITY,
                                  seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr, partials_ptr, B, PARTS, H,
-                                 Q_LEN,
-                                 ROWS, stride_ob, stride_ot, stride_oh, PAGE, META_W)),
+                                 Q_LEN, ROWS, stride_ob, stride_ot, stride_oh, None, PAGE, META_W, 0)),
              (_loader, (q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, CAPACITY, num_pages,
                         seqlens_ptr, meta_ptr, splits_ptr, partials_ptr, err_ptr, B, PARTS, ROWS, q_smem, q_pe_smem,
                         kv_ring, kv_pe_ring, q_ready, q_free, kv_ready, kv_empty, page_flags, PAGE, META_W))],

@@ -40,6 +40,7 @@ BLOCK_N = SCHED_BLOCK_N  # one KV tile per schedule block (64 tokens)
 STAGES = 2
 if HAVE_GLUON:  # the same values as compile-time constants for the kernels
     _DV = gl.constexpr(D_V)
+    _DR = gl.constexpr(D_QK - D_V)  # the rope columns
     _BM = gl.constexpr(BLOCK_M)
     _BN = gl.constexpr(BLOCK_N)
     _STAGES = gl.constexpr(STAGES)
@@ -60,12 +61,17 @@ def sm90_supported(q: torch.Tensor, k_cache: torch.Tensor, head_dim_v: int) -> b
             and page % BLOCK_N == 0 and k_cache.is_contiguous() and k_cache.data_ptr() % 16 == 0)
 
 
+def row_descriptors(x: torch.Tensor, rows: int) -> tuple:
+    """TMA descriptors of 16-bit rows [n, 576] (q from ``tma_rows``, or cache rows): a 512-column (value) and a
+    64-column (rope) box of ``rows`` rows."""
+    nope, pe = shared_layout(rows, D_V, x.dtype), shared_layout(rows, D_QK - D_V, x.dtype)
+    return descriptor(x, [rows, D_V], nope), descriptor(x, [rows, D_QK - D_V], pe)
+
+
 def mla_descriptors(q_rows: torch.Tensor, kv_flat: torch.Tensor) -> tuple:
     """The four TMA descriptors of the MLA kernels: q rows [n, 576] (from ``tma_rows``) and the cache rows
-    [slots, 576], each as a 512-column (value) and a 64-column (rope) box of 64 rows."""
-    nope, pe = shared_layout(BLOCK_M, D_V, q_rows.dtype), shared_layout(BLOCK_M, D_QK - D_V, q_rows.dtype)
-    return (descriptor(q_rows, [BLOCK_M, D_V], nope), descriptor(q_rows, [BLOCK_M, D_QK - D_V], pe),
-            descriptor(kv_flat, [BLOCK_N, D_V], nope), descriptor(kv_flat, [BLOCK_N, D_QK - D_V], pe))
+    [slots, 576] (``row_descriptors``)."""
+    return (*row_descriptors(q_rows, BLOCK_M), *row_descriptors(kv_flat, BLOCK_N))
 
 
 if HAVE_GLUON:
@@ -247,14 +253,26 @@ if HAVE_GLUON:
         return inv_l
 
     @gluon.jit
-    def mla_buffers(q_desc, q_pe_desc, kv_desc, kv_pe_desc):
-        """Shared memory and barriers of the MLA kernels: Q, the two-stage KV ring, P and its per-row scale;
-        ready/free barriers for Q, each ring slot (freed by both warpgroups) and P; the page-check flags."""
-        dtype: gl.constexpr = q_desc.dtype
-        q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
-        q_pe_smem = gl.allocate_shared_memory(dtype, q_pe_desc.block_type.shape, q_pe_desc.layout)
-        kv_ring = gl.allocate_shared_memory(dtype, [_STAGES] + kv_desc.block_type.shape, kv_desc.layout)
-        kv_pe_ring = gl.allocate_shared_memory(dtype, [_STAGES] + kv_pe_desc.block_type.shape, kv_pe_desc.layout)
+    def kv_scale(kv_scale_ptr, KV_SCALED: gl.constexpr):
+        """The cache's value scale: 1, or with KV_SCALED the float32 at ``kv_scale_ptr`` (an fp8_e4m3 cache whose
+        rows reach the MMAs without it: the paged prefill's dequantised pages, ``rows.dequantize_pages``, and
+        the FP8 decode's converted tiles; scores and outputs take it here, so that the dots see exact values)."""
+        if KV_SCALED:
+            return gl.load(kv_scale_ptr)
+        return 1.0
+
+    @gluon.jit
+    def mla_buffers(q_desc, q_pe_desc, dtype: gl.constexpr):
+        """Shared memory and barriers of the MLA kernels: Q (q_desc's type), the two-stage KV ring and P in
+        ``dtype`` (the MMAs' operand type: q's, or fp16 for an FP8 cache's converted tiles, ``decode_fp8.py``),
+        P's per-row scale; ready/free barriers for Q, each ring slot (freed by both warpgroups) and P; the
+        page-check flags."""
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BN, _DV], dtype)
+        kv_pe_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BN, _DR], dtype)
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+        q_pe_smem = gl.allocate_shared_memory(q_desc.dtype, q_pe_desc.block_type.shape, q_pe_desc.layout)
+        kv_ring = gl.allocate_shared_memory(dtype, [_STAGES, _BN, _DV], kv_layout)
+        kv_pe_ring = gl.allocate_shared_memory(dtype, [_STAGES, _BN, _DR], kv_pe_layout)
         p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BM, _BN], dtype)
         p_smem = gl.allocate_shared_memory(dtype, [_BM, _BN], p_layout)
         scale_smem = gl.allocate_shared_memory(gl.float32, [_BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))

@@ -134,15 +134,6 @@ if HAVE_GLUON:
             gl.store(lse_ptr + flat, lse2 * _LN2, mask=ok)
 
     @gluon.jit
-    def _kv_scale(kv_scale_ptr, KV_SCALED: gl.constexpr):
-        """The cache's value scale: 1, or with KV_SCALED the float32 at ``kv_scale_ptr`` (an fp8_e4m3 cache
-        dequantised without its k_scale, ``rows.dequantize_pages``: scores and outputs take it here, so that the
-        dots see exact values)."""
-        if KV_SCALED:
-            return gl.load(kv_scale_ptr)
-        return 1.0
-
-    @gluon.jit
     def _poison_tiles(col0, out_ptr, lse_ptr, T, rows, WRITE_LSE: gl.constexpr, layout: gl.constexpr):
         """Without a partition of the q rows (``_rows_ok``) a warpgroup writes NaN into its columns of the flat
         rows 64 t .. 64 t + 63 of each tile t = program, program + programs, ... (the tiles cover every row)."""
@@ -186,7 +177,7 @@ if HAVE_GLUON:
         H, qk_scale, kv_scale_ptr, CAUSAL: gl.constexpr, KV_SCALED: gl.constexpr,
     ):
         s_layout: gl.constexpr = mla.S_LAYOUT
-        v_scale = _kv_scale(kv_scale_ptr, KV_SCALED)
+        v_scale = mla.kv_scale(kv_scale_ptr, KV_SCALED)
         qk_scale = qk_scale * v_scale
         o_layout: gl.constexpr = mla.O_LAYOUT
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -235,7 +226,7 @@ if HAVE_GLUON:
                                  p_ready, p_free, out_ptr, lse_ptr, qo_ptr, batch, T_rows, T, H, kv_scale_ptr,
                                  KV_SCALED: gl.constexpr):
         o_layout: gl.constexpr = mla.O_LAYOUT
-        v_scale = _kv_scale(kv_scale_ptr, KV_SCALED)
+        v_scale = mla.kv_scale(kv_scale_ptr, KV_SCALED)
         if not _rows_ok(qo_ptr, batch, T_rows, WARPGROUP):
             _poison_tiles(256, out_ptr, lse_ptr, T, T_rows * H, False, o_layout)
         else:
@@ -259,7 +250,7 @@ if HAVE_GLUON:
         CAUSAL: gl.constexpr, PAGE: gl.constexpr, SEARCH_STEPS: gl.constexpr, KV_SCALED: gl.constexpr,
     ):
         (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, p_ready, p_free, kv_ready,
-         kv_empty, page_flags) = mla.mla_buffers(q_desc, q_pe_desc, kv_desc, kv_pe_desc)
+         kv_empty, page_flags) = mla.mla_buffers(q_desc, q_pe_desc, q_desc.dtype)
         tile_info = gl.allocate_shared_memory(gl.int32, [2, 8], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
         tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
