@@ -365,3 +365,29 @@ def test_gpu_hopper_fp8_decode_poisons_a_bad_page_only(kv_format):
     for i in (0, 2):
         assert torch.equal(out[i], clean[0][i]) and torch.equal(lse[i], clean[1][i])
     assert errors.device_errors(q.device) & errors.BLOCK_TABLE
+
+
+@pytest.mark.gpu
+def test_gpu_hopper_fp8_decode_takes_a_negative_k_scale():
+    """value = fp8 x k_scale whatever its sign: the Hopper kernel moves a negative scale's sign into Q (its
+    softmax keeps unscaled row maxima, which need a positive score scale), so scores spread over hundreds in
+    log2 units must still match the oracle instead of overflowing."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    lens, heads = [700, 130], 64
+    scale = torch.tensor([-0.004])
+    cache = make_paged_cache(lens, 64, 576, generator=gen("triton-fp8-sm90-negative"), scale=0.3,
+                             kv_format="fp8_e4m3", k_scale=scale.item(),
+                             encode=lambda rows: pagedmla.quantize_latent(rows, "fp8_e4m3", k_scale=scale))
+    q = (torch.randn(2, 1, heads, 576, generator=gen("triton-fp8-sm90-negative-q")) * 300).bfloat16()
+    k_cache = cache.k_cache.cuda()
+    if not sm90_fp8_supported(q.cuda(), k_cache, 512, "fp8_e4m3"):
+        pytest.skip("needs an sm_90 GPU with Gluon")
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    md, ns = pagedmla.get_mla_metadata(seqlens, heads, 1)
+    out, lse = pagedmla.flash_mla_with_kvcache(q.cuda(), k_cache, cache.block_table.cuda(), seqlens, 512, md, ns,
+                                               causal=True, provider="triton", k_scale=scale.cuda())
+    ref_out, ref_lse = dense_paged(q.reshape(2, heads, 576), [0, 1, 2], cache.rows, 576 ** -0.5, True, 512)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert_attention_close(out.cpu(), lse.cpu(), ref_out.reshape(2, 1, heads, 512),
+                           ref_lse.reshape(2, 1, heads).transpose(1, 2), TOLERANCES[torch.bfloat16], "fp8_e4m3")

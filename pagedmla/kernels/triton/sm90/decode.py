@@ -150,8 +150,8 @@ if HAVE_GLUON:
         kv_scale_ptr, q_scale_smem, CAUSAL: gl.constexpr, PAGE: gl.constexpr, META_W: gl.constexpr,
         KV_FMT: gl.constexpr,
     ):
-        # An FP8 cache (KV_FMT > 0, ``decode_fp8.py``): fp8_e4m3's scale and the power of two that took each Q
-        # tile into fp16 (``q_scale_smem``) multiply the scores; the scale multiplies the outputs.
+        # An FP8 cache (KV_FMT > 0, ``decode_fp8.py``): the power of two that took each Q tile into fp16
+        # (``q_scale_smem``) and fp8_e4m3's |scale| multiply the scores; the scale multiplies the outputs.
         v_scale = mla.kv_scale(kv_scale_ptr, KV_FMT == 1)
         s_layout: gl.constexpr = mla.S_LAYOUT
         o_layout: gl.constexpr = mla.O_LAYOUT
@@ -177,7 +177,11 @@ if HAVE_GLUON:
                 mbarrier.wait(q_ready, phase(nq, 1))
                 qk = qk_scale
                 if KV_FMT > 0:
-                    qk = qk_scale * v_scale * gl.max(q_scale_smem.load(WARPGROUP), axis=0)
+                    qk = qk_scale * gl.max(q_scale_smem.load(WARPGROUP), axis=0)
+                if KV_FMT == 1:
+                    # The converter gave q k_scale's sign: the scores' scale stays positive, as the unscaled
+                    # row maxima of ``mla.softmax_tile`` need.
+                    qk = qk * gl.abs(v_scale)
                 o, m_i, l_i, it, npm = mla.softmax_tiles(it, npm, tok_lo, tok_hi, first_masked, lim, seqlen, qk,
                                                          q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem,
                                                          q_free, kv_ready, kv_empty, p_ready, p_free, s_layout,

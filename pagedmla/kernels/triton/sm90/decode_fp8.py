@@ -13,7 +13,8 @@ bytes 4 K .. 8 K of the [64, 64] one; fp8_ds_mla's bf16 rope: the whole rope slo
 the latent in 128-column boxes: boxes 0 and 1 land below the FP8 bytes, boxes 2 and 3 over FP8 bytes already
 read (every warp has read them: one barrier before those stores). The widening:
 - fp8_e4m3: each byte to fp16, exact (``cvt.rn.f16x2.e4m3x2``: every e4m3 value is an fp16 normal); the
-  layer's ``k_scale`` multiplies the scores and the outputs instead (``mla.kv_scale``);
+  layer's ``k_scale`` multiplies the scores and the outputs instead (``mla.kv_scale``; its sign goes into
+  Q, so that the scores' scale stays positive, as the softmax's unscaled row maxima need);
 - fp8_ds_mla: each byte to fp16 times its 128-column tile's scale in fp16 (exact for the format's
   power-of-two scales, 2^-13 and up; another float32 scale is rounded to fp16 first), the bf16 rope to fp16
   (exact below 65504 in magnitude and above 2^-14, rounded to fp16's subnormals below).
@@ -170,16 +171,19 @@ if HAVE_GLUON:
         hopper_decode.schedule_verdict(seqlens_ptr, meta_ptr, splits_ptr, partials_ptr, err_ptr, B, PARTS)
 
     @gluon.jit
-    def _convert_q(q_smem, q_pe_smem, q16, q_pe16, q_scale_smem, valid_rows):
+    def _convert_q(q_smem, q_pe_smem, q16, q_pe16, q_scale_smem, valid_rows, q_sign):
         """Q of one request's 64-row tile, in place, to fp16 times the power of two of its rows below
-        ``valid_rows``; the inverse goes to ``q_scale_smem`` for the softmax warpgroup. Each thread rewrites
-        the elements it read (the same layout both times), so no barrier sits between reads and writes."""
+        ``valid_rows`` and ``q_sign`` (+-1: fp8_e4m3's k_scale may be negative, and the softmax needs a
+        positive score scale); the inverse power of two goes to ``q_scale_smem`` for the softmax
+        warpgroup. Each thread rewrites the elements it read (the same layout both times), so no barrier
+        sits between reads and writes."""
         rows = gl.arange(0, mla._BM, layout=gl.SliceLayout(1, _HALVES))
         amax = gl.max(gl.abs(q_pe_smem.load(_HALVES).to(gl.float32)), axis=1)
         for c in gl.static_range(mla._DV // 64):
             amax = gl.maximum(amax, gl.max(gl.abs(q_smem.slice(64 * c, 64, dim=1).load(_HALVES).to(gl.float32)),
                                            axis=1))
         q_mul, q_inv = fp16_row_scale(gl.max(gl.where(rows < valid_rows, amax, 0.0), axis=0))
+        q_mul = q_mul * q_sign
         for c in gl.static_range(mla._DV // 64):
             x = q_smem.slice(64 * c, 64, dim=1).load(_HALVES)
             q16.slice(64 * c, 64, dim=1).store((x.to(gl.float32) * q_mul).to(gl.float16))
@@ -221,9 +225,12 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _converter(q_smem, q_pe_smem, kv_ring, kv_pe_ring, sc_ring, q_scale_smem, q_landed, q_ready, kv_landed,
-                   kv_ready, lat_desc, pe_desc, seqlens_ptr, meta_ptr, B, ROWS, CAPACITY, META_W: gl.constexpr,
-                   KV_FMT: gl.constexpr):
+                   kv_ready, lat_desc, pe_desc, seqlens_ptr, meta_ptr, kv_scale_ptr, B, ROWS, CAPACITY,
+                   META_W: gl.constexpr, KV_FMT: gl.constexpr):
         lat8, pe_in = _fp8_views(kv_ring, kv_pe_ring, lat_desc, pe_desc, KV_FMT)
+        q_sign = 1.0
+        if KV_FMT == 1:
+            q_sign = gl.where(gl.load(kv_scale_ptr) < 0, -1.0, 1.0)
         q16 = q_smem._reinterpret(gl.float16, q_smem.shape, q_smem.layout)
         q_pe16 = q_pe_smem._reinterpret(gl.float16, q_pe_smem.shape, q_pe_smem.layout)
         valid_rows = ROWS - gl.program_id(0) * mla._BM
@@ -235,7 +242,7 @@ if HAVE_GLUON:
                                                 mla._BN)
             if tok_lo < tok_hi:
                 mbarrier.wait(q_landed, phase(nq, 1))
-                _convert_q(q_smem, q_pe_smem, q16, q_pe16, q_scale_smem, valid_rows)
+                _convert_q(q_smem, q_pe_smem, q16, q_pe16, q_scale_smem, valid_rows, q_sign)
                 _signal(q_ready)
                 nq += 1
                 for _ in range(tok_lo, tok_hi, mla._BN):
@@ -293,7 +300,8 @@ if HAVE_GLUON:
                sc_ring, q_landed, q_free, kv_landed, kv_empty, page_flags, PAGE, META_W, KV_FMT)),
              (_converter,
               (q_smem, q_pe_smem, kv_ring, kv_pe_ring, sc_ring, q_scale_smem, q_landed, q_ready, kv_landed,
-               kv_ready, lat_desc, pe_desc, seqlens_ptr, meta_ptr, B, ROWS, CAPACITY, META_W, KV_FMT))],
+               kv_ready, lat_desc, pe_desc, seqlens_ptr, meta_ptr, kv_scale_ptr, B, ROWS, CAPACITY, META_W,
+               KV_FMT))],
             worker_num_warps=[4, 1, _CONVERTER_WARPS],
             worker_num_regs=[168, 24, 96],
         )
