@@ -23,7 +23,11 @@ format, against one decode call of 128 x 1 x 16 heads x 4096 on the same format 
 share of the attention work of a decode step, per layer (the whole step, with the model's matmuls, is
 larger, so the share of the step is smaller).
 
-    python3 benchmarks/bench_fp8.py [--quick] [--eager] [--only decode|prefill|store|forms] [--csv fp8.csv]
+    python3 benchmarks/bench_fp8.py [--quick] [--eager] [--only decode|prefill|store|forms] [--match SUBSTRING]
+        [--csv fp8.csv]
+
+``--match`` keeps the decode cells whose name (``b x q_len x heads x mean_seq``, e.g. ``128x1x16x4096``)
+holds one of its strings.
 
 On a machine without CUDA the same runs as a smoke test on tiny cells (float16, wall clock, no graphs).
 """
@@ -263,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eager", action="store_true", help="also time the eager decode calls")
     ap.add_argument("--only", choices=("decode", "prefill", "store", "forms"), action="append",
                     help="run only these parts")
+    ap.add_argument("--match", action="append", metavar="SUBSTRING",
+                    help="only the decode cells whose name holds one of these (repeatable)")
     ap.add_argument("--csv", metavar="PATH", help="write every row's figures to PATH")
     args = ap.parse_args(argv)
     parts = args.only or ["decode", "prefill", "store", "forms"]
@@ -275,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     if "decode" in parts:
         device = torch.device("cuda" if cuda() else "cpu")
         for cell in bdecode.grid(args.quick, device):
+            if args.match and not any(m in f"{cell.b}x{cell.q_len}x{cell.heads}x{cell.mean}" for m in args.match):
+                continue
             decode_rows.append(decode_cell(cell, args.eager, l2, dtype))
             print(f"decode {decode_rows[-1]['cell']} done", flush=True)
             if cuda():

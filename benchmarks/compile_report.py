@@ -18,6 +18,7 @@ kernels are compiled as their launcher compiles them: again from their PTX with 
     python benchmarks/compile_report.py --kv-format fp8_ds_mla   # the portable kernel on an FP8 cache
     python benchmarks/compile_report.py --decode-seesaw          # the Hopper seesaw decode kernel (>= 128 rows)
     python benchmarks/compile_report.py --decode-sm90-fp8 --kv-format fp8_ds_mla  # the Hopper FP8 decode kernel
+    python benchmarks/compile_report.py --decode-sm90-fp8 --narrow 16  # its narrow form (up to 16 rows)
     python benchmarks/compile_report.py --paged-varlen-sm90           # the Hopper paged-prefill kernel
     python benchmarks/compile_report.py --varlen-sm90            # the Hopper ragged kernel, 192/128
     python benchmarks/compile_report.py --varlen-sm90 --per-seq  # the same, per-sequence tile numbering
@@ -54,15 +55,15 @@ from pagedmla.split_plan import METADATA_WIDTH
 D, DV, PAGE = 576, 512, 64
 
 
-def _gluon_desc(width: int) -> str:
+def _gluon_desc(width: int, rows: int = 64) -> str:
     from triton.experimental.gluon import language as gl
 
-    layout = gl.NVMMASharedLayout.get_default_for([64, width], gl.bfloat16)
-    return f"tensordesc<bf16[64, {width}],{layout!r}>"
+    layout = gl.NVMMASharedLayout.get_default_for([rows, width], gl.bfloat16)
+    return f"tensordesc<bf16[{rows}, {width}],{layout!r}>"
 
 
-def _gluon_descs() -> dict[str, str]:
-    return {"q_desc": _gluon_desc(DV), "q_pe_desc": _gluon_desc(D - DV), "kv_desc": _gluon_desc(DV),
+def _gluon_descs(q_rows: int = 64) -> dict[str, str]:
+    return {"q_desc": _gluon_desc(DV, q_rows), "q_pe_desc": _gluon_desc(D - DV, q_rows), "kv_desc": _gluon_desc(DV),
             "kv_pe_desc": _gluon_desc(D - DV)}
 
 
@@ -123,9 +124,9 @@ def compile_varlen_sm90(arch: int = 90, dk: int = 192, dv: int = 128, per_seq: b
     return _compile_as_launched(src, arch, _MAIN, num_warps=8 if cta else 4)
 
 
-def _compile_hopper_decode(kernel, cached, descs: dict[str, str], arch: int):
+def _compile_hopper_decode(kernel, cached, descs: dict[str, str], arch: int, **extra):
     """One of the two Hopper decode kernels (the same arguments, ``descs`` their descriptor types; ``cached``
-    its launcher's ``CachedKernel``) for bf16, page 64, causal."""
+    its launcher's ``CachedKernel``) for bf16, page 64, causal; ``extra``: more constexpr arguments."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     signature = dict(descs)
@@ -134,16 +135,17 @@ def _compile_hopper_decode(kernel, cached, descs: dict[str, str], arch: int):
     signature.update({name: "i32" for name in ("B", "PARTS", "H", "Q_LEN", "ROWS")}, qk_scale="fp32")
     signature.update({name: "i32" for name in ("stride_btb", "PIECES", "CAPACITY", "num_pages", "stride_ob",
                                                 "stride_ot", "stride_oh")})
-    constexprs = dict(CAUSAL=True, PAGE=PAGE, META_W=METADATA_WIDTH, PDL=True, WAIT_PRIOR=True)
+    constexprs = dict(CAUSAL=True, PAGE=PAGE, META_W=METADATA_WIDTH, PDL=True, WAIT_PRIOR=True, **extra)
     signature.update({name: "constexpr" for name in constexprs})
     return _compile_as_launched(GluonASTSource(kernel, signature, constexprs=constexprs), arch, cached)
 
 
-def compile_sm90(arch: int = 90):
-    """The Hopper Gluon main kernel compiled for bf16, page 64, causal."""
+def compile_sm90(arch: int = 90, rows: int = 64):
+    """The Hopper Gluon main kernel compiled for bf16, page 64, causal, over Q tiles of ``rows`` rows (64, or
+    the transposed form's 16 / 32)."""
     from pagedmla.kernels.triton.sm90.decode import _MAIN, _decode_sm90_kernel
 
-    return _compile_hopper_decode(_decode_sm90_kernel, _MAIN, _gluon_descs(), arch)
+    return _compile_hopper_decode(_decode_sm90_kernel, _MAIN, _gluon_descs(rows), arch, TRANSPOSED=rows < 64)
 
 
 def compile_seesaw(arch: int = 90):
@@ -155,9 +157,10 @@ def compile_seesaw(arch: int = 90):
     return _compile_hopper_decode(_decode_seesaw_kernel, _SEESAW, descs, arch)
 
 
-def compile_sm90_fp8(kv_format: str, arch: int = 90):
+def compile_sm90_fp8(kv_format: str, arch: int = 90, rows: int = 64):
     """The Hopper Gluon FP8-cache decode kernel (``sm90/decode_fp8.py``) for bf16 q, page 64, causal, over a
-    ``kv_format`` cache, as its launcher compiles it."""
+    ``kv_format`` cache, as its launcher compiles it: Q tiles of ``rows`` rows (64, or the narrow form's 16 /
+    32)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from pagedmla.kernels.triton.sm90.decode_fp8 import (
@@ -172,7 +175,7 @@ def compile_sm90_fp8(kv_format: str, arch: int = 90):
         return f"tensordesc<{dtype}[64, {width}],{layout!r}>"
 
     e4m3 = kv_format == "fp8_e4m3"
-    signature = {"q_desc": _gluon_desc(DV), "q_pe_desc": _gluon_desc(D - DV),
+    signature = {"q_desc": _gluon_desc(DV, rows), "q_pe_desc": _gluon_desc(D - DV, rows),
                  "lat_desc": desc("fp8e4nv", DV, _fp8_layout(64, DV)),
                  "pe_desc": desc("fp8e4nv", D - DV, _fp8_layout(64, D - DV)) if e4m3 else _gluon_desc(D - DV),
                  "sc_desc": "constexpr" if e4m3 else desc("fp32", 4, _scales_layout())}
@@ -183,7 +186,7 @@ def compile_sm90_fp8(kv_format: str, arch: int = 90):
     signature.update({name: "i32" for name in ("stride_btb", "PIECES", "CAPACITY", "num_pages", "stride_ob",
                                                 "stride_ot", "stride_oh")})
     constexprs = dict(CAUSAL=True, PAGE=PAGE, META_W=METADATA_WIDTH, PDL=True, WAIT_PRIOR=True,
-                      KV_FMT=_FORMAT_IDS[kv_format])
+                      KV_FMT=_FORMAT_IDS[kv_format], TRANSPOSED=rows < 64)
     signature.update({name: "constexpr" for name in constexprs})
     constexprs.update({"sc_desc": None} if e4m3 else {"kv_scale_ptr": None})
     return _compile_as_launched(GluonASTSource(_decode_sm90_fp8_kernel, signature, constexprs=constexprs), arch, _MAIN)
@@ -213,7 +216,7 @@ def compile_decode(cfg: DecodeConfig, heads: int, arch: int = 90, kv_format: str
     if cfg.use_sm90:
         if kv_format is not None:
             raise ValueError(f"kv_format: the Hopper kernels read bf16/fp16 caches, not {kv_format}")
-        return compile_sm90(arch)
+        return compile_sm90(arch, cfg.block_m)
     from triton._C.libtriton import native_specialize_impl
     from triton.runtime.jit import MockTensor
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -329,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-seq", action="store_true", help="with --varlen-sm90: the per-sequence tile numbering")
     ap.add_argument("--wg-partitions", action="store_true",
                     help="with --varlen-sm90: a consumer partition per warpgroup (prompts outside CTA_SEQLEN)")
+    ap.add_argument("--narrow", type=int, choices=(16, 32), default=None,
+                    help="with --decode-sm90-fp8: its narrow (transposed) form over Q tiles of this many rows")
     ap.add_argument("--kv-format", choices=("fp8_e4m3", "fp8_ds_mla"), default=None,
                     help="the portable decode kernel over an FP8 cache (default: bf16 rows); with "
                          "--decode-sm90-fp8 its format")
@@ -337,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.decode_seesaw:
             kernel = compile_seesaw()
         elif args.decode_sm90_fp8:
-            kernel = compile_sm90_fp8(args.kv_format or "fp8_e4m3")
+            kernel = compile_sm90_fp8(args.kv_format or "fp8_e4m3", rows=args.narrow or 64)
         elif args.paged_varlen_sm90:
             kernel = compile_paged_varlen_sm90()
         else:

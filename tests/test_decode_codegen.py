@@ -120,17 +120,27 @@ def test_hopper_seesaw_kernel_structure():
     _waits_for_the_prior_kernel(rep)
 
 
-@pytest.mark.parametrize("fmt, converts, spills", [("fp8_e4m3", 288, (328, 380)), ("fp8_ds_mla", 256, (504, 554))])
-def test_hopper_fp8_kernel_structure(fmt, converts, spills):
-    """The FP8-cache Hopper decode kernel (sm90/decode_fp8.py): the one-softmax kernel's MMAs on its 16-bit
-    ring (36 m64n64k16 and 8 m64n256k16), every FP8 value widened by the hardware's two-at-a-time e4m3
-    conversion (per converter thread and tile: 256 latent pairs, and fp8_e4m3's 32 rope pairs), every TMA load
-    evict-first, within the 227 KB of shared memory (fp8_ds_mla's scale ring included), no wgmma wait
-    injected by ptxas, nothing read before the prior kernel's end; spills bounded at today's build (2026-12-04
-    cross-compile, the partitions' budgets of sm90/decode_fp8.py), so that a new spill is noticed."""
+_WIDE = {"m64n64k16": 36, "m64n256k16": 8}
+
+
+@pytest.mark.parametrize("fmt, rows, wgmma, converts, spills", [
+    ("fp8_e4m3", 64, _WIDE, 288, (328, 380)), ("fp8_ds_mla", 64, _WIDE, 256, (504, 554)),
+    ("fp8_e4m3", 16, {"m64n16k16": 68}, 144, (12, 12)), ("fp8_ds_mla", 16, {"m64n16k16": 68}, 128, (24, 24)),
+    ("fp8_e4m3", 32, {"m64n32k16": 68}, 144, (172, 184)), ("fp8_ds_mla", 32, {"m64n32k16": 68}, 128, (176, 188))])
+def test_hopper_fp8_kernel_structure(fmt, rows, wgmma, converts, spills):
+    """The FP8-cache Hopper decode kernel (sm90/decode_fp8.py). Over 64-row Q tiles: the one-softmax kernel's
+    MMAs on its 16-bit ring (36 m64n64k16 and 8 m64n256k16) and a two-warp converter (per thread and tile: 256
+    latent pairs, and fp8_e4m3's 32 rope pairs, by the hardware's two-at-a-time e4m3 conversion). Its narrow
+    form (16- / 32-row tiles): S^T = K Q^T and O^T = V^T P^T with the tile's rows as every MMA's N, so no MMA
+    is padded to 64 query rows (36 + 2 x 16 m64nRk16), and a four-warp converter (half the conversions per
+    thread). Both: every TMA load evict-first, within the 227 KB of shared memory (fp8_ds_mla's scale ring
+    included), no wgmma wait injected by ptxas, nothing read before the prior kernel's end; spills bounded at
+    today's builds (2026-12-04 / 2026-12-06 cross-compiles, the partitions' budgets of sm90/decode_fp8.py), so
+    that a new spill is noticed."""
     pytest.importorskip("triton.experimental.gluon")
-    (rep,) = _reports(extra=("--decode-sm90-fp8", "--kv-format", fmt))
-    assert rep["wgmma"] == {"m64n64k16": 36, "m64n256k16": 8} and not rep["mma_sync"], rep
+    narrow = () if rows == 64 else ("--narrow", str(rows))
+    (rep,) = _reports(extra=("--decode-sm90-fp8", "--kv-format", fmt, *narrow))
+    assert rep["wgmma"] == wgmma and not rep["mma_sync"], rep
     assert rep["e4m3x2_converts"] == converts and rep["e4m3_pair_permutes"] == 0, rep
     assert rep["tma_loads"] > 0 and rep["evict_first_tma_loads"] == rep["tma_loads"], rep
     assert rep["shared_bytes"] <= 227 * 1024, rep

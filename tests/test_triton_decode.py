@@ -194,6 +194,31 @@ def test_gpu_sm90_kernel(heads, q_len, page, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("heads,q_len,block_m", [(16, 1, 16), (3, 4, 16), (8, 3, 32), (32, 1, 32), (16, 2, 32)])
+@pytest.mark.parametrize("page", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_sm90_transposed_kernel(heads, q_len, block_m, page, dtype):
+    """The one-softmax Hopper kernel's transposed form (``DecodeConfig(block_m=16 | 32, use_sm90=True)``: S^T =
+    K Q^T over a Q tile of 16 or 32 rows, padding rows included at 12 and 24 rows) on the same lengths, pages
+    and part counts as ``test_gpu_sm90_kernel``; a request with more rows than the tile is refused."""
+    _sm90_or_skip()
+    lens = [0, 1, 63, 64, 65, 128, 129, 192, 193, q_len - 1 if q_len > 1 else 2, 1000, 3001] + varlen_lens(
+        12, 700, q_len, seed=heads)
+    bounds = DECODE_BOUNDS[("cuda", dtype)]
+    config = DecodeConfig(block_m=block_m, use_sm90=True)
+    for parts in (3, 19, 132):
+        case = DecodeCase(f"sm90t-parts{parts}", lens, q_len, heads, page, parts)
+        check_paged_decode(launcher(config), case, True, dtype, "cuda", bounds)
+    check_paged_decode(launcher(config), DecodeCase("sm90t", lens, q_len, heads, page, None), False, dtype, "cuda",
+                       bounds)
+    q, _, cache, table, seqlens = decode_inputs(DecodeCase("sm90t-wide", [10, 40], q_len, 2 * block_m, page, None),
+                                                dtype, "cuda", 0)
+    meta, splits = get_mla_metadata(seqlens, q_len * 2 * block_m, 1)
+    with pytest.raises(ValueError, match="block_m"):
+        paged_decode_triton(q, cache, table, seqlens, 512, meta, splits, 0.1, True, config)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("b,heads,pdl", [(128, 16, True), (128, 64, True), (4, 16, False), (8, 64, False)])
 def test_gpu_combine_launch_follows_the_batch(b, heads, pdl):
     """From a request per two SMs the combine launches as the main kernel's programmatic dependent (PDL),

@@ -16,7 +16,7 @@ from pagedmla.kernels.triton.common import PrefillConfig
 from pagedmla.kernels.triton.decode import DecodeConfig, paged_decode_triton, select_config
 from pagedmla.kernels.triton.paged_varlen import dequantize_first, paged_varlen_attention
 from pagedmla.kernels.triton.rows import dequantize_pages
-from pagedmla.kernels.triton.sm90.decode_fp8 import sm90_fp8_supported
+from pagedmla.kernels.triton.sm90.decode_fp8 import narrow_block, sm90_fp8_supported
 
 K_SCALE = torch.tensor([0.004])
 
@@ -163,9 +163,9 @@ def test_e4m3_decode_takes_query_rows_of_any_magnitude(device):
 @pytest.mark.parametrize("heads", [16, 32, 64])
 def test_repeated_fp8_decode_calls_read_their_own_cache_and_scale(kv_format, heads):
     """A call shape's second and later calls launch the bound kernel (``launch.BoundLaunch``) with only the
-    addresses changed: each call must read its own cache, q and (fp8_e4m3) k_scale, by TMA (pages of 64) and
-    by pointer loads (pages of 16). Up to 32 query rows the kernel reads the latent bytes as words
-    (``decode.fp8_pairs``); 64 rows does not."""
+    addresses changed: each call must read its own cache, q and (fp8_e4m3) k_scale: the Hopper kernel by TMA
+    (pages of 64; its narrow form up to 32 query rows), the portable one by pointer loads (pages of 16), which
+    up to 32 rows reads the latent bytes as words (``decode.fp8_pairs``)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     lens = [70, 130, 1]
@@ -316,11 +316,15 @@ def _hopper_fp8_case(kv_format, lens, q_len, heads, key):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_format", ["fp8_e4m3", "fp8_ds_mla"])
-@pytest.mark.parametrize("q_len, heads", [(1, 32), (1, 64), (2, 64), (1, 128), (2, 128)])
+@pytest.mark.parametrize("q_len, heads", [(1, 4), (1, 16), (2, 8), (3, 8), (2, 16), (1, 32), (1, 64), (2, 64),
+                                          (1, 128), (2, 128)])
 def test_gpu_hopper_fp8_decode_matches_the_oracle(kv_format, q_len, heads):
-    """More than 16 query rows on an FP8 cache run the Hopper kernel (converted in shared memory) on sm_90:
-    against the float64 oracle on the dequantised rows, lengths 0 / 1 / 63 / 64 / 65 and long ones, scattered
-    pages, NaN in every unused slot (of the requests' last pages too), bf16 queries of magnitude ~2."""
+    """An FP8 cache runs the Hopper kernel (converted in shared memory) on sm_90: its narrow form (S^T = K Q^T
+    over a 16- or 32-row Q tile, padding rows included at 4 / 24 rows) where ``narrow_block`` picks it, the
+    64-row tiles above 32 rows, and the portable kernel for fp8_e4m3 up to 16 rows; the narrow form is also
+    forced on every request of up to 32 rows. Against the float64 oracle on the dequantised rows, lengths 0 /
+    1 / 63 / 64 / 65 and long ones, scattered pages, NaN in every unused slot (of the requests' last pages
+    too), bf16 queries of magnitude ~2."""
     if not torch.cuda.is_available() or not sm90_fp8_supported(
             torch.empty(1, 576, dtype=torch.bfloat16, device="cuda"),
             torch.empty(1, 64, 1, 576 if kv_format == "fp8_e4m3" else 656, dtype=torch.uint8, device="cuda"), 512,
@@ -329,28 +333,38 @@ def test_gpu_hopper_fp8_decode_matches_the_oracle(kv_format, q_len, heads):
     lens = [0, 1, 63, 64, 65, 700, 1500]
     q, cache, seqlens, (md, ns), kw = _hopper_fp8_case(kv_format, lens, q_len, heads, (q_len, heads))
     k_cache = cache.k_cache.cuda()
-    assert select_config(q, k_cache, 512, None, kv_format).use_sm90
-    out, lse = pagedmla.flash_mla_with_kvcache(q, k_cache, cache.block_table.cuda(), seqlens, 512, md, ns,
-                                               causal=True, provider="triton", **kw)
+    rows = q_len * heads
+    narrow = narrow_block(rows, kv_format)
+    cfg = select_config(q, k_cache, 512, None, kv_format)
+    assert cfg.use_sm90 == (rows > 16 or narrow is not None) and cfg.block_m == (narrow or (64 if rows > 16 else 16))
     b = len(lens)
     qo = [q_len * i for i in range(b + 1)]
     ref_out, ref_lse = dense_paged(q.cpu().reshape(b * q_len, heads, 576), qo, cache.rows, 576 ** -0.5, True, 512)
     ref_out = ref_out.reshape(b, q_len, heads, 512)
     ref_lse = ref_lse.reshape(b, q_len, heads).transpose(1, 2)
-    assert_attention_close(out.cpu(), lse.cpu(), ref_out, ref_lse, TOLERANCES[torch.bfloat16], kv_format)
     live = torch.tensor(lens) > 0
-    assert cos_diff(out.cpu()[live], ref_out[live]) < 1e-5
+    results = [pagedmla.flash_mla_with_kvcache(q, k_cache, cache.block_table.cuda(), seqlens, 512, md, ns,
+                                               causal=True, provider="triton", **kw)]
+    if rows <= 32:
+        forced = DecodeConfig(block_m=16 if rows <= 16 else 32, use_sm90=True)
+        results.append(paged_decode_triton(q, k_cache, cache.block_table.cuda(), seqlens, 512, md, ns, 576 ** -0.5,
+                                           True, config=forced, kv_format=kv_format, k_scale=kw.get("k_scale")))
+    for out, lse in results:
+        assert_attention_close(out.cpu(), lse.cpu(), ref_out, ref_lse, TOLERANCES[torch.bfloat16], kv_format)
+        assert cos_diff(out.cpu()[live], ref_out[live]) < 1e-5
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_format", ["fp8_e4m3", "fp8_ds_mla"])
-def test_gpu_hopper_fp8_decode_poisons_a_bad_page_only(kv_format):
+@pytest.mark.parametrize("heads", [16, 64])
+def test_gpu_hopper_fp8_decode_poisons_a_bad_page_only(kv_format, heads):
     """A page id beyond the cache in one request's block table: that request's rows are NaN and the error word
-    names the block table; every other request's result is bit-identical to a clean run's."""
+    names the block table; every other request's result is bit-identical to a clean run's (16 heads: the
+    narrow form on fp8_ds_mla, the portable kernel on fp8_e4m3; 64 heads: the 64-row tiles)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     lens = [300, 200, 130]
-    q, cache, seqlens, (md, ns), kw = _hopper_fp8_case(kv_format, lens, 1, 64, "bad-page")
+    q, cache, seqlens, (md, ns), kw = _hopper_fp8_case(kv_format, lens, 1, heads, ("bad-page", heads))
     k_cache, table = cache.k_cache.cuda(), cache.block_table.cuda()
     if not sm90_fp8_supported(q, k_cache, 512, kv_format):
         pytest.skip("needs an sm_90 GPU with Gluon")
@@ -368,13 +382,15 @@ def test_gpu_hopper_fp8_decode_poisons_a_bad_page_only(kv_format):
 
 
 @pytest.mark.gpu
-def test_gpu_hopper_fp8_decode_takes_a_negative_k_scale():
+@pytest.mark.parametrize("heads", [32, 64])
+def test_gpu_hopper_fp8_decode_takes_a_negative_k_scale(heads):
     """value = fp8 x k_scale whatever its sign: the Hopper kernel moves a negative scale's sign into Q (its
     softmax keeps unscaled row maxima, which need a positive score scale), so scores spread over hundreds in
-    log2 units must still match the oracle instead of overflowing."""
+    log2 units must still match the oracle instead of overflowing (32 heads: the narrow form; 64: the 64-row
+    tiles)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    lens, heads = [700, 130], 64
+    lens = [700, 130]
     scale = torch.tensor([-0.004])
     cache = make_paged_cache(lens, 64, 576, generator=gen("triton-fp8-sm90-negative"), scale=0.3,
                              kv_format="fp8_e4m3", k_scale=scale.item(),

@@ -66,7 +66,7 @@ from pagedmla.kernels.triton.launch import CachedKernel, current_stream
 from pagedmla.kernels.triton.metadata import part_bounds, request_span, schedule_matches
 from pagedmla.kernels.triton.sm90 import seesaw
 from pagedmla.kernels.triton.sm90.decode import sm90_main_args
-from pagedmla.kernels.triton.sm90.decode_fp8 import sm90_fp8_main_args, sm90_fp8_supported
+from pagedmla.kernels.triton.sm90.decode_fp8 import narrow_block, sm90_fp8_main_args, sm90_fp8_supported
 from pagedmla.kernels.triton.sm90.mla import sm90_supported
 from pagedmla.kernels.triton.sm90.pipeline import tma_rows
 from pagedmla.split_plan import BLOCK_N as SCHED_BLOCK_N
@@ -88,8 +88,12 @@ class DecodeConfig:
     v5); on the H200 it made 16-row tiles 6-13% and 32-row tiles 14-16% faster;
     use_sm90: run a Hopper Gluon main kernel (64-row tiles, warp-specialised, wgmma) instead: the seesaw one
     (``sm90/seesaw.py``) for requests of at least ``SEESAW_MIN_ROWS`` query rows, ``sm90/decode.py``'s below,
-    ``sm90/decode_fp8.py``'s on an FP8 cache; the other fields do not apply to them. Without a config,
-    requests of more than 16 query rows use one wherever ``sm90_supported`` (``sm90_fp8_supported``) holds.
+    ``sm90/decode_fp8.py``'s on an FP8 cache; block_m 16 or 32 runs ``sm90/decode.py``'s or
+    ``sm90/decode_fp8.py``'s narrow (transposed) form, for requests of at most that many rows; the other
+    fields do not apply to them. Without a config, requests of more than 16 query
+    rows use one wherever ``sm90_supported`` holds, and on an FP8 cache where ``sm90_fp8_supported`` does
+    (its narrow form for the rows of ``decode_fp8.NARROW_ROWS``: all up to 32 for fp8_ds_mla, 17-32 for
+    fp8_e4m3).
     """
 
     block_m: int
@@ -763,12 +767,16 @@ class _DecodePlan:
                 kernel, grid, args, options = sm90_fp8_main_args(q_rows, k_cache, self.kv_fmt, k_scale, block_table,
                                                                  cache_seqlens, metadata, num_splits, self.scale,
                                                                  self.causal, out, lse, partials, err, self.pdl,
-                                                                 self.wait_prior)
+                                                                 self.wait_prior, self.cfg.block_m)
+            elif self.rows >= seesaw.SEESAW_MIN_ROWS:
+                kernel, grid, args, options = seesaw.seesaw_main_args(q_rows, k_cache, block_table, cache_seqlens,
+                                                                      metadata, num_splits, self.scale, self.causal,
+                                                                      out, lse, partials, err, self.pdl,
+                                                                      self.wait_prior)
             else:
-                main_args = seesaw.seesaw_main_args if self.rows >= seesaw.SEESAW_MIN_ROWS else sm90_main_args
-                kernel, grid, args, options = main_args(q_rows, k_cache, block_table, cache_seqlens, metadata,
-                                                        num_splits, self.scale, self.causal, out, lse, partials,
-                                                        err, self.pdl, self.wait_prior)
+                kernel, grid, args, options = sm90_main_args(q_rows, k_cache, block_table, cache_seqlens, metadata,
+                                                             num_splits, self.scale, self.causal, out, lse, partials,
+                                                             err, self.pdl, self.wait_prior, self.cfg.block_m)
             own_q = q_rows.data_ptr() == q_in.data_ptr()
         else:
             kernel, grid, args, options = _portable_main_args(q, k_cache, block_table, cache_seqlens, metadata,
@@ -826,7 +834,7 @@ def paged_decode_triton(
     results when given, e.g. a CUDA graph's static buffers; ``config`` overrides the tile shape (benchmarks
     sweep it). On sm_90 GPUs, with pages a multiple of 64, requests of more than 16 query rows run a Hopper
     main kernel (bf16/fp16 caches: ``sm90/seesaw.py`` from 128 rows, ``sm90/decode.py`` below; FP8 caches:
-    ``sm90/decode_fp8.py``). No host
+    ``sm90/decode_fp8.py``, whose narrow form also takes fp8_ds_mla's requests of up to 16 rows). No host
     synchronisation: capturable in a CUDA graph.
     """
     key = (q.shape, q.stride(), q.dtype, q.get_device(), k_cache.shape, k_cache.stride(), k_cache.dtype,
@@ -897,15 +905,19 @@ def launch_combine(out: torch.Tensor, lse: torch.Tensor, partials: torch.Tensor,
 def select_config(q: torch.Tensor, k_cache: torch.Tensor, head_dim_v: int,
                   config: DecodeConfig | None = None, kv_format: str | None = None) -> DecodeConfig:
     """The main-kernel config ``paged_decode_triton`` runs for these inputs: ``config`` (checked), else the
-    Hopper kernel for more than 16 query rows where ``sm90_supported`` (an FP8 ``kv_format``:
-    ``sm90_fp8_supported``) holds, else ``default_config`` with no more column chunks than
-    keep each 16 columns wide (the dots' least depth: head_dim_v 16 or 32 run one or two chunks)."""
+    Hopper kernel for more than 16 query rows where ``sm90_supported`` holds (an FP8 ``kv_format``:
+    ``sm90_fp8_supported``, 16- / 32-row tiles where ``narrow_block`` gives one, fp8_ds_mla's requests of up
+    to 16 rows included), else ``default_config`` with no more column chunks than keep each 16 columns wide
+    (the dots' least depth: head_dim_v 16 or 32 run one or two chunks)."""
     rows = q.shape[1] * q.shape[2]
     if kv_format is None:
         hopper = sm90_supported(q, k_cache, head_dim_v)
     else:
         hopper = sm90_fp8_supported(q, k_cache, head_dim_v, kv_format)
+    narrow = narrow_block(rows, kv_format) if kv_format is not None else None
     if config is None:
+        if narrow is not None and hopper:
+            return DecodeConfig(block_m=narrow, use_sm90=True)
         if rows >= SM90_MIN_ROWS and hopper:
             return DecodeConfig(block_m=64, use_sm90=True)
         cfg = default_config(rows, kv_format is not None)
@@ -917,6 +929,9 @@ def select_config(q: torch.Tensor, k_cache: torch.Tensor, head_dim_v: int,
             raise ValueError("config: use_sm90 needs an sm_90 GPU, Triton's Gluon, bf16/fp16 q, a cache of q's "
                              "dtype or an FP8 one, head dims 576/512, pages a multiple of 64 and a contiguous "
                              "cache")
+        if config.block_m != 64 and not (config.block_m in (16, 32) and rows <= config.block_m):
+            raise ValueError(f"config: use_sm90 takes block_m 64, or 16 / 32 (the transposed form) for requests of "
+                             f"at most that many query rows; got block_m {config.block_m} for {rows} rows")
     elif (SCHED_BLOCK_N % config.block_n or config.block_m not in (16, 32, 64) or config.chunks not in (1, 2, 4)
             or head_dim_v // config.chunks < 16):
         raise ValueError(f"config: block_n must divide {SCHED_BLOCK_N}, block_m be 16, 32 or 64, chunks 1, 2 or 4 "

@@ -73,27 +73,31 @@ if HAVE_GLUON:
     @gluon.jit
     def _store_half(o, scale, lse2, col0, is_direct, out_ptr, lse_ptr, partials_ptr, PIECES, b, piece, pid_m,
                     H, Q_LEN, ROWS, stride_ob, stride_ot, stride_oh, WRITE_LSE: gl.constexpr,
-                    layout: gl.constexpr):
+                    layout: gl.constexpr, TRANSPOSED: gl.constexpr = False):
         """Columns col0 .. col0 + 255 of the tile's result: normalised into ``out`` (and LSE, natural log)
         when the request is in one piece, else into the fp32 partial row ``piece`` (and log2 LSE) of the
         partials buffer (``common.partials_views``: fp32 values; 16-bit ones were 7-11% slower at batch 1-8,
-        benchmarks/NOTES.md decode v22, perhaps as the MMA layout then stores half sectors)."""
-        rows = pid_m * mla._BM + gl.arange(0, mla._BM, layout=gl.SliceLayout(1, layout))
-        cols = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, layout))
+        benchmarks/NOTES.md decode v22, perhaps as the MMA layout then stores half sectors). ``TRANSPOSED``:
+        o is O^T [256, rows] (``mla.py``); a store then writes 8 consecutive columns of 4 rows, whole
+        32-byte sectors of the fp32 partials."""
+        KD: gl.constexpr = mla.key_dim(TRANSPOSED)
+        R: gl.constexpr = o.shape[1 - KD]
+        rows = pid_m * R + gl.arange(0, R, layout=gl.SliceLayout(KD, layout))
+        cols = gl.expand_dims(col0 + gl.arange(0, 256, layout=gl.SliceLayout(1 - KD, layout)), 1 - KD)
         row_ok = rows < ROWS
-        o = o * scale[:, None]
+        o = o * gl.expand_dims(scale, KD)
         if is_direct:
             t = rows // H
             h = rows % H
             o_row = b.to(gl.int64) * stride_ob + t.to(gl.int64) * stride_ot + h * stride_oh
-            gl.store(out_ptr + o_row[:, None] + cols[None, :], o.to(out_ptr.dtype.element_ty),
-                     mask=row_ok[:, None])
+            gl.store(out_ptr + gl.expand_dims(o_row, KD) + cols, o.to(out_ptr.dtype.element_ty),
+                     mask=gl.expand_dims(row_ok, KD))
             if WRITE_LSE:
                 gl.store(lse_ptr + b.to(gl.int64) * ROWS + h * Q_LEN + t, lse2 * _LN2, mask=row_ok)
         else:
             _, pval_ptr, plse_ptr = partials_views(partials_ptr, out_ptr, PIECES, ROWS, mla._DV, False)
             p_row = piece.to(gl.int64) * ROWS + rows
-            gl.store(pval_ptr + p_row[:, None] * mla._DV + cols[None, :], o, mask=row_ok[:, None],
+            gl.store(pval_ptr + gl.expand_dims(p_row, KD) * mla._DV + cols, o, mask=gl.expand_dims(row_ok, KD),
                      eviction_policy=PARTIALS_EVICTION)
             if WRITE_LSE:
                 gl.store(plse_ptr + p_row, lse2, mask=row_ok, eviction_policy=PARTIALS_EVICTION)
@@ -126,7 +130,7 @@ if HAVE_GLUON:
     def _loader(q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, CAPACITY, num_pages, seqlens_ptr,
                 meta_ptr, splits_ptr, partials_ptr, err_ptr, B, PARTS, ROWS, q_smem, q_pe_smem, kv_ring, kv_pe_ring,
                 q_ready, q_free, kv_ready, kv_empty, page_flags, PAGE: gl.constexpr, META_W: gl.constexpr):
-        pid_m = gl.program_id(0)
+        q_row0 = gl.program_id(0) * q_smem.shape[0]
         begin_req, begin_blk, end_req, end_blk, _ = part_bounds(meta_ptr, gl.program_id(1), B - 1, META_W)
         it = 0
         nq = 0
@@ -136,7 +140,7 @@ if HAVE_GLUON:
             if tok_lo < tok_hi:
                 # Q of the previous request stays until warpgroup 0's last S of it is done.
                 mbarrier.wait(q_free, free_phase(nq, 1))
-                mla.load_q(q_desc, q_pe_desc, b * ROWS + pid_m * mla._BM, q_smem, q_pe_smem, q_ready)
+                mla.load_q(q_desc, q_pe_desc, b * ROWS + q_row0, q_smem, q_pe_smem, q_ready)
                 it = mla.load_kv_tiles(kv_desc, kv_pe_desc, bt_row, first_page, tok_lo, tok_hi, it, kv_ring,
                                        kv_pe_ring, kv_ready, kv_empty, page_flags.index(nq % 2), num_pages, PAGE)
                 nq += 1
@@ -148,17 +152,23 @@ if HAVE_GLUON:
         p_ready, p_free, page_flags, PIECES, CAPACITY, seqlens_ptr, meta_ptr, splits_ptr, out_ptr,
         lse_ptr, partials_ptr, err_ptr, B, PARTS, H, Q_LEN, ROWS, qk_scale, stride_ob, stride_ot, stride_oh,
         kv_scale_ptr, q_scale_smem, CAUSAL: gl.constexpr, PAGE: gl.constexpr, META_W: gl.constexpr,
-        KV_FMT: gl.constexpr,
+        KV_FMT: gl.constexpr, TRANSPOSED: gl.constexpr = False,
     ):
         # An FP8 cache (KV_FMT > 0, ``decode_fp8.py``): the power of two that took each Q tile into fp16
         # (``q_scale_smem``) and fp8_e4m3's |scale| multiply the scores; the scale multiplies the outputs.
+        # TRANSPOSED: S^T and O^T over a Q tile of 16 or 32 rows (``mla.py``), one tile per request.
         v_scale = mla.kv_scale(kv_scale_ptr, KV_FMT == 1)
-        s_layout: gl.constexpr = mla.S_LAYOUT
-        o_layout: gl.constexpr = mla.O_LAYOUT
-        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+        R: gl.constexpr = q_smem.shape[0]
+        if TRANSPOSED:
+            s_layout: gl.constexpr = mla.transposed_layout(R)
+            o_layout: gl.constexpr = mla.transposed_layout(R)
+        else:
+            s_layout: gl.constexpr = mla.S_LAYOUT
+            o_layout: gl.constexpr = mla.O_LAYOUT
+        row_l: gl.constexpr = gl.SliceLayout(mla.key_dim(TRANSPOSED), s_layout)
         pid_m = gl.program_id(0)
         begin_req, begin_blk, end_req, end_blk, begin_split = part_bounds(meta_ptr, gl.program_id(1), B - 1, META_W)
-        rows = pid_m * mla._BM + gl.arange(0, mla._BM, layout=row_l)
+        rows = pid_m * R + gl.arange(0, R, layout=row_l)
         t = rows // H
         it = 0
         nq = 0
@@ -173,7 +183,7 @@ if HAVE_GLUON:
                     lim = gl.minimum(first_masked + t, seqlen)
                 else:
                     first_masked = seqlen
-                    lim = gl.zeros([mla._BM], dtype=gl.int32, layout=row_l) + seqlen
+                    lim = gl.zeros([R], dtype=gl.int32, layout=row_l) + seqlen
                 mbarrier.wait(q_ready, phase(nq, 1))
                 qk = qk_scale
                 if KV_FMT > 0:
@@ -185,26 +195,30 @@ if HAVE_GLUON:
                 o, m_i, l_i, it, npm = mla.softmax_tiles(it, npm, tok_lo, tok_hi, first_masked, lim, seqlen, qk,
                                                          q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem,
                                                          q_free, kv_ready, kv_empty, p_ready, p_free, s_layout,
-                                                         o_layout, False)
+                                                         o_layout, False, TRANSPOSED)
                 bits = bits | gl.where(mla.pages_ok(page_flags.index(nq % 2)), 0, BLOCK_TABLE)
                 report(err_ptr, bits)
                 inv_l, lse2 = mla.softmax_finish(m_i, l_i, qk, bits != 0, npm, scale_smem, p_ready, p_free)
                 npm += 1
                 nq += 1
                 is_direct, piece = _piece(splits_ptr, b, begin_req, begin_split, PIECES)
-                _store_half(o, gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)) * v_scale,
-                            gl.convert_layout(lse2, gl.SliceLayout(1, o_layout)), 0, is_direct,
-                            out_ptr, lse_ptr, partials_ptr, PIECES, b, piece, pid_m, H, Q_LEN, ROWS,
-                            stride_ob, stride_ot, stride_oh, True, o_layout)
+                o_row_l: gl.constexpr = gl.SliceLayout(mla.key_dim(TRANSPOSED), o_layout)
+                _store_half(o, gl.convert_layout(inv_l, o_row_l) * v_scale, gl.convert_layout(lse2, o_row_l), 0,
+                            is_direct, out_ptr, lse_ptr, partials_ptr, PIECES, b, piece, pid_m, H, Q_LEN, ROWS,
+                            stride_ob, stride_ot, stride_oh, True, o_layout, TRANSPOSED)
 
     @gluon.jit
     def _value_warpgroup(
         kv_ring, p_smem, scale_smem, kv_ready, kv_empty, p_ready, p_free, PIECES, CAPACITY, seqlens_ptr, meta_ptr,
         splits_ptr, out_ptr, lse_ptr, partials_ptr, B, PARTS, H, Q_LEN, ROWS, stride_ob, stride_ot, stride_oh,
         kv_scale_ptr, PAGE: gl.constexpr, META_W: gl.constexpr, KV_FMT: gl.constexpr,
+        TRANSPOSED: gl.constexpr = False,
     ):
         v_scale = mla.kv_scale(kv_scale_ptr, KV_FMT == 1)
-        o_layout: gl.constexpr = mla.O_LAYOUT
+        if TRANSPOSED:
+            o_layout: gl.constexpr = mla.transposed_layout(p_smem.shape[1])
+        else:
+            o_layout: gl.constexpr = mla.O_LAYOUT
         pid_m = gl.program_id(0)
         begin_req, begin_blk, end_req, end_blk, begin_split = part_bounds(meta_ptr, gl.program_id(1), B - 1, META_W)
         it = 0
@@ -214,10 +228,10 @@ if HAVE_GLUON:
                                                      CAPACITY, mla._BN)
             if tok_lo < tok_hi:
                 o, inv_l, it, npm = mla.value_tiles(it, npm, tok_lo, tok_hi, seqlen, kv_ring, p_smem, scale_smem,
-                                                    kv_ready, kv_empty, p_ready, p_free, o_layout, False)
+                                                    kv_ready, kv_empty, p_ready, p_free, o_layout, False, TRANSPOSED)
                 is_direct, piece = _piece(splits_ptr, b, begin_req, begin_split, PIECES)
                 _store_half(o, inv_l * v_scale, inv_l, 256, is_direct, out_ptr, lse_ptr, partials_ptr, PIECES, b, piece,
-                            pid_m, H, Q_LEN, ROWS, stride_ob, stride_ot, stride_oh, False, o_layout)
+                            pid_m, H, Q_LEN, ROWS, stride_ob, stride_ot, stride_oh, False, o_layout, TRANSPOSED)
 
     @gluon.jit
     def _decode_sm90_kernel(
@@ -225,7 +239,7 @@ if HAVE_GLUON:
         out_ptr, lse_ptr, partials_ptr, err_ptr,
         B, PARTS, H, Q_LEN, ROWS, qk_scale, stride_btb, PIECES, CAPACITY, num_pages, stride_ob, stride_ot, stride_oh,
         CAUSAL: gl.constexpr, PAGE: gl.constexpr, META_W: gl.constexpr, PDL: gl.constexpr,
-        WAIT_PRIOR: gl.constexpr,
+        WAIT_PRIOR: gl.constexpr, TRANSPOSED: gl.constexpr = False,
     ):
         if PDL:
             # One program per SM part, all resident at once: let the combine kernel's programs be scheduled
@@ -234,16 +248,16 @@ if HAVE_GLUON:
         if WAIT_PRIOR:
             wait_prior_grids()
         (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, p_ready, p_free, kv_ready,
-         kv_empty, page_flags) = mla.mla_buffers(q_desc, q_pe_desc, q_desc.dtype)
+         kv_empty, page_flags) = mla.mla_buffers(q_desc, q_pe_desc, q_desc.dtype, TRANSPOSED)
         gl.warp_specialize(
             [(_softmax_warpgroup, (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free,
                                    kv_ready, kv_empty, p_ready, p_free, page_flags, PIECES, CAPACITY,
                                    seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr, partials_ptr, err_ptr, B,
                                    PARTS, H, Q_LEN, ROWS, qk_scale, stride_ob, stride_ot, stride_oh, None, None,
-                                   CAUSAL, PAGE, META_W, 0)),
+                                   CAUSAL, PAGE, META_W, 0, TRANSPOSED)),
              (_value_warpgroup, (kv_ring, p_smem, scale_smem, kv_ready, kv_empty, p_ready, p_free, PIECES, CAPACITY,
                                  seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr, partials_ptr, B, PARTS, H,
-                                 Q_LEN, ROWS, stride_ob, stride_ot, stride_oh, None, PAGE, META_W, 0)),
+                                 Q_LEN, ROWS, stride_ob, stride_ot, stride_oh, None, PAGE, META_W, 0, TRANSPOSED)),
              (_loader, (q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, CAPACITY, num_pages,
                         seqlens_ptr, meta_ptr, splits_ptr, partials_ptr, err_ptr, B, PARTS, ROWS, q_smem, q_pe_smem,
                         kv_ring, kv_pe_ring, q_ready, q_free, kv_ready, kv_empty, page_flags, PAGE, META_W))],
@@ -256,7 +270,7 @@ _MAIN = CachedKernel(_decode_sm90_kernel, ptx_pass=tma_loads_evict_first) if HAV
 
 
 def sm90_main_args(q_rows, k_cache, block_table, cache_seqlens, metadata, num_splits, softmax_scale, causal,
-                   out, lse, partials, err, pdl: bool = False, wait_prior: bool = False):
+                   out, lse, partials, err, pdl: bool = False, wait_prior: bool = False, block_m: int = BLOCK_M):
     """(kernel, grid, args, options) of the main kernel over ``q_rows`` (q as [b * rows, 576] from
     ``tma_rows``): results of one-piece requests into out / lse, the rest into ``partials`` (decode.py's
     ``partials_size`` layout; the portable launcher allocates it and runs the combine kernel afterwards).
@@ -266,11 +280,11 @@ def sm90_main_args(q_rows, k_cache, block_table, cache_seqlens, metadata, num_sp
     b, q_len, h, _ = out.shape
     rows = q_len * h
     parts = metadata.shape[0]
-    args = (*mla_descriptors(q_rows, k_cache.view(-1, D_QK)),
+    args = (*mla_descriptors(q_rows, k_cache.view(-1, D_QK), block_m),
             block_table, cache_seqlens, metadata, num_splits, out, lse, partials, err,
             b, parts, h, q_len, rows, softmax_scale * LOG2E, block_table.stride(0), b + parts,
             block_table.shape[1] * k_cache.shape[1], k_cache.shape[0],
             out.stride(0), out.stride(1), out.stride(2))
     options = dict(CAUSAL=bool(causal), PAGE=k_cache.shape[1], META_W=METADATA_WIDTH, PDL=pdl, num_warps=4,
-                   **wait_prior_options(wait_prior))
-    return _MAIN, (-(-rows // BLOCK_M), metadata.shape[0], 1), args, options
+                   TRANSPOSED=block_m < BLOCK_M, **wait_prior_options(wait_prior))
+    return _MAIN, (-(-rows // block_m), metadata.shape[0], 1), args, options

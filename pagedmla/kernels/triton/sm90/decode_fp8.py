@@ -4,7 +4,7 @@
 ring, and a two-warp converter fills that ring from the FP8 bytes the loader warp's TMA brings, so the cache
 is read at its own size and widened once per tile, in shared memory, between the TMA load and the MMAs. Two
 warps, not four: past 12 warps Triton caps every thread at 128 registers (the kernel's 65536 / 16 warps) and
-the MMA warpgroups' 64 x 256 accumulators no longer compile.
+the MMA warpgroups' 64 x 256 accumulators no longer compile (the narrow form's, below, do: it has four).
 
 Why in place: the 16-bit kernel already uses 229 KB of the SM's 227 KiB (Q 72 KB, two 72 KB ring slots, P)
 and leaves no room for an FP8 staging ring. So the loader's TMA writes a tile's FP8 bytes into the upper
@@ -23,6 +23,16 @@ tile, times one power of two that takes the tile's largest magnitude to just bel
 (``common.fp16_row_scale``: a tile's rows share it, since fp16 keeps values down to 2^-24 of that largest
 magnitude at an absolute error far below bf16's own rounding); the scores take its inverse. Padding rows
 past the request's (the next requests' rows, or TMA's zeros) do not enter the maximum.
+
+Narrow form (requests of up to 32 query rows: 16 / 32 heads at q_len 1, 16 heads at q_len 2, the
+memory-bound cells an FP8 cache exists for; ``NARROW_ROWS`` per format): the Q tile holds 16 or 32 rows
+and the warpgroups run ``mla.py``'s ``TRANSPOSED`` steps, S^T = K Q^T [64 keys, rows] and O^T = V^T P^T
+[512, rows], the keys being every MMA's 64-row M. The 64-row form pads such a request to 64 query rows:
+per tile 36 m64n64k16 and 8 m64n256k16 (8.9 MFLOP, ~2.5 us on the H200 at the one-softmax kernel's rate),
+more than the tile's 36 KB of FP8 take to stream (~1.2 us at an SM's share of the bandwidth); the narrow
+form issues 36 m64nRk16 for S^T and 2 x 16 for O^T (2.2 / 4.5 MFLOP at 16 / 32 rows), and its converter
+has four warps, not two (``_converter_warps``). Loader, ring and guards are the same; the rows of a 16- or
+32-row tile past the request's (the next request's q, or TMA's zeros) are computed and never stored.
 
 Barriers beyond ``decode.py``'s: the TMA completes ``q_landed`` / ``kv_landed`` (the loader's), the converter
 arrives on ``q_ready`` / ``kv_ready``, which the MMA warpgroups wait on as before; both still free a slot
@@ -61,6 +71,12 @@ if HAVE_GLUON:
     from pagedmla.kernels.triton.sm90.pipeline import free_phase, launch_dependents, phase, wait_prior_grids
 
 _FORMAT_IDS = {"fp8_e4m3": 1, "fp8_ds_mla": 2}
+# The query rows per request (first, last) that run the narrow (transposed) form by default, per format:
+# measured against the 64-row tiles (17-32 rows) and the portable kernel (up to 16 rows) on an H100
+# (benchmarks/NOTES.md, FP8, "The narrow form"): faster on every fp8_ds_mla cell and on fp8_e4m3 from 17
+# rows, slower on fp8_e4m3 up to 16 rows, where the portable kernel keeps its two programs per SM. A module
+# variable, so that benchmarks can time either choice.
+NARROW_ROWS = {"fp8_e4m3": (17, 32), "fp8_ds_mla": (1, 32)}
 
 if HAVE_GLUON:
     _DS_SC_COL = gl.constexpr(DS_SCALES_OFFSET // 4)  # fp8_ds_mla's scales, in float32 columns of a row
@@ -68,13 +84,30 @@ if HAVE_GLUON:
     _DS_TILE = gl.constexpr(DS_TILE)
     _DS_TILES = gl.constexpr(DS_TILES)
     _PE = gl.constexpr(ROPE_DIM)
-    # The converter's register tiles (two warps): 16 consecutive bytes (one 16-byte shared load) of a
-    # 128-column latent box per thread, 8 threads to a box row; 8 consecutive 16-bit values of a 64-column
-    # Q / rope box.
-    _CONVERTER_WARPS = gl.constexpr(2)
-    _BYTES = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [2, 1], [1, 0]))
-    _HALVES = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [2, 1], [1, 0]))
-    _ONE = gl.constexpr(gl.BlockedLayout([1], [32], [2], [0]))
+
+    @gluon.constexpr_function
+    def _converter_warps(transposed):
+        """The converter's warps: two beside the 64-row form's MMA warpgroups (past 12 warps Triton caps every
+        thread at 128 registers, and their 64 x 256 accumulators no longer compile), four beside the narrow
+        form's, whose O^T halves are 256 x 16 / 32 (its MMAs wait on the conversion otherwise)."""
+        return 4 if transposed else 2
+
+    @gluon.constexpr_function
+    def _worker_regs(transposed):
+        """Registers per thread of the value warpgroup, the loader and the converter (spills by budget:
+        benchmarks/NOTES.md, FP8, "The Hopper FP8 decode" and "The narrow form")."""
+        return [128, 24, 96] if transposed else [168, 24, 96]
+
+    @gluon.constexpr_function
+    def _bytes_layout(warps):
+        """Converter register tile: 16 consecutive bytes (one 16-byte shared load) of a 128-column latent box
+        per thread, 8 threads to a box row."""
+        return gl.BlockedLayout([1, 16], [4, 8], [warps, 1], [1, 0])
+
+    @gluon.constexpr_function
+    def _halves_layout(warps):
+        """Converter register tile: 8 consecutive 16-bit values of a 64-column Q / rope box per thread."""
+        return gl.BlockedLayout([1, 8], [4, 8], [warps, 1], [1, 0])
 
 @functools.cache
 def _fp8_layout(rows: int, width: int):
@@ -154,7 +187,7 @@ if HAVE_GLUON:
                     kv_ring, kv_pe_ring, sc_ring, q_landed, q_free, kv_landed, kv_empty, page_flags,
                     PAGE: gl.constexpr, META_W: gl.constexpr, KV_FMT: gl.constexpr):
         lat8, pe_in = _fp8_views(kv_ring, kv_pe_ring, lat_desc, pe_desc, KV_FMT)
-        pid_m = gl.program_id(0)
+        q_row0 = gl.program_id(0) * q_smem.shape[0]
         begin_req, begin_blk, end_req, end_blk, _ = part_bounds(meta_ptr, gl.program_id(1), B - 1, META_W)
         it = 0
         nq = 0
@@ -164,20 +197,21 @@ if HAVE_GLUON:
                                                                            CAPACITY, PAGE)
             if tok_lo < tok_hi:
                 mbarrier.wait(q_free, free_phase(nq, 1))
-                mla.load_q(q_desc, q_pe_desc, b * ROWS + pid_m * mla._BM, q_smem, q_pe_smem, q_landed)
+                mla.load_q(q_desc, q_pe_desc, b * ROWS + q_row0, q_smem, q_pe_smem, q_landed)
                 it = _load_fp8_tiles(lat_desc, pe_desc, sc_desc, bt_row, first_page, tok_lo, tok_hi, it, lat8, pe_in,
                                      sc_ring, kv_landed, kv_empty, page_flags.index(nq % 2), num_pages, PAGE, KV_FMT)
                 nq += 1
         hopper_decode.schedule_verdict(seqlens_ptr, meta_ptr, splits_ptr, partials_ptr, err_ptr, B, PARTS)
 
     @gluon.jit
-    def _convert_q(q_smem, q_pe_smem, q16, q_pe16, q_scale_smem, valid_rows, q_sign):
-        """Q of one request's 64-row tile, in place, to fp16 times the power of two of its rows below
-        ``valid_rows`` and ``q_sign`` (+-1: fp8_e4m3's k_scale may be negative, and the softmax needs a
-        positive score scale); the inverse power of two goes to ``q_scale_smem`` for the softmax
-        warpgroup. Each thread rewrites the elements it read (the same layout both times), so no barrier
-        sits between reads and writes."""
-        rows = gl.arange(0, mla._BM, layout=gl.SliceLayout(1, _HALVES))
+    def _convert_q(q_smem, q_pe_smem, q16, q_pe16, q_scale_smem, valid_rows, q_sign, CW: gl.constexpr):
+        """Q of one request's row tile (64 rows, or the narrow form's 16 / 32), in place, to fp16 times the
+        power of two of its rows below ``valid_rows`` and ``q_sign`` (+-1: fp8_e4m3's k_scale may be negative,
+        and the softmax needs a positive score scale); the inverse power of two goes to ``q_scale_smem`` for
+        the softmax warpgroup. Each thread rewrites the elements it read (the same layout both times), so no
+        barrier sits between reads and writes."""
+        _HALVES: gl.constexpr = _halves_layout(CW)
+        rows = gl.arange(0, q_smem.shape[0], layout=gl.SliceLayout(1, _HALVES))
         amax = gl.max(gl.abs(q_pe_smem.load(_HALVES).to(gl.float32)), axis=1)
         for c in gl.static_range(mla._DV // 64):
             amax = gl.maximum(amax, gl.max(gl.abs(q_smem.slice(64 * c, 64, dim=1).load(_HALVES).to(gl.float32)),
@@ -189,21 +223,22 @@ if HAVE_GLUON:
             q16.slice(64 * c, 64, dim=1).store((x.to(gl.float32) * q_mul).to(gl.float16))
         x = q_pe_smem.load(_HALVES)
         q_pe16.store((x.to(gl.float32) * q_mul).to(gl.float16))
-        q_scale_smem.store(gl.full([1], 0.0, gl.float32, _ONE) + q_inv)
+        q_scale_smem.store(gl.full([1], 0.0, gl.float32, gl.BlockedLayout([1], [32], [CW], [0])) + q_inv)
 
     @gluon.jit
     def _widen(x, sc, c: gl.constexpr, KV_FMT: gl.constexpr):
         """A latent box's bytes [64, 128] as fp16 values (fp8_ds_mla: times its rows' scale of tile c)."""
         y = x.to(gl.float16)
         if KV_FMT == 2:
-            y = y * sc.slice(c, 1, dim=1).load(_BYTES).to(gl.float16)
+            y = y * sc.slice(c, 1, dim=1).load(x.type.layout).to(gl.float16)
         return y
 
     @gluon.jit
-    def _convert_tile(kv16, lat8, pe16, pe_in, sc, KV_FMT: gl.constexpr):
+    def _convert_tile(kv16, lat8, pe16, pe_in, sc, KV_FMT: gl.constexpr, CW: gl.constexpr):
         """One ring slot from its FP8 bytes to fp16: latent box c's 128 fp16 columns go to bytes 16 K c ..
         16 K c + 16 K of the slot, and its FP8 bytes lie at 32 K + 8 K c, so boxes 2 and 3 overwrite boxes 0
         to 3's bytes: each waits until every warp has read those (the rope, rewritten over its own bytes, too)."""
+        _BYTES: gl.constexpr = _bytes_layout(CW)
         for c in gl.static_range(2):
             x = lat8.slice(_DS_TILE * c, _DS_TILE, dim=1).load(_BYTES)
             kv16.slice(_DS_TILE * c, _DS_TILE, dim=1).store(_widen(x, sc, c, KV_FMT))
@@ -211,7 +246,7 @@ if HAVE_GLUON:
         gl.thread_barrier()
         kv16.slice(2 * _DS_TILE, _DS_TILE, dim=1).store(_widen(x, sc, 2, KV_FMT))
         x = lat8.slice(3 * _DS_TILE, _DS_TILE, dim=1).load(_BYTES)
-        pe = pe_in.load(_HALVES)
+        pe = pe_in.load(_halves_layout(CW))
         gl.thread_barrier()
         kv16.slice(3 * _DS_TILE, _DS_TILE, dim=1).store(_widen(x, sc, 3, KV_FMT))
         pe16.store(pe.to(gl.float16))
@@ -226,14 +261,14 @@ if HAVE_GLUON:
     @gluon.jit
     def _converter(q_smem, q_pe_smem, kv_ring, kv_pe_ring, sc_ring, q_scale_smem, q_landed, q_ready, kv_landed,
                    kv_ready, lat_desc, pe_desc, seqlens_ptr, meta_ptr, kv_scale_ptr, B, ROWS, CAPACITY,
-                   META_W: gl.constexpr, KV_FMT: gl.constexpr):
+                   META_W: gl.constexpr, KV_FMT: gl.constexpr, CW: gl.constexpr):
         lat8, pe_in = _fp8_views(kv_ring, kv_pe_ring, lat_desc, pe_desc, KV_FMT)
         q_sign = 1.0
         if KV_FMT == 1:
             q_sign = gl.where(gl.load(kv_scale_ptr) < 0, -1.0, 1.0)
         q16 = q_smem._reinterpret(gl.float16, q_smem.shape, q_smem.layout)
         q_pe16 = q_pe_smem._reinterpret(gl.float16, q_pe_smem.shape, q_pe_smem.layout)
-        valid_rows = ROWS - gl.program_id(0) * mla._BM
+        valid_rows = ROWS - gl.program_id(0) * q_smem.shape[0]
         begin_req, begin_blk, end_req, end_blk, _ = part_bounds(meta_ptr, gl.program_id(1), B - 1, META_W)
         it = 0
         nq = 0
@@ -242,7 +277,7 @@ if HAVE_GLUON:
                                                 mla._BN)
             if tok_lo < tok_hi:
                 mbarrier.wait(q_landed, phase(nq, 1))
-                _convert_q(q_smem, q_pe_smem, q16, q_pe16, q_scale_smem, valid_rows, q_sign)
+                _convert_q(q_smem, q_pe_smem, q16, q_pe16, q_scale_smem, valid_rows, q_sign, CW)
                 _signal(q_ready)
                 nq += 1
                 for _ in range(tok_lo, tok_hi, mla._BN):
@@ -250,10 +285,10 @@ if HAVE_GLUON:
                     mbarrier.wait(kv_landed.index(s), phase(it, mla._STAGES))
                     if KV_FMT == 1:
                         _convert_tile(kv_ring.index(s), lat8.index(2 * s + 1), kv_pe_ring.index(s),
-                                      pe_in.index(2 * s + 1), sc_ring, KV_FMT)
+                                      pe_in.index(2 * s + 1), sc_ring, KV_FMT, CW)
                     else:
                         _convert_tile(kv_ring.index(s), lat8.index(2 * s + 1), kv_pe_ring.index(s), pe_in.index(s),
-                                      sc_ring.index(s), KV_FMT)
+                                      sc_ring.index(s), KV_FMT, CW)
                     _signal(kv_ready.index(s))
                     it += 1
 
@@ -263,14 +298,15 @@ if HAVE_GLUON:
         out_ptr, lse_ptr, partials_ptr, err_ptr, kv_scale_ptr,
         B, PARTS, H, Q_LEN, ROWS, qk_scale, stride_btb, PIECES, CAPACITY, num_pages, stride_ob, stride_ot, stride_oh,
         CAUSAL: gl.constexpr, PAGE: gl.constexpr, META_W: gl.constexpr, PDL: gl.constexpr,
-        WAIT_PRIOR: gl.constexpr, KV_FMT: gl.constexpr,
+        WAIT_PRIOR: gl.constexpr, KV_FMT: gl.constexpr, TRANSPOSED: gl.constexpr,
     ):
         if PDL:
             launch_dependents()  # as decode.py's kernel: the combine's programs wait for this grid's end
         if WAIT_PRIOR:
             wait_prior_grids()
+        CW: gl.constexpr = _converter_warps(TRANSPOSED)
         (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, p_ready, p_free, kv_ready,
-         kv_empty, page_flags) = mla.mla_buffers(q_desc, q_pe_desc, gl.float16)
+         kv_empty, page_flags) = mla.mla_buffers(q_desc, q_pe_desc, gl.float16, TRANSPOSED)
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
         q_landed = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
         kv_landed = gl.allocate_shared_memory(gl.int64, [mla._STAGES, 1], bar_layout)
@@ -289,11 +325,11 @@ if HAVE_GLUON:
                scale_smem, q_ready, q_free, kv_ready, kv_empty, p_ready, p_free, page_flags, PIECES, CAPACITY,
                seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr, partials_ptr, err_ptr, B, PARTS, H, Q_LEN, ROWS,
                qk_scale, stride_ob, stride_ot, stride_oh, kv_scale_ptr, q_scale_smem, CAUSAL, PAGE, META_W,
-               KV_FMT)),
+               KV_FMT, TRANSPOSED)),
              (hopper_decode._value_warpgroup,
               (kv_ring, p_smem, scale_smem, kv_ready, kv_empty, p_ready, p_free, PIECES, CAPACITY, seqlens_ptr,
                meta_ptr, splits_ptr, out_ptr, lse_ptr, partials_ptr, B, PARTS, H, Q_LEN, ROWS, stride_ob, stride_ot,
-               stride_oh, kv_scale_ptr, PAGE, META_W, KV_FMT)),
+               stride_oh, kv_scale_ptr, PAGE, META_W, KV_FMT, TRANSPOSED)),
              (_fp8_loader,
               (q_desc, q_pe_desc, lat_desc, pe_desc, sc_desc, bt_ptr, stride_btb, CAPACITY, num_pages, seqlens_ptr,
                meta_ptr, splits_ptr, partials_ptr, err_ptr, B, PARTS, ROWS, q_smem, q_pe_smem, kv_ring, kv_pe_ring,
@@ -301,28 +337,40 @@ if HAVE_GLUON:
              (_converter,
               (q_smem, q_pe_smem, kv_ring, kv_pe_ring, sc_ring, q_scale_smem, q_landed, q_ready, kv_landed,
                kv_ready, lat_desc, pe_desc, seqlens_ptr, meta_ptr, kv_scale_ptr, B, ROWS, CAPACITY, META_W,
-               KV_FMT))],
-            worker_num_warps=[4, 1, _CONVERTER_WARPS],
-            worker_num_regs=[168, 24, 96],
+               KV_FMT, CW))],
+            worker_num_warps=[4, 1, CW],
+            worker_num_regs=_worker_regs(TRANSPOSED),
         )
 
 
 _MAIN = CachedKernel(_decode_sm90_fp8_kernel, ptx_pass=tma_loads_evict_first) if HAVE_GLUON else None
 
 
+def narrow_block(rows: int, kv_fmt: str) -> int | None:
+    """The narrow form's Q tile (16 or 32 rows) for requests of ``rows`` query rows on a ``kv_fmt`` cache, or
+    None outside ``NARROW_ROWS[kv_fmt]`` (the 64-row tiles above it, the portable kernel below)."""
+    first, last = NARROW_ROWS[kv_fmt]
+    if not first <= rows <= min(last, 32):
+        return None
+    return 16 if rows <= 16 else 32
+
+
 def sm90_fp8_main_args(q_rows, k_cache, kv_fmt, k_scale, block_table, cache_seqlens, metadata, num_splits,
-                       softmax_scale, causal, out, lse, partials, err, pdl: bool = False, wait_prior: bool = False):
+                       softmax_scale, causal, out, lse, partials, err, pdl: bool = False, wait_prior: bool = False,
+                       block_m: int = BLOCK_M):
     """``decode.sm90_main_args`` for an FP8 cache (``sm90_fp8_supported``): k_cache its raw rows
     [num_pages, page_size, 1, 576 | 656] (float8_e4m3fn or uint8), kv_fmt "fp8_e4m3" (k_scale float32 [1],
-    read on the device) or "fp8_ds_mla" (k_scale None)."""
+    read on the device) or "fp8_ds_mla" (k_scale None); ``block_m`` the Q tile: 64 rows, or the narrow
+    kernel's 16 / 32 (``narrow_block``: every request's rows in one tile, S^T = K Q^T)."""
     b, q_len, h, _ = out.shape
     rows = q_len * h
     parts = metadata.shape[0]
-    args = (*mla.row_descriptors(q_rows, BLOCK_M), *fp8_descriptors(k_cache, kv_fmt), block_table, cache_seqlens,
+    args = (*mla.row_descriptors(q_rows, block_m), *fp8_descriptors(k_cache, kv_fmt), block_table, cache_seqlens,
             metadata, num_splits, out, lse, partials, err, k_scale if kv_fmt == "fp8_e4m3" else None,
             b, parts, h, q_len, rows, softmax_scale * LOG2E, block_table.stride(0), b + parts,
             block_table.shape[1] * k_cache.shape[1], k_cache.shape[0],
             out.stride(0), out.stride(1), out.stride(2))
     options = dict(CAUSAL=bool(causal), PAGE=k_cache.shape[1], META_W=METADATA_WIDTH, PDL=pdl,
-                   KV_FMT=_FORMAT_IDS[kv_fmt], num_warps=4, **wait_prior_options(wait_prior))
-    return _MAIN, (-(-rows // BLOCK_M), parts, 1), args, options
+                   KV_FMT=_FORMAT_IDS[kv_fmt], TRANSPOSED=block_m < BLOCK_M, num_warps=4,
+                   **wait_prior_options(wait_prior))
+    return _MAIN, (-(-rows // block_m), parts, 1), args, options

@@ -8,6 +8,12 @@ accumulates O[:, :256] += P V[:, :256]; warpgroup 1 accumulates O[:, 256:] += P 
 The kernels differ in their work (``decode.py``: SM parts of the split plan; ``paged_varlen.py``: persistent
 tiles of 64 (token, head) rows) and in where results go.
 
+With ``TRANSPOSED`` the same steps compute S^T = K Q^T and O^T = V^T P^T for a Q tile of 16 or 32 rows (``R``,
+the N of every MMA): the keys are the MMAs' 64-row M and nothing is padded to 64 query rows, the shape of
+``decode_fp8.py``'s narrow form (requests of up to 32 query rows, memory bound; ``decode.py``'s kernel takes
+it too, by config). Per-row vectors (row maxima, sums, rescale factors) then run along dimension 1 of S and
+O instead of dimension 0.
+
 Requirements (``sm90_supported`` checks them): CUDA capability 9.0, Triton with Gluon, q and cache bf16 or
 fp16, head dims 576 / 512, page size a multiple of 64, a contiguous cache.
 """
@@ -50,6 +56,16 @@ if HAVE_GLUON:  # the same values as compile-time constants for the kernels
     O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, 256, 16]))
 
+    @gluon.constexpr_function
+    def transposed_layout(rows):
+        """The register layout of S^T [64 keys, rows] and of a warpgroup's O^T [256, rows] (``TRANSPOSED``)."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, rows, 16])
+
+    @gluon.constexpr_function
+    def key_dim(transposed):
+        """The dimension of S (and O) that is not the query rows': per-row vectors are sliced along it."""
+        return 0 if transposed else 1
+
 
 def sm90_supported(q: torch.Tensor, k_cache: torch.Tensor, head_dim_v: int) -> bool:
     """Whether the Gluon MLA kernels can run this call (see the module docstring)."""
@@ -68,10 +84,10 @@ def row_descriptors(x: torch.Tensor, rows: int) -> tuple:
     return descriptor(x, [rows, D_V], nope), descriptor(x, [rows, D_QK - D_V], pe)
 
 
-def mla_descriptors(q_rows: torch.Tensor, kv_flat: torch.Tensor) -> tuple:
-    """The four TMA descriptors of the MLA kernels: q rows [n, 576] (from ``tma_rows``) and the cache rows
-    [slots, 576] (``row_descriptors``)."""
-    return (*row_descriptors(q_rows, BLOCK_M), *row_descriptors(kv_flat, BLOCK_N))
+def mla_descriptors(q_rows: torch.Tensor, kv_flat: torch.Tensor, q_block: int = BLOCK_M) -> tuple:
+    """The four TMA descriptors of the MLA kernels: q rows [n, 576] (from ``tma_rows``) in tiles of ``q_block``
+    rows and the cache rows [slots, 576] (``row_descriptors``)."""
+    return (*row_descriptors(q_rows, q_block), *row_descriptors(kv_flat, BLOCK_N))
 
 
 if HAVE_GLUON:
@@ -129,41 +145,53 @@ if HAVE_GLUON:
     @gluon.jit
     def softmax_tile(o, m_i, l_i, it, npm, n0, first_masked, lim, seqlen, release_q, qk_scale,
                       q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_free, kv_ready, kv_empty,
-                      p_ready, p_free, s_layout: gl.constexpr, o_layout: gl.constexpr, KEEP_LAST: gl.constexpr):
+                      p_ready, p_free, s_layout: gl.constexpr, o_layout: gl.constexpr, KEEP_LAST: gl.constexpr,
+                      TRANSPOSED: gl.constexpr = False):
         """Warpgroup 0's step over KV tokens n0 .. n0 + 63 (ring slot it, P message npm): S = Q K^T, the
         online softmax (scores of keys >= lim masked once the tile reaches first_masked), P and the rescale
         factor to shared memory for warpgroup 1, O[:, :256] += P V[:, :256]. ``release_q`` marks the last
-        tile, whose slot ``KEEP_LAST`` keeps (the caller stages its output there). Returns (o, m_i, l_i)."""
+        tile, whose slot ``KEEP_LAST`` keeps (the caller stages its output there). Returns (o, m_i, l_i).
+        ``TRANSPOSED``: S^T = K Q^T, P^T and O^T[:256] += V[:, :256]^T P^T (see the module docstring)."""
+        KD: gl.constexpr = key_dim(TRANSPOSED)
         s = it % _STAGES
         kv = kv_ring.index(s)
         kv_pe = kv_pe_ring.index(s)
         mbarrier.wait(kv_ready.index(s), phase(it, _STAGES))
-        zero_s = gl.zeros([_BM, _BN], dtype=gl.float32, layout=s_layout)
-        acc = warpgroup_mma(q_smem, kv.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        acc = warpgroup_mma(q_pe_smem, kv_pe.permute((1, 0)), acc, is_async=True)
+        if TRANSPOSED:
+            R: gl.constexpr = q_smem.shape[0]
+            zero_s = gl.zeros([_BN, R], dtype=gl.float32, layout=s_layout)
+            acc = warpgroup_mma(kv, q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            acc = warpgroup_mma(kv_pe, q_pe_smem.permute((1, 0)), acc, is_async=True)
+        else:
+            zero_s = gl.zeros([_BM, _BN], dtype=gl.float32, layout=s_layout)
+            acc = warpgroup_mma(q_smem, kv.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            acc = warpgroup_mma(q_pe_smem, kv_pe.permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, q_smem, q_pe_smem, kv, kv_pe))[0]
         if release_q:
             mbarrier.arrive(q_free, count=1)
         if n0 + _BN > first_masked:
-            cols = n0 + gl.arange(0, _BN, layout=gl.SliceLayout(0, s_layout))
-            acc = gl.where(cols[None, :] < lim[:, None], acc, float("-inf"))
+            keys = n0 + gl.arange(0, _BN, layout=gl.SliceLayout(1 - KD, s_layout))
+            acc = gl.where(gl.expand_dims(keys, 1 - KD) < gl.expand_dims(lim, KD), acc, float("-inf"))
         if n0 + _BN > seqlen:
             zero_tail_rows(kv, 0, seqlen - n0, 4, 4)
         # The row max is kept unscaled (qk_scale > 0) so that the scale folds into one FMA per score.
-        m_new = gl.maximum(m_i, gl.max(acc, axis=1))
+        m_new = gl.maximum(m_i, gl.max(acc, axis=KD))
         # A row with no visible key yet keeps max -inf: subtract 0 instead so exp2 gives 0, not NaN.
         m_sc = gl.where(m_new == float("-inf"), 0.0, m_new * qk_scale)
         alpha = gl.exp2(m_i * qk_scale - m_sc)
-        p = gl.exp2(acc * qk_scale - m_sc[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
+        p = gl.exp2(acc * qk_scale - gl.expand_dims(m_sc, KD))
+        l_i = l_i * alpha + gl.sum(p, axis=KD)
         # Warpgroup 1 has finished reading the previous P and scale.
         mbarrier.wait(p_free, free_phase(npm, 1))
         p_smem.store(p.to(p_smem.dtype))
         scale_smem.store(alpha)
         fence_async_shared()
         mbarrier.arrive(p_ready, count=1)
-        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        o = warpgroup_mma(p_smem, kv.slice(0, 256, dim=1), o, is_async=True)
+        o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(KD, o_layout)), KD)
+        if TRANSPOSED:
+            o = warpgroup_mma(kv.slice(0, 256, dim=1).permute((1, 0)), p_smem, o, is_async=True)
+        else:
+            o = warpgroup_mma(p_smem, kv.slice(0, 256, dim=1), o, is_async=True)
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o, p_smem, kv))[0]
         if KEEP_LAST:
             if not release_q:
@@ -175,19 +203,23 @@ if HAVE_GLUON:
     @gluon.jit
     def softmax_tiles(it, npm, lo, hi, first_masked, lim, seqlen, qk_scale, q_smem, q_pe_smem, kv_ring, kv_pe_ring,
                       p_smem, scale_smem, q_free, kv_ready, kv_empty, p_ready, p_free, s_layout: gl.constexpr,
-                      o_layout: gl.constexpr, KEEP_LAST: gl.constexpr):
+                      o_layout: gl.constexpr, KEEP_LAST: gl.constexpr, TRANSPOSED: gl.constexpr = False):
         """Warpgroup 0's ``softmax_tile`` steps over one request's (tile's) KV tokens lo .. hi - 1 (Q loaded):
         ring slots from it, P messages from npm; the last S hands Q back to the loader; with ``KEEP_LAST`` the
         last slot stays held (the caller frees it after its output). Returns (o, m_i, l_i, it, npm) after the
         last step."""
-        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
-        m_i = gl.full([_BM], float("-inf"), dtype=gl.float32, layout=row_l)
-        l_i = gl.zeros([_BM], dtype=gl.float32, layout=row_l)
-        o = gl.zeros([_BM, 256], dtype=gl.float32, layout=o_layout)
+        row_l: gl.constexpr = gl.SliceLayout(key_dim(TRANSPOSED), s_layout)
+        R: gl.constexpr = q_smem.shape[0]
+        m_i = gl.full([R], float("-inf"), dtype=gl.float32, layout=row_l)
+        l_i = gl.zeros([R], dtype=gl.float32, layout=row_l)
+        if TRANSPOSED:
+            o = gl.zeros([256, R], dtype=gl.float32, layout=o_layout)
+        else:
+            o = gl.zeros([R, 256], dtype=gl.float32, layout=o_layout)
         for n0 in range(lo, hi, _BN):
             o, m_i, l_i = softmax_tile(o, m_i, l_i, it, npm, n0, first_masked, lim, seqlen, n0 + _BN >= hi, qk_scale,
                                        q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_free, kv_ready,
-                                       kv_empty, p_ready, p_free, s_layout, o_layout, KEEP_LAST)
+                                       kv_empty, p_ready, p_free, s_layout, o_layout, KEEP_LAST, TRANSPOSED)
             npm += 1
             it += 1
         return o, m_i, l_i, it, npm
@@ -206,9 +238,10 @@ if HAVE_GLUON:
 
     @gluon.jit
     def value_tile(o, it, npm, n0, seqlen, last, kv_ring, p_smem, scale_smem, kv_ready, kv_empty, p_ready, p_free,
-                    o_layout: gl.constexpr, KEEP_LAST: gl.constexpr):
+                    o_layout: gl.constexpr, KEEP_LAST: gl.constexpr, TRANSPOSED: gl.constexpr = False):
         """Warpgroup 1's step: O[:, 256:] = O[:, 256:] * rescale + P V[:, 256:] for ring slot it (the
-        ``last`` tile's slot kept with ``KEEP_LAST``)."""
+        ``last`` tile's slot kept with ``KEEP_LAST``); ``TRANSPOSED``: O^T[256:] from P^T."""
+        KD: gl.constexpr = key_dim(TRANSPOSED)
         s = it % _STAGES
         kv = kv_ring.index(s)
         mbarrier.wait(kv_ready.index(s), phase(it, _STAGES))
@@ -217,8 +250,11 @@ if HAVE_GLUON:
             # change, and those are replaced by -inf (a select, not a multiply).
             zero_tail_rows(kv, 256, seqlen - n0, 4, 4)
         mbarrier.wait(p_ready, phase(npm, 1))
-        o = o * scale_smem.load(gl.SliceLayout(1, o_layout))[:, None]
-        o = warpgroup_mma(p_smem, kv.slice(256, 256, dim=1), o, is_async=True)
+        o = o * gl.expand_dims(scale_smem.load(gl.SliceLayout(KD, o_layout)), KD)
+        if TRANSPOSED:
+            o = warpgroup_mma(kv.slice(256, 256, dim=1).permute((1, 0)), p_smem, o, is_async=True)
+        else:
+            o = warpgroup_mma(p_smem, kv.slice(256, 256, dim=1), o, is_async=True)
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o, p_smem, kv))[0]
         mbarrier.arrive(p_free, count=1)
         if KEEP_LAST:
@@ -230,25 +266,29 @@ if HAVE_GLUON:
 
     @gluon.jit
     def value_tiles(it, npm, lo, hi, seqlen, kv_ring, p_smem, scale_smem, kv_ready, kv_empty, p_ready, p_free,
-                    o_layout: gl.constexpr, KEEP_LAST: gl.constexpr):
+                    o_layout: gl.constexpr, KEEP_LAST: gl.constexpr, TRANSPOSED: gl.constexpr = False):
         """Warpgroup 1's ``value_tile`` steps over one request's (tile's) KV tokens lo .. hi - 1 (ring slots
         from it, P messages from npm), then its 1 / l from warpgroup 0 (NaN for a request warpgroup 0 found
         bad); with ``KEEP_LAST`` the last slot stays held (the caller frees it after its output). Returns (o,
         1 / l, it, npm) after the last message."""
-        o = gl.zeros([_BM, 256], dtype=gl.float32, layout=o_layout)
+        if TRANSPOSED:
+            R: gl.constexpr = p_smem.shape[1]
+            o = gl.zeros([256, R], dtype=gl.float32, layout=o_layout)
+        else:
+            o = gl.zeros([_BM, 256], dtype=gl.float32, layout=o_layout)
         for n0 in range(lo, hi, _BN):
             o = value_tile(o, it, npm, n0, seqlen, n0 + _BN >= hi, kv_ring, p_smem, scale_smem, kv_ready, kv_empty,
-                           p_ready, p_free, o_layout, KEEP_LAST)
+                           p_ready, p_free, o_layout, KEEP_LAST, TRANSPOSED)
             npm += 1
             it += 1
-        inv_l = value_finish(npm, scale_smem, p_ready, p_free, o_layout)
+        inv_l = value_finish(npm, scale_smem, p_ready, p_free, o_layout, TRANSPOSED)
         return o, inv_l, it, npm + 1
 
     @gluon.jit
-    def value_finish(npm, scale_smem, p_ready, p_free, o_layout: gl.constexpr):
+    def value_finish(npm, scale_smem, p_ready, p_free, o_layout: gl.constexpr, TRANSPOSED: gl.constexpr = False):
         """Warpgroup 1 receives 1 / l (message npm)."""
         mbarrier.wait(p_ready, phase(npm, 1))
-        inv_l = scale_smem.load(gl.SliceLayout(1, o_layout))
+        inv_l = scale_smem.load(gl.SliceLayout(key_dim(TRANSPOSED), o_layout))
         mbarrier.arrive(p_free, count=1)
         return inv_l
 
@@ -262,20 +302,25 @@ if HAVE_GLUON:
         return 1.0
 
     @gluon.jit
-    def mla_buffers(q_desc, q_pe_desc, dtype: gl.constexpr):
+    def mla_buffers(q_desc, q_pe_desc, dtype: gl.constexpr, TRANSPOSED: gl.constexpr = False):
         """Shared memory and barriers of the MLA kernels: Q (q_desc's type), the two-stage KV ring and P in
         ``dtype`` (the MMAs' operand type: q's, or fp16 for an FP8 cache's converted tiles, ``decode_fp8.py``),
         P's per-row scale; ready/free barriers for Q, each ring slot (freed by both warpgroups) and P; the
-        page-check flags."""
+        page-check flags. ``TRANSPOSED``: P^T [64 keys, Q's rows]."""
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BN, _DV], dtype)
         kv_pe_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BN, _DR], dtype)
         q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
         q_pe_smem = gl.allocate_shared_memory(q_desc.dtype, q_pe_desc.block_type.shape, q_pe_desc.layout)
         kv_ring = gl.allocate_shared_memory(dtype, [_STAGES, _BN, _DV], kv_layout)
         kv_pe_ring = gl.allocate_shared_memory(dtype, [_STAGES, _BN, _DR], kv_pe_layout)
-        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BM, _BN], dtype)
-        p_smem = gl.allocate_shared_memory(dtype, [_BM, _BN], p_layout)
-        scale_smem = gl.allocate_shared_memory(gl.float32, [_BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        R: gl.constexpr = q_desc.block_type.shape[0]
+        if TRANSPOSED:
+            pt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BN, R], dtype)
+            p_smem = gl.allocate_shared_memory(dtype, [_BN, R], pt_layout)
+        else:
+            p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R, _BN], dtype)
+            p_smem = gl.allocate_shared_memory(dtype, [R, _BN], p_layout)
+        scale_smem = gl.allocate_shared_memory(gl.float32, [R], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
         q_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
         q_free = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
