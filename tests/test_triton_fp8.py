@@ -16,6 +16,7 @@ from pagedmla.kernels.triton.common import PrefillConfig
 from pagedmla.kernels.triton.decode import DecodeConfig, paged_decode_triton, select_config
 from pagedmla.kernels.triton.paged_varlen import dequantize_first, paged_varlen_attention
 from pagedmla.kernels.triton.rows import dequantize_pages
+from pagedmla.kernels.triton.sm90 import decode_fp8
 from pagedmla.kernels.triton.sm90.decode_fp8 import narrow_block, sm90_fp8_supported
 
 K_SCALE = torch.tensor([0.004])
@@ -301,6 +302,16 @@ def test_dequantise_first_prefill_poisons_a_bad_page_only(kv_format):
     assert torch.equal(lse1[:lo], lse0[:lo]) and torch.equal(lse1[hi:], lse0[hi:])
     assert torch.isnan(out1[lo:hi]).all() and torch.isnan(lse1[lo:hi]).all()
     assert errors.device_errors(dev) & errors.BLOCK_TABLE
+
+
+def test_narrow_block_follows_the_measured_row_ranges(monkeypatch):
+    """The narrow form's Q tile by request rows and format: 16 rows up to 16, 32 up to 32, none above or
+    outside the format's ``NARROW_ROWS`` (fp8_e4m3 keeps the portable kernel up to 16 rows); a benchmark can
+    move the ranges, never past the form's 32 rows."""
+    assert [narrow_block(r, "fp8_ds_mla") for r in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, None, None]
+    assert [narrow_block(r, "fp8_e4m3") for r in (1, 16, 17, 24, 32, 33)] == [None, None, 32, 32, 32, None]
+    monkeypatch.setitem(decode_fp8.NARROW_ROWS, "fp8_e4m3", (1, 64))
+    assert [narrow_block(r, "fp8_e4m3") for r in (8, 32, 33)] == [16, 32, None]
 
 
 def _hopper_fp8_case(kv_format, lens, q_len, heads, key):
