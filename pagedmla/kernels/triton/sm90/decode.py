@@ -20,6 +20,11 @@ The decode plan runs it for requests of fewer than ``seesaw.SEESAW_MIN_ROWS`` (1
 memory-bound ones; from 128 rows ``seesaw.py``'s kernel, where each warpgroup's softmax overlaps the other's
 MMAs, is faster (benchmarks/NOTES.md, decode v18).
 
+``TRANSPOSED`` (``DecodeConfig(block_m=16 | 32, use_sm90=True)``) runs ``mla.py``'s transposed steps over a Q
+tile of 16 or 32 rows for requests of at most that many: no MMA padded to 64 query rows. bf16 caches do not
+take it by default (on an H100 it matched the portable kernel at 16 rows with the plan's two parts per SM:
+benchmarks/NOTES.md, FP8, "The narrow form"); ``decode_fp8.py``'s narrow form does.
+
 Over an FP8 cache ``decode_fp8.py`` runs the same two warpgroups (``KV_FMT`` > 0: its scales enter the
 scores and the outputs) on a ring its converter fills.
 
@@ -276,7 +281,8 @@ def sm90_main_args(q_rows, k_cache, block_table, cache_seqlens, metadata, num_sp
     ``partials_size`` layout; the portable launcher allocates it and runs the combine kernel afterwards).
     softmax_scale > 0 (the softmax keeps unscaled row maxima; the public ops check it). ``pdl``: the combine
     kernel follows as a programmatic dependent launch; ``wait_prior``: this kernel is launched as one itself
-    (``common.wait_prior_options``)."""
+    (``common.wait_prior_options``); ``block_m``: Q rows per tile, 64 or the transposed form's 16 / 32
+    (requests of at most that many rows)."""
     b, q_len, h, _ = out.shape
     rows = q_len * h
     parts = metadata.shape[0]
