@@ -90,10 +90,9 @@ class DecodeConfig:
     (``sm90/seesaw.py``) for requests of at least ``SEESAW_MIN_ROWS`` query rows, ``sm90/decode.py``'s below,
     ``sm90/decode_fp8.py``'s on an FP8 cache; block_m 16 or 32 runs ``sm90/decode.py``'s or
     ``sm90/decode_fp8.py``'s narrow (transposed) form, for requests of at most that many rows; the other
-    fields do not apply to them. Without a config, requests of more than 16 query
-    rows use one wherever ``sm90_supported`` holds, and on an FP8 cache where ``sm90_fp8_supported`` does
-    (its narrow form for the rows of ``decode_fp8.NARROW_ROWS``: all up to 32 for fp8_ds_mla, 17-32 for
-    fp8_e4m3).
+    fields do not apply to them. Without a config, requests of more than 16 query rows use one wherever
+    ``sm90_supported`` holds, and on an FP8 cache where ``sm90_fp8_supported`` does (its narrow form for the
+    rows of ``decode_fp8.NARROW_ROWS``: all up to 32 for fp8_ds_mla, 17-32 for fp8_e4m3).
     """
 
     block_m: int
