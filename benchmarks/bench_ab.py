@@ -38,6 +38,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable
+from inspect import signature
 from pathlib import Path
 from types import ModuleType
 
@@ -101,7 +102,9 @@ def decode_cells(quick: bool, fmt: str | None = None) -> Cells:
             caches = [(c, {}) if fmt is None else fp8_caches(c)[fmt] for c in inp.cache]
 
             def bind(lib: ModuleType) -> Callable[[int], torch.Tensor]:
-                meta, splits = lib.get_mla_metadata(inp.seqlens, cell.q_len * cell.heads, 1)
+                # Planned for the cache's format where the version's get_mla_metadata takes one.
+                plan = {"kv_format": fmt} if fmt and "kv_format" in signature(lib.get_mla_metadata).parameters else {}
+                meta, splits = lib.get_mla_metadata(inp.seqlens, cell.q_len * cell.heads, 1, **plan)
                 return lambda i: lib.flash_mla_with_kvcache(inp.q[i], caches[i][0], inp.table, inp.seqlens,
                                                             bdecode.DV, meta, splits, causal=True, **caches[i][1])[0]
             return bind, len(inp.q) if rotated else None

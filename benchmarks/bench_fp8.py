@@ -81,13 +81,16 @@ def decode_cell(cell: bdecode.Cell, eager: bool, l2_bytes: int, dtype: torch.dty
     device = torch.device("cuda" if cuda() else "cpu")
     inp = bdecode.Inputs(cell, seed=0, l2_bytes=l2_bytes, device=device, dtype=dtype)
     copies = len(inp.q)
-    meta, splits = get_mla_metadata(inp.seqlens, cell.q_len * cell.heads, 1)
     caches = {"bf16": [(c, {}) for c in inp.cache]}
     for c in inp.cache:
         for fmt, pair in fp8_caches(c).items():
             caches.setdefault(fmt, []).append(pair)
+    # Each format's schedule planned for it, as the backend plans (fp8_e4m3 up to 16 rows: two parts per SM).
+    schedules = {fmt: get_mla_metadata(inp.seqlens, cell.q_len * cell.heads, 1, kv_format=fmt) for fmt in caches}
 
     def call_for(fmt: str) -> Callable[[int], torch.Tensor]:
+        meta, splits = schedules[fmt]
+
         def call(i: int) -> torch.Tensor:
             cache, kw = caches[fmt][i]
             return flash_mla_with_kvcache(inp.q[i], cache, inp.table, inp.seqlens, DV, meta, splits, causal=True,
@@ -99,7 +102,7 @@ def decode_cell(cell: bdecode.Cell, eager: bool, l2_bytes: int, dtype: torch.dty
     for fmt, call in {f: call_for(f) for f in caches}.items():
         if fmt != "bf16":
             cache, kw = caches[fmt][0]
-            ref = flash_mla_with_kvcache(inp.q[0], cache, inp.table, inp.seqlens, DV, meta, splits, causal=True,
+            ref = flash_mla_with_kvcache(inp.q[0], cache, inp.table, inp.seqlens, DV, *schedules[fmt], causal=True,
                                          provider="torch", **kw)[0]
             row[f"cos_{fmt}"], good = cos_check(call(0), ref)
             ok &= good
@@ -151,10 +154,10 @@ def store_rows_cost(dtype: torch.dtype) -> list[dict]:
     device = torch.device("cuda" if cuda() else "cpu")
     cell = STORE_CELL if cuda() else bdecode.Cell(4, 1, 16, 128)
     inp = bdecode.Inputs(cell, seed=1, l2_bytes=0, device=device, dtype=dtype)
-    meta, splits = get_mla_metadata(inp.seqlens, cell.q_len * cell.heads, 1)
     rows = (torch.randn(STORE_ROWS, D, device=device) / 10).to(dtype)
     out = []
     for fmt, (cache, kw) in ({"bf16": (inp.cache[0], {})} | fp8_caches(inp.cache[0])).items():
+        meta, splits = get_mla_metadata(inp.seqlens, cell.q_len * cell.heads, 1, kv_format=fmt)
         store = MLAKVCache(1, inp.num_pages, PAGE, D, dtype=dtype if fmt == "bf16" else fmt, device=device)
         slots = torch.randperm(store.num_slots, device=device)[:STORE_ROWS]
         def put(i: int = 0, store=store, slots=slots) -> None:
@@ -164,7 +167,7 @@ def store_rows_cost(dtype: torch.dtype) -> list[dict]:
         row = {"cell": f"store {STORE_ROWS} rows, {fmt}", "store_us": store_us,
                "decode_cell": f"{cell.b}x{cell.q_len}x{cell.heads}x{cell.mean}"}
 
-        def call(i: int, cache=cache, kw=kw) -> torch.Tensor:
+        def call(i: int, cache=cache, kw=kw, meta=meta, splits=splits) -> torch.Tensor:
             return flash_mla_with_kvcache(inp.q[0], cache, inp.table, inp.seqlens, DV, meta, splits, causal=True,
                                           **kw)[0]
         row["decode_us"] = bdecode.bench_graph(call, 1) if cuda() else timed(lambda call=call: call(0))

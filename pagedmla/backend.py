@@ -321,7 +321,7 @@ class MLABackend:
             return ForwardMetadata(mode=mode, bs=bs, form="absorbed", seq_lens=seq_lens, block_table=block_table,
                                    q_len=q_len, num_tokens=bs * q_len, max_q_len=q_len,
                                    dcp=self._dcp.plan_uniform(seq_lens, block_table, q_len))
-        md, ns = get_mla_metadata(seq_lens, q_len * self.heads, 1)
+        md, ns = get_mla_metadata(seq_lens, q_len * self.heads, 1, kv_format=self.config.kv_format)
         return ForwardMetadata(mode=mode, bs=bs, form="absorbed", seq_lens=seq_lens, block_table=block_table,
                                q_len=q_len, tile_scheduler_metadata=md, num_splits=ns, num_tokens=bs * q_len,
                                max_q_len=q_len)
@@ -717,7 +717,8 @@ class MLABackend:
         if isinstance(max_bs, bool) or not isinstance(max_bs, int) or not 0 < max_bs <= self.config.max_batch_size:
             raise ValueError(f"max_bs: expected an int in 1..{self.config.max_batch_size}, got {max_bs!r}")
         pages = max_pages_per_request or self.config.max_pages_per_request
-        parts = max(num_sm_parts_for(self.device, q * self.heads, 1) for q in self._graph_q_lens())
+        parts = max(num_sm_parts_for(self.device, q * self.heads, 1, self.config.kv_format)
+                    for q in self._graph_q_lens())
         errors.error_word(self.device)  # before any capture: created inside one, its zeroing would be captured
         self._graph = _GraphState(
             max_bs=max_bs,
@@ -768,7 +769,7 @@ class MLABackend:
             g.captured[(bs, forward_mode)] = 0
             self.metadata = self._graph_dcp_metadata(g, bs, forward_mode, q_len)
             return
-        parts = num_sm_parts_for(self.device, q_len * self.heads, 1)
+        parts = num_sm_parts_for(self.device, q_len * self.heads, 1, self.config.kv_format)
         md = g.tile_scheduler_metadata[:parts]
         schedule_into(g.seq_lens[:bs], md, g.num_splits[: bs + 1], q_len * self.heads, default_plan=True)
         g.captured[(bs, forward_mode)] = parts

@@ -68,6 +68,7 @@ class ContextParallel:
         self.group = group
         self.device = device
         self.heads = config.num_dcp_heads
+        self.kv_format = config.kv_format  # the schedule's part count follows the cache's kernel
         self.tokens_per_page = config.tokens_per_page
         self.v_dim = config.kv_lora_rank
         self.scale = float(config.softmax_scale)
@@ -95,7 +96,7 @@ class ContextParallel:
             req, back = self._uniform_rows(rows, q_len)
             lens = self.local_lengths(seq_lens[req], back, block_table.shape[1])
             table = block_table.index_select(0, req)
-        md, ns = get_mla_metadata(lens, self.heads, 1)
+        md, ns = get_mla_metadata(lens, self.heads, 1, kv_format=self.kv_format)
         return DCPAttention(lens, table, md, ns)
 
     def plan_ragged(self, seq_lens: torch.Tensor, block_table: torch.Tensor, qo_indptr: torch.Tensor,
@@ -107,7 +108,7 @@ class ContextParallel:
         req = torch.repeat_interleave(torch.arange(bs, device=self.device), counts, output_size=num_tokens)
         back = qo_indptr[1:].to(torch.int64)[req] - 1 - torch.arange(num_tokens, device=self.device)
         lens = self.local_lengths(seq_lens[req], back, block_table.shape[1])
-        md, ns = get_mla_metadata(lens, self.heads, 1)
+        md, ns = get_mla_metadata(lens, self.heads, 1, kv_format=self.kv_format)
         return DCPAttention(lens, block_table.index_select(0, req), md, ns)
 
     def _uniform_rows(self, rows: int, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,7 +119,7 @@ class ContextParallel:
     # ------------------------------------------------------------------ CUDA graphs
     def init_graph_state(self, max_rows: int, max_pages: int) -> None:
         """Buffers for the query rows of captured steps (``max_rows``: max batch size x tokens per request)."""
-        parts = num_sm_parts_for(self.device, self.heads, 1)
+        parts = num_sm_parts_for(self.device, self.heads, 1, self.kv_format)
         self._graph = _GraphBuffers(
             seq_lens=torch.ones(max_rows, dtype=torch.int32, device=self.device),
             block_table=torch.zeros(max_rows, max_pages, dtype=torch.int32, device=self.device),

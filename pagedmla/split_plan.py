@@ -34,10 +34,18 @@ BLOCK_M = 64
 # Up to 32 query rows per request (q_len x heads) the portable decode kernel runs one 16- or 32-row tile
 # per request slice, small enough (4 warps, ~56-113 KB of shared memory) for two programs per SM; above it,
 # 64-row tiles, one per SM. (16-row tiles for 32-64 rows ran 1.2-2x slower on the H200, and 32-row tiles
-# two per SM beat one 8-warp 32-row tile per SM by 5-9%: benchmarks/NOTES.md.) On sm_90 the Hopper kernel
-# takes every request of more than 16 rows in 64-row tiles, one per SM (it beat the 32-row tile by 30%).
+# two per SM beat one 8-warp 32-row tile per SM by 5-9%: benchmarks/NOTES.md.) On sm_90 the Hopper kernels
+# take every request of more than 16 rows in 64-row tiles, one per SM (they beat the 32-row tile by 30%),
+# and the rows of NARROW_ROWS in their narrow form.
 SMALL_TILE_ROWS = 32
 SM90_MIN_ROWS = 17
+# The query rows per request (first, last) that the Hopper kernels run in their narrow (transposed) form,
+# S^T = K Q^T over a 16- or 32-row Q tile, one program per SM, per cache format (None: a 16-bit cache).
+# Measured on an H100 against the 64-row tiles (17-32 rows) and the portable kernel's two 16-row programs
+# per SM (benchmarks/NOTES.md, "The narrow form"): faster on every such bf16 and fp8_ds_mla cell and on
+# fp8_e4m3 from 17 rows; slower on fp8_e4m3 up to 16 rows, which keeps the portable kernel. Read at each
+# call, so that a benchmark can time either choice.
+NARROW_ROWS: dict[str | None, tuple[int, int]] = {None: (1, 32), "fp8_e4m3": (17, 32), "fp8_ds_mla": (1, 32)}
 # A request's fixed cost in KV blocks. Measured on the H200 with per-part timestamps (benchmarks/NOTES.md,
 # v12): a piece (q load, finish, result write) costs about 2 KV blocks of time for tiles of up to 32 valid
 # rows and 3 for more; FlashMLA's 5 left the parts that start several requests ending 10-20% early.
@@ -48,8 +56,8 @@ OVERHEAD_BLOCKS = 3
 # cost, and a request cut into p pieces ends with a combine whose merge loop runs p times, each pass about a
 # tenth of a KV block's time (measured on the H200 at 128 heads, benchmarks/NOTES.md v15: 1.0 us per block
 # per part, 0.1 us per piece). A part of k blocks and n / k pieces cost about k + n / (10 k): least at
-# k = sqrt(n / 10). It binds when total units / parts < sqrt(n / 10): small batches, or one long request at
-# 16 rows (264 parts); every batch-128 cell of the benchmark has longer parts.
+# k = sqrt(n / 10). It binds when total units / parts < sqrt(n / 10): small batches, or one long request in
+# many parts; every batch-128 cell of the benchmark has longer parts.
 PIECE_COST_RATIO = 10
 METADATA_WIDTH = 8
 # Row 0's columns holding the fingerprint, and the three odd constants of each of its two hash mixes (of the
@@ -60,11 +68,25 @@ SPLITS_MIX = (0xC2B2AE3D, 0x27D4EB2F, 0x165667B1)
 _M32 = 0xFFFFFFFF
 
 
-def tile_plan(rows: int, sm90: bool = False) -> tuple[int, int]:
-    """(rows per tile, programs per SM) the decode kernels use for ``rows`` query rows per request;
-    ``sm90``: the Hopper kernel is available (``pagedmla.device.sm90_available``)."""
-    if sm90 and rows >= SM90_MIN_ROWS:
-        return BLOCK_M, 1
+def narrow_block(rows: int, kv_format: str | None = None) -> int | None:
+    """The Hopper kernels' narrow Q tile (16 or 32 rows) for requests of ``rows`` query rows on a cache of
+    ``kv_format`` (None: 16-bit), or None outside ``NARROW_ROWS[kv_format]``."""
+    first, last = NARROW_ROWS[kv_format]
+    if not first <= rows <= min(last, SMALL_TILE_ROWS):
+        return None
+    return 16 if rows <= 16 else 32
+
+
+def tile_plan(rows: int, sm90: bool = False, kv_format: str | None = None) -> tuple[int, int]:
+    """(rows per tile, programs per SM) the decode kernels use for ``rows`` query rows per request on a cache
+    of ``kv_format`` (None: 16-bit); ``sm90``: the Hopper kernels are available
+    (``pagedmla.device.sm90_available``)."""
+    if sm90:
+        narrow = narrow_block(rows, kv_format)
+        if narrow is not None:
+            return narrow, 1
+        if rows >= SM90_MIN_ROWS:
+            return BLOCK_M, 1
     if rows <= SMALL_TILE_ROWS:
         return (16 if rows <= 16 else 32), 2
     return BLOCK_M, 1
@@ -75,13 +97,15 @@ def overhead_blocks(num_q_tokens_per_head_k: int) -> int:
     return OVERHEAD_BLOCKS_SMALL if num_q_tokens_per_head_k <= SMALL_TILE_ROWS else OVERHEAD_BLOCKS
 
 
-def num_sm_parts_for(device: torch.device, num_q_tokens_per_head_k: int, num_heads_k: int) -> int:
+def num_sm_parts_for(device: torch.device, num_q_tokens_per_head_k: int, num_heads_k: int,
+                     kv_format: str | None = None) -> int:
     """How many parts the batch is cut into: the programs that fit on the GPU at once (SMs times programs
-    per SM), divided by the row tiles each part launches. On sm_90 the plan assumes the Hopper kernel for
-    more than 16 rows; calls it cannot take (fp32, pages not a multiple of 64) run the portable kernel
-    with that part count: correct, with half the small tiles' two-per-SM slots unused."""
+    per SM), divided by the row tiles each part launches, for a cache of ``kv_format`` (None: 16-bit; FP8
+    formats plan as ``tile_plan`` says). On sm_90 the plan assumes the Hopper kernels wherever they take
+    these rows; calls they cannot take (fp32, pages not a multiple of 64) run the portable kernel with that
+    part count: correct, with half the small tiles' two-per-SM slots unused."""
     sms = sm_count(device) if device.type == "cuda" else 8
-    tile_m, per_sm = tile_plan(num_q_tokens_per_head_k, sm90_available(device))
+    tile_m, per_sm = tile_plan(num_q_tokens_per_head_k, sm90_available(device), kv_format)
     m_tiles = -(-num_q_tokens_per_head_k // tile_m)
     return max(1, sms * per_sm // max(1, num_heads_k) // max(1, m_tiles))
 

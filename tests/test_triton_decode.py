@@ -26,6 +26,7 @@ from test_conformance import (
     decode_inputs,
 )
 
+from pagedmla import split_plan
 from pagedmla.device import pdl_available
 from pagedmla.kernels.triton.decode import (
     DecodeConfig,
@@ -38,7 +39,7 @@ from pagedmla.kernels.triton.decode import (
 from pagedmla.kernels.triton.metadata import schedule_into as schedule_kernel_into
 from pagedmla.kernels.triton.sm90.mla import sm90_supported
 from pagedmla.ops import flash_mla_with_kvcache, get_mla_metadata
-from pagedmla.split_plan import overhead_blocks, plan_into
+from pagedmla.split_plan import narrow_block, overhead_blocks, plan_into, tile_plan
 
 CPU_F16 = DECODE_BOUNDS[("cpu", F16)]
 
@@ -106,6 +107,42 @@ def test_decode_rejects_unsupported_dims():
 
 def _random_lengths(rng: random.Random, b: int) -> list[int]:
     return [rng.choice([0, 1, 63, 64, 65, rng.randint(0, 5000), rng.randint(0, 200000)]) for _ in range(b)]
+
+
+def test_narrow_block_and_tile_plan_follow_the_measured_row_ranges(monkeypatch):
+    """The narrow form's Q tile by request rows and cache format: 16 rows up to 16, 32 up to 32, none above or
+    outside the format's ``NARROW_ROWS`` (fp8_e4m3 keeps the portable kernel up to 16 rows); ``tile_plan``
+    gives it one program per SM on sm_90, the portable small tiles two elsewhere; a benchmark can move the
+    ranges, never past the form's 32 rows."""
+    for fmt in (None, "fp8_ds_mla"):
+        assert [narrow_block(r, fmt) for r in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, None, None]
+    assert [narrow_block(r, "fp8_e4m3") for r in (1, 16, 17, 24, 32, 33)] == [None, None, 32, 32, 32, None]
+    assert [tile_plan(r, True) for r in (1, 16, 17, 32, 33, 128)] == [(16, 1), (16, 1), (32, 1), (32, 1), (64, 1),
+                                                                     (64, 1)]
+    assert [tile_plan(r, True, "fp8_e4m3") for r in (16, 17)] == [(16, 2), (32, 1)]
+    assert [tile_plan(r) for r in (1, 16, 17, 32, 33)] == [(16, 2), (16, 2), (32, 2), (32, 2), (64, 1)]
+    monkeypatch.setitem(split_plan.NARROW_ROWS, "fp8_e4m3", (1, 64))
+    assert [narrow_block(r, "fp8_e4m3") for r in (8, 32, 33)] == [16, 32, None]
+
+
+def test_schedule_part_count_follows_the_cache_format(monkeypatch):
+    """``get_mla_metadata(kv_format=...)`` on sm_90 (patched in: the plan's arithmetic is the same anywhere; 8
+    SMs off CUDA): one part per SM for the narrow form's rows on 16-bit and fp8_ds_mla caches, two for
+    fp8_e4m3 up to 16 rows (the portable kernel), one for every format at 17-32 rows and above; aliases
+    resolve, an unknown format is refused by name, and the schedule is a valid one for its part count."""
+    monkeypatch.setattr(split_plan, "sm90_available", lambda device: True)
+    lens = torch.tensor([100, 3000, 0], dtype=torch.int32)
+    parts = {}
+    for fmt in (None, "bf16", "fp16", torch.bfloat16, "fp8_ds_mla", "fp8_e4m3", "fp8", torch.float8_e4m3fn):
+        for rows in (16, 32, 64):
+            md, ns = get_mla_metadata(lens, rows, 1, kv_format=fmt)
+            assert int(ns[-1]) >= 2 and md.shape == (md.shape[0], 8)
+            parts[str(fmt), rows] = md.shape[0]
+    e4m3 = ("fp8_e4m3", "fp8", "torch.float8_e4m3fn")
+    assert {k: v for k, v in parts.items() if k[0] in e4m3 and k[1] == 16} == {(f, 16): 16 for f in e4m3}
+    assert all(v == 8 for k, v in parts.items() if not (k[0] in e4m3 and k[1] == 16))
+    with pytest.raises(ValueError, match="kv_format"):
+        get_mla_metadata(lens, 16, 1, kv_format="int4")
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -16,8 +16,8 @@ from pagedmla.kernels.triton.common import PrefillConfig
 from pagedmla.kernels.triton.decode import DecodeConfig, paged_decode_triton, select_config
 from pagedmla.kernels.triton.paged_varlen import dequantize_first, paged_varlen_attention
 from pagedmla.kernels.triton.rows import dequantize_pages
-from pagedmla.kernels.triton.sm90 import decode_fp8
-from pagedmla.kernels.triton.sm90.decode_fp8 import narrow_block, sm90_fp8_supported
+from pagedmla.kernels.triton.sm90.decode_fp8 import sm90_fp8_supported
+from pagedmla.split_plan import narrow_block
 
 K_SCALE = torch.tensor([0.004])
 
@@ -304,22 +304,12 @@ def test_dequantise_first_prefill_poisons_a_bad_page_only(kv_format):
     assert errors.device_errors(dev) & errors.BLOCK_TABLE
 
 
-def test_narrow_block_follows_the_measured_row_ranges(monkeypatch):
-    """The narrow form's Q tile by request rows and format: 16 rows up to 16, 32 up to 32, none above or
-    outside the format's ``NARROW_ROWS`` (fp8_e4m3 keeps the portable kernel up to 16 rows); a benchmark can
-    move the ranges, never past the form's 32 rows."""
-    assert [narrow_block(r, "fp8_ds_mla") for r in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, None, None]
-    assert [narrow_block(r, "fp8_e4m3") for r in (1, 16, 17, 24, 32, 33)] == [None, None, 32, 32, 32, None]
-    monkeypatch.setitem(decode_fp8.NARROW_ROWS, "fp8_e4m3", (1, 64))
-    assert [narrow_block(r, "fp8_e4m3") for r in (8, 32, 33)] == [16, 32, None]
-
-
 def _hopper_fp8_case(kv_format, lens, q_len, heads, key):
     """A GPU FP8 decode case on the Hopper kernel's pages (64): (q, cache, seqlens, metadata, keywords)."""
     cache, kw = _cache(kv_format, lens, 64, key)
     q = (torch.randn(len(lens), q_len, heads, 576, generator=gen("triton-fp8-sm90-q", key)) * 2).bfloat16().cuda()
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    md, ns = pagedmla.get_mla_metadata(seqlens, q_len * heads, 1)
+    md, ns = pagedmla.get_mla_metadata(seqlens, q_len * heads, 1, kv_format=kv_format)
     kw = {k: v.cuda() for k, v in kw.items() if isinstance(v, torch.Tensor)} | (
         {"is_fp8_kvcache": True} if kv_format == "fp8_ds_mla" else {})
     return q, cache, seqlens, (md, ns), kw
@@ -332,10 +322,11 @@ def _hopper_fp8_case(kv_format, lens, q_len, heads, key):
 def test_gpu_hopper_fp8_decode_matches_the_oracle(kv_format, q_len, heads):
     """An FP8 cache runs the Hopper kernel (converted in shared memory) on sm_90: its narrow form (S^T = K Q^T
     over a 16- or 32-row Q tile, padding rows included at 4 / 24 rows) where ``narrow_block`` picks it, the
-    64-row tiles above 32 rows, and the portable kernel for fp8_e4m3 up to 16 rows; the narrow form is also
-    forced on every request of up to 32 rows. Against the float64 oracle on the dequantised rows, lengths 0 /
-    1 / 63 / 64 / 65 and long ones, scattered pages, NaN in every unused slot (of the requests' last pages
-    too), bf16 queries of magnitude ~2."""
+    64-row tiles above 32 rows, and the portable kernel for fp8_e4m3 up to 16 rows under a schedule planned
+    for that format (two parts per SM); a schedule planned without the format (one part per SM) runs the
+    narrow form there, and the narrow form is also forced on every request of up to 32 rows. Against the
+    float64 oracle on the dequantised rows, lengths 0 / 1 / 63 / 64 / 65 and long ones, scattered pages, NaN
+    in every unused slot (of the requests' last pages too), bf16 queries of magnitude ~2."""
     if not torch.cuda.is_available() or not sm90_fp8_supported(
             torch.empty(1, 576, dtype=torch.bfloat16, device="cuda"),
             torch.empty(1, 64, 1, 576 if kv_format == "fp8_e4m3" else 656, dtype=torch.uint8, device="cuda"), 512,
@@ -346,8 +337,11 @@ def test_gpu_hopper_fp8_decode_matches_the_oracle(kv_format, q_len, heads):
     k_cache = cache.k_cache.cuda()
     rows = q_len * heads
     narrow = narrow_block(rows, kv_format)
-    cfg = select_config(q, k_cache, 512, None, kv_format)
+    cfg = select_config(q, k_cache, 512, None, kv_format, md.shape[0])
     assert cfg.use_sm90 == (rows > 16 or narrow is not None) and cfg.block_m == (narrow or (64 if rows > 16 else 16))
+    plain_md, plain_ns = pagedmla.get_mla_metadata(seqlens, rows, 1)  # planned as for a 16-bit cache
+    plain = select_config(q, k_cache, 512, None, kv_format, plain_md.shape[0])
+    assert plain.use_sm90 and plain.block_m == (16 if rows <= 16 else 32 if rows <= 32 else 64), plain
     b = len(lens)
     qo = [q_len * i for i in range(b + 1)]
     ref_out, ref_lse = dense_paged(q.cpu().reshape(b * q_len, heads, 576), qo, cache.rows, 576 ** -0.5, True, 512)
@@ -356,6 +350,9 @@ def test_gpu_hopper_fp8_decode_matches_the_oracle(kv_format, q_len, heads):
     live = torch.tensor(lens) > 0
     results = [pagedmla.flash_mla_with_kvcache(q, k_cache, cache.block_table.cuda(), seqlens, 512, md, ns,
                                                causal=True, provider="triton", **kw)]
+    if plain != cfg:
+        results.append(pagedmla.flash_mla_with_kvcache(q, k_cache, cache.block_table.cuda(), seqlens, 512, plain_md,
+                                                       plain_ns, causal=True, provider="triton", **kw))
     if rows <= 32:
         forced = DecodeConfig(block_m=16 if rows <= 16 else 32, use_sm90=True)
         results.append(paged_decode_triton(q, k_cache, cache.block_table.cuda(), seqlens, 512, md, ns, 576 ** -0.5,

@@ -115,14 +115,17 @@ def _(v_a, s_a, v_b, s_b, out, out_lse, provider=None):
 
 @torch.library.custom_op("pagedmla::get_mla_metadata", mutates_args=())
 def get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int, num_heads_k: int,
-                     num_sm_parts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    md, ns = schedule.get_mla_metadata(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_sm_parts=num_sm_parts)
+                     num_sm_parts: int | None = None,
+                     kv_format: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    md, ns = schedule.get_mla_metadata(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_sm_parts=num_sm_parts,
+                                       kv_format=kv_format)
     return md, ns
 
 
 @get_mla_metadata.register_fake
-def _(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_sm_parts=None):
-    parts = num_sm_parts or schedule.num_sm_parts_for(cache_seqlens.device, num_q_tokens_per_head_k, num_heads_k)
+def _(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_sm_parts=None, kv_format=None):
+    parts = num_sm_parts or schedule.num_sm_parts_for(cache_seqlens.device, num_q_tokens_per_head_k, num_heads_k,
+                                                      schedule.plan_format(kv_format))
     bs = cache_seqlens.shape[0]
     return (cache_seqlens.new_empty(parts, schedule.METADATA_WIDTH, dtype=torch.int32),
             cache_seqlens.new_empty(bs + 1, dtype=torch.int32))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedmla.kv_format import is_fp8, resolve_format
 from pagedmla.split_plan import METADATA_WIDTH, num_sm_parts_for, overhead_blocks, plan_into
 
 
@@ -18,11 +19,17 @@ def get_mla_metadata(
     num_heads_k: int,
     *,
     num_sm_parts: int | None = None,
+    kv_format: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashMLA's scheduling call: returns (tile_scheduler_metadata, num_splits), both int32 on the device.
 
     cache_seqlens: int32 [bs] KV lengths (this step's tokens included);
-    num_q_tokens_per_head_k: q_len * num_heads_q // num_heads_k; num_heads_k: KV heads (1 for MLA).
+    num_q_tokens_per_head_k: q_len * num_heads_q // num_heads_k; num_heads_k: KV heads (1 for MLA);
+    num_sm_parts: see below; kv_format: the format of the cache the schedule is for (a name of
+    ``pagedmla.kv_format.resolve_format``; None, "bf16" and "fp16" plan alike), so that the part count
+    follows the kernel that format runs: on sm_90 an fp8_e4m3 cache's requests of up to 16 query rows get
+    two parts per SM (the portable kernel), every other request of up to 32 rows one (``split_plan``'s
+    ``tile_plan``). Any schedule serves any call with these lengths; a mismatched one only runs slower.
     The default cuts the work into ``num_sm_parts_for`` parts, each at least ``min_part_units`` long (a small
     batch leaves the last parts idle); ``num_sm_parts`` cuts it into exactly that many equal parts instead
     (FlashMLA's rule; tests use it to force splits on small problems). No host synchronisation: safe to
@@ -31,7 +38,8 @@ def get_mla_metadata(
     """
     if torch.compiler.is_dynamo_compiling():
         # The custom op ops/library.py registers (by name: that module imports this one).
-        return torch.ops.pagedmla.get_mla_metadata(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_sm_parts)
+        return torch.ops.pagedmla.get_mla_metadata(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_sm_parts,
+                                                   kv_format)
     if not isinstance(cache_seqlens, torch.Tensor):
         raise TypeError(f"cache_seqlens: expected a torch.Tensor, got {type(cache_seqlens).__name__}")
     if cache_seqlens.dim() != 1 or cache_seqlens.dtype != torch.int32:
@@ -41,13 +49,18 @@ def get_mla_metadata(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: expected a positive int, got {value!r}")
     dev = cache_seqlens.device
-    parts = num_sm_parts if num_sm_parts is not None else num_sm_parts_for(dev, num_q_tokens_per_head_k, num_heads_k)
+    if num_sm_parts is None:
+        num_sm_parts = num_sm_parts_for(dev, num_q_tokens_per_head_k, num_heads_k, plan_format(kv_format))
+        default_plan = True
+    else:
+        default_plan = False
+    parts = num_sm_parts
     if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
         raise ValueError(f"num_sm_parts: expected a positive int, got {parts!r}")
     bs = cache_seqlens.shape[0]
     metadata = torch.empty(parts, METADATA_WIDTH, dtype=torch.int32, device=dev)
     num_splits = torch.empty(bs + 1, dtype=torch.int32, device=dev)
-    _fill(cache_seqlens, metadata, num_splits, overhead_blocks(num_q_tokens_per_head_k), num_sm_parts is None)
+    _fill(cache_seqlens, metadata, num_splits, overhead_blocks(num_q_tokens_per_head_k), default_plan)
     return metadata, num_splits
 
 
@@ -88,3 +101,12 @@ def _fill(cache_seqlens: torch.Tensor, metadata: torch.Tensor, num_splits: torch
         launch(cache_seqlens.contiguous(), metadata, num_splits, overhead, default_plan)
         return
     plan_into(cache_seqlens, metadata, num_splits, overhead, default_plan)
+
+
+def plan_format(kv_format) -> str | None:
+    """The FP8 format a schedule plans for: ``kv_format`` resolved (``pagedmla.kv_format.resolve_format``,
+    ValueError naming ``kv_format`` for an unknown one), None for a 16-bit cache or None."""
+    if kv_format is None:
+        return None
+    fmt = resolve_format(kv_format)
+    return fmt if is_fp8(fmt) else None

@@ -66,11 +66,11 @@ from pagedmla.kernels.triton.launch import CachedKernel, current_stream
 from pagedmla.kernels.triton.metadata import part_bounds, request_span, schedule_matches
 from pagedmla.kernels.triton.sm90 import seesaw
 from pagedmla.kernels.triton.sm90.decode import sm90_main_args
-from pagedmla.kernels.triton.sm90.decode_fp8 import narrow_block, sm90_fp8_main_args, sm90_fp8_supported
+from pagedmla.kernels.triton.sm90.decode_fp8 import sm90_fp8_main_args, sm90_fp8_supported
 from pagedmla.kernels.triton.sm90.mla import sm90_supported
 from pagedmla.kernels.triton.sm90.pipeline import tma_rows
 from pagedmla.split_plan import BLOCK_N as SCHED_BLOCK_N
-from pagedmla.split_plan import METADATA_WIDTH, SM90_MIN_ROWS, tile_plan
+from pagedmla.split_plan import METADATA_WIDTH, SM90_MIN_ROWS, narrow_block, tile_plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +91,9 @@ class DecodeConfig:
     ``sm90/decode_fp8.py``'s on an FP8 cache; block_m 16 or 32 runs ``sm90/decode.py``'s or
     ``sm90/decode_fp8.py``'s narrow (transposed) form, for requests of at most that many rows; the other
     fields do not apply to them. Without a config, requests of more than 16 query rows use one wherever
-    ``sm90_supported`` holds, and on an FP8 cache where ``sm90_fp8_supported`` does (its narrow form for the
-    rows of ``decode_fp8.NARROW_ROWS``: all up to 32 for fp8_ds_mla, 17-32 for fp8_e4m3).
+    ``sm90_supported`` holds (on an FP8 cache ``sm90_fp8_supported``), and the narrow form takes the rows of
+    ``split_plan.NARROW_ROWS``: all up to 32 on a 16-bit or fp8_ds_mla cache, 17-32 on fp8_e4m3 (and its
+    requests of up to 16 rows under a schedule of at most one part per SM: ``select_config``).
     """
 
     block_m: int
@@ -698,7 +699,7 @@ class _DecodePlan:
         b, q_len, h, d = q.shape
         _check_dims(d, head_dim_v)
         self.rows = q_len * h
-        self.cfg = select_config(q, k_cache, head_dim_v, config, kv_fmt)
+        self.cfg = select_config(q, k_cache, head_dim_v, config, kv_fmt, metadata.shape[0])
         self.kv_fmt = kv_fmt
         self.device = q.device
         self.dtype = q.dtype
@@ -716,7 +717,7 @@ class _DecodePlan:
         # main kernel's end (PDL, after either main kernel; measured at batch 128, v11 / v21) and, from 32
         # rows, merge 16 rows per program. Few requests have ~parts / b pieces each, which small tiles spread
         # over more programs, and the early-scheduled combine would only wait beside the main grid (v11).
-        per_sm = tile_plan(self.rows, self.cfg.use_sm90)[1]  # the portable small tiles run two parts per SM
+        per_sm = 1 if self.cfg.use_sm90 else tile_plan(self.rows)[1]  # the portable small tiles: two per SM
         self.pdl = 2 * b * per_sm >= self.parts and pdl_available(q.device)
         self.wait_prior = pdl_available(q.device)
         sms = sm_count(q.device) if q.is_cuda else 8
@@ -831,10 +832,11 @@ def paged_decode_triton(
     beyond its block-table row, or which reads a page id outside the cache, gets NaN rows; metadata made for
     other lengths makes every row NaN. ``out`` / ``lse`` (contiguous, those shapes and dtypes) receive the
     results when given, e.g. a CUDA graph's static buffers; ``config`` overrides the tile shape (benchmarks
-    sweep it). On sm_90 GPUs, with pages a multiple of 64, requests of more than 16 query rows run a Hopper
-    main kernel (bf16/fp16 caches: ``sm90/seesaw.py`` from 128 rows, ``sm90/decode.py`` below; FP8 caches:
-    ``sm90/decode_fp8.py``, whose narrow form also takes fp8_ds_mla's requests of up to 16 rows). No host
-    synchronisation: capturable in a CUDA graph.
+    sweep it). On sm_90 GPUs, with pages a multiple of 64, requests run a Hopper main kernel (bf16/fp16 caches:
+    ``sm90/seesaw.py`` from 128 rows, ``sm90/decode.py`` below, transposed up to 32 rows; FP8 caches:
+    ``sm90/decode_fp8.py``), except fp8_e4m3's requests of up to 16 rows under a schedule of more parts than
+    SMs (``get_mla_metadata(..., kv_format="fp8_e4m3")``), which run the portable kernel (``select_config``).
+    No host synchronisation: capturable in a CUDA graph.
     """
     key = (q.shape, q.stride(), q.dtype, q.get_device(), k_cache.shape, k_cache.stride(), k_cache.dtype,
            block_table.shape, block_table.stride(), cache_seqlens.is_contiguous(), tile_scheduler_metadata.shape,
@@ -901,19 +903,25 @@ def launch_combine(out: torch.Tensor, lse: torch.Tensor, partials: torch.Tensor,
     _COMBINE.launch(out.device, grid, *args, **options)
 
 
-def select_config(q: torch.Tensor, k_cache: torch.Tensor, head_dim_v: int,
-                  config: DecodeConfig | None = None, kv_format: str | None = None) -> DecodeConfig:
-    """The main-kernel config ``paged_decode_triton`` runs for these inputs: ``config`` (checked), else the
-    Hopper kernel for more than 16 query rows where ``sm90_supported`` holds (an FP8 ``kv_format``:
-    ``sm90_fp8_supported``, 16- / 32-row tiles where ``narrow_block`` gives one, fp8_ds_mla's requests of up
-    to 16 rows included), else ``default_config`` with no more column chunks than keep each 16 columns wide
-    (the dots' least depth: head_dim_v 16 or 32 run one or two chunks)."""
+def select_config(q: torch.Tensor, k_cache: torch.Tensor, head_dim_v: int, config: DecodeConfig | None = None,
+                  kv_format: str | None = None, parts: int | None = None) -> DecodeConfig:
+    """The main-kernel config ``paged_decode_triton`` runs for these inputs: ``config`` (checked), else where
+    ``sm90_supported`` holds (an FP8 ``kv_format``: ``sm90_fp8_supported``) the Hopper kernel in its narrow
+    form's 16- / 32-row tiles where ``split_plan.narrow_block`` gives one, in 64-row tiles for more than 16
+    query rows, else ``default_config`` with no more column chunks than keep each 16 columns wide (the dots'
+    least depth: head_dim_v 16 or 32 run one or two chunks). ``parts``: the schedule's part count; a schedule
+    of at most one part per SM, made without the cache's format (``get_mla_metadata``'s ``kv_format``),
+    runs the narrow form also where the format's own plan is the portable kernel's two programs per SM
+    (fp8_e4m3 up to 16 rows: on an H100 1.25-1.42x FlashMLA's bf16 there, the portable kernel at one
+    program per SM 1.08-1.21x; benchmarks/NOTES.md, "The narrow form")."""
     rows = q.shape[1] * q.shape[2]
     if kv_format is None:
         hopper = sm90_supported(q, k_cache, head_dim_v)
     else:
         hopper = sm90_fp8_supported(q, k_cache, head_dim_v, kv_format)
-    narrow = narrow_block(rows, kv_format) if kv_format is not None else None
+    narrow = narrow_block(rows, kv_format)
+    if narrow is None and parts is not None and q.is_cuda and parts <= sm_count(q.device):
+        narrow = narrow_block(rows)
     if config is None:
         if narrow is not None and hopper:
             return DecodeConfig(block_m=narrow, use_sm90=True)

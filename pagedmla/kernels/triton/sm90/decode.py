@@ -20,16 +20,18 @@ The decode plan runs it for requests of fewer than ``seesaw.SEESAW_MIN_ROWS`` (1
 memory-bound ones; from 128 rows ``seesaw.py``'s kernel, where each warpgroup's softmax overlaps the other's
 MMAs, is faster (benchmarks/NOTES.md, decode v18).
 
-``TRANSPOSED`` (``DecodeConfig(block_m=16 | 32, use_sm90=True)``) runs ``mla.py``'s transposed steps over a Q
-tile of 16 or 32 rows for requests of at most that many: no MMA padded to 64 query rows. bf16 caches do not
-take it by default (on an H100 it matched the portable kernel at 16 rows with the plan's two parts per SM:
-benchmarks/NOTES.md, FP8, "The narrow form"); ``decode_fp8.py``'s narrow form does.
+``TRANSPOSED`` (the narrow form, ``DecodeConfig(block_m=16 | 32, use_sm90=True)``) runs ``mla.py``'s transposed
+steps over a Q tile of 16 or 32 rows for requests of at most that many: no MMA padded to 64 query rows. It is
+the default for requests of up to 32 rows (``split_plan.NARROW_ROWS``), one part per SM: on an H100 it beat
+the portable kernel's two 16-row programs per SM by 1-6% and the 64-row tiles at 17-32 rows by 1-2%
+(benchmarks/NOTES.md, "The narrow form").
 
 Over an FP8 cache ``decode_fp8.py`` runs the same two warpgroups (``KV_FMT`` > 0: its scales enter the
 scores and the outputs) on a ring its converter fills.
 
 Requirements (``mla.sm90_supported`` checks them): CUDA capability 9.0, Triton with Gluon, q and cache bf16 or
-fp16, head dims 576 / 512, page size a multiple of 64, a contiguous cache, 64-row tiles.
+fp16, head dims 576 / 512, page size a multiple of 64, a contiguous cache, 64-row tiles (16 or 32 in the
+narrow form).
 """
 
 from __future__ import annotations

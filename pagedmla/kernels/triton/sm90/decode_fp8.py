@@ -25,7 +25,7 @@ magnitude at an absolute error far below bf16's own rounding); the scores take i
 past the request's (the next requests' rows, or TMA's zeros) do not enter the maximum.
 
 Narrow form (requests of up to 32 query rows: 16 / 32 heads at q_len 1, 16 heads at q_len 2, the
-memory-bound cells an FP8 cache exists for; ``NARROW_ROWS`` per format): the Q tile holds 16 or 32 rows
+memory-bound cells an FP8 cache exists for; ``split_plan.NARROW_ROWS`` per format): the Q tile holds 16 or 32 rows
 and the warpgroups run ``mla.py``'s ``TRANSPOSED`` steps, S^T = K Q^T [64 keys, rows] and O^T = V^T P^T
 [512, rows], the keys being every MMA's 64-row M. The 64-row form pads such a request to 64 query rows:
 per tile 36 m64n64k16 and 8 m64n256k16 (8.9 MFLOP, ~2.5 us on the H200 at the one-softmax kernel's rate),
@@ -71,12 +71,6 @@ if HAVE_GLUON:
     from pagedmla.kernels.triton.sm90.pipeline import free_phase, launch_dependents, phase, wait_prior_grids
 
 _FORMAT_IDS = {"fp8_e4m3": 1, "fp8_ds_mla": 2}
-# The query rows per request (first, last) that run the narrow (transposed) form by default, per format:
-# measured against the 64-row tiles (17-32 rows) and the portable kernel (up to 16 rows) on an H100
-# (benchmarks/NOTES.md, FP8, "The narrow form"): faster on every fp8_ds_mla cell and on fp8_e4m3 from 17
-# rows, slower on fp8_e4m3 up to 16 rows, where the portable kernel keeps its two programs per SM. A module
-# variable, so that benchmarks can time either choice.
-NARROW_ROWS = {"fp8_e4m3": (17, 32), "fp8_ds_mla": (1, 32)}
 
 if HAVE_GLUON:
     _DS_SC_COL = gl.constexpr(DS_SCALES_OFFSET // 4)  # fp8_ds_mla's scales, in float32 columns of a row
@@ -346,22 +340,13 @@ if HAVE_GLUON:
 _MAIN = CachedKernel(_decode_sm90_fp8_kernel, ptx_pass=tma_loads_evict_first) if HAVE_GLUON else None
 
 
-def narrow_block(rows: int, kv_fmt: str) -> int | None:
-    """The narrow form's Q tile (16 or 32 rows) for requests of ``rows`` query rows on a ``kv_fmt`` cache, or
-    None outside ``NARROW_ROWS[kv_fmt]`` (the 64-row tiles above it, the portable kernel below)."""
-    first, last = NARROW_ROWS[kv_fmt]
-    if not first <= rows <= min(last, 32):
-        return None
-    return 16 if rows <= 16 else 32
-
-
 def sm90_fp8_main_args(q_rows, k_cache, kv_fmt, k_scale, block_table, cache_seqlens, metadata, num_splits,
                        softmax_scale, causal, out, lse, partials, err, pdl: bool = False, wait_prior: bool = False,
                        block_m: int = BLOCK_M):
     """``decode.sm90_main_args`` for an FP8 cache (``sm90_fp8_supported``): k_cache its raw rows
     [num_pages, page_size, 1, 576 | 656] (float8_e4m3fn or uint8), kv_fmt "fp8_e4m3" (k_scale float32 [1],
     read on the device) or "fp8_ds_mla" (k_scale None); ``block_m`` the Q tile: 64 rows, or the narrow
-    kernel's 16 / 32 (``narrow_block``: every request's rows in one tile, S^T = K Q^T)."""
+    kernel's 16 / 32 (``split_plan.narrow_block``: every request's rows in one tile, S^T = K Q^T)."""
     b, q_len, h, _ = out.shape
     rows = q_len * h
     parts = metadata.shape[0]
