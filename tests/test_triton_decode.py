@@ -141,8 +141,9 @@ def test_schedule_part_count_follows_the_cache_format(monkeypatch):
     e4m3 = ("fp8_e4m3", "fp8", "torch.float8_e4m3fn")
     assert {k: v for k, v in parts.items() if k[0] in e4m3 and k[1] == 16} == {(f, 16): 16 for f in e4m3}
     assert all(v == 8 for k, v in parts.items() if not (k[0] in e4m3 and k[1] == 16))
-    with pytest.raises(ValueError, match="kv_format"):
-        get_mla_metadata(lens, 16, 1, kv_format="int4")
+    for forced in (None, 4):
+        with pytest.raises(ValueError, match="kv_format"):
+            get_mla_metadata(lens, 16, 1, num_sm_parts=forced, kv_format="int4")
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -49,12 +49,9 @@ def get_mla_metadata(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: expected a positive int, got {value!r}")
     dev = cache_seqlens.device
-    if num_sm_parts is None:
-        num_sm_parts = num_sm_parts_for(dev, num_q_tokens_per_head_k, num_heads_k, plan_format(kv_format))
-        default_plan = True
-    else:
-        default_plan = False
-    parts = num_sm_parts
+    fmt = plan_format(kv_format)
+    default_plan = num_sm_parts is None
+    parts = num_sm_parts_for(dev, num_q_tokens_per_head_k, num_heads_k, fmt) if default_plan else num_sm_parts
     if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
         raise ValueError(f"num_sm_parts: expected a positive int, got {parts!r}")
     bs = cache_seqlens.shape[0]
