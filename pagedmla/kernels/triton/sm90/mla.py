@@ -10,9 +10,9 @@ tiles of 64 (token, head) rows) and in where results go.
 
 With ``TRANSPOSED`` the same steps compute S^T = K Q^T and O^T = V^T P^T for a Q tile of 16 or 32 rows (``R``,
 the N of every MMA): the keys are the MMAs' 64-row M and nothing is padded to 64 query rows, the shape of
-``decode_fp8.py``'s narrow form (requests of up to 32 query rows, memory bound; ``decode.py``'s kernel takes
-it too, by config). Per-row vectors (row maxima, sums, rescale factors) then run along dimension 1 of S and
-O instead of dimension 0.
+the narrow form of ``decode.py`` and ``decode_fp8.py`` (requests of up to 32 query rows, memory bound; the
+default there: ``split_plan.NARROW_ROWS``). Per-row vectors (row maxima, sums, rescale factors) then run
+along dimension 1 of S and O instead of dimension 0.
 
 Requirements (``sm90_supported`` checks them): CUDA capability 9.0, Triton with Gluon, q and cache bf16 or
 fp16, head dims 576 / 512, page size a multiple of 64, a contiguous cache.
