@@ -368,25 +368,28 @@ def test_gpu_hopper_fp8_decode_matches_the_oracle(kv_format, q_len, heads):
 def test_gpu_hopper_fp8_decode_poisons_a_bad_page_only(kv_format, heads):
     """A page id beyond the cache in one request's block table: that request's rows are NaN and the error word
     names the block table; every other request's result is bit-identical to a clean run's (16 heads: the
-    narrow form on fp8_ds_mla, the portable kernel on fp8_e4m3; 64 heads: the 64-row tiles)."""
+    narrow form on fp8_ds_mla, the portable kernel on fp8_e4m3 and, under a schedule planned without the
+    format, its narrow form; 64 heads: the 64-row tiles)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     lens = [300, 200, 130]
-    q, cache, seqlens, (md, ns), kw = _hopper_fp8_case(kv_format, lens, 1, heads, ("bad-page", heads))
+    q, cache, seqlens, schedule, kw = _hopper_fp8_case(kv_format, lens, 1, heads, ("bad-page", heads))
     k_cache, table = cache.k_cache.cuda(), cache.block_table.cuda()
     if not sm90_fp8_supported(q, k_cache, 512, kv_format):
         pytest.skip("needs an sm_90 GPU with Gluon")
-    clean = pagedmla.flash_mla_with_kvcache(q, k_cache, table, seqlens, 512, md, ns, causal=True, provider="triton",
-                                            **kw)
-    errors.device_errors(q.device)
+    schedules = [schedule, pagedmla.get_mla_metadata(seqlens, heads, 1)]
     bad = table.clone()
     bad[1, 2] = k_cache.shape[0] + 10 ** 6
-    out, lse = pagedmla.flash_mla_with_kvcache(q, k_cache, bad, seqlens, 512, md, ns, causal=True, provider="triton",
-                                               **kw)
-    assert torch.isnan(out[1]).all() and torch.isnan(lse[1]).all()
-    for i in (0, 2):
-        assert torch.equal(out[i], clean[0][i]) and torch.equal(lse[i], clean[1][i])
-    assert errors.device_errors(q.device) & errors.BLOCK_TABLE
+    for md, ns in schedules:
+        clean = pagedmla.flash_mla_with_kvcache(q, k_cache, table, seqlens, 512, md, ns, causal=True,
+                                                provider="triton", **kw)
+        errors.device_errors(q.device)
+        out, lse = pagedmla.flash_mla_with_kvcache(q, k_cache, bad, seqlens, 512, md, ns, causal=True,
+                                                   provider="triton", **kw)
+        assert torch.isnan(out[1]).all() and torch.isnan(lse[1]).all()
+        for i in (0, 2):
+            assert torch.equal(out[i], clean[0][i]) and torch.equal(lse[i], clean[1][i])
+        assert errors.device_errors(q.device) & errors.BLOCK_TABLE
 
 
 @pytest.mark.gpu
