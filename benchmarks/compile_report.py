@@ -67,11 +67,10 @@ def _gluon_descs(q_rows: int = 64) -> dict[str, str]:
             "kv_pe_desc": _gluon_desc(D - DV)}
 
 
-def _compile_as_launched(src, arch: int, cached, num_warps: int = 4, **extra) -> object:
+def _compile_as_launched(src, arch: int, cached, num_warps: int = 4) -> object:
     """``src`` compiled for sm_``arch``a as its launcher (the ``CachedKernel`` ``cached``) compiles it: again
-    from the PTX its ``ptx_pass`` rewrites, where it has one (the Hopper decode kernels' evict-first loads);
-    ``extra``: more compile options (``maxnreg``)."""
-    target, options = GPUTarget("cuda", arch, 32), dict(num_warps=num_warps, **extra)
+    from the PTX its ``ptx_pass`` rewrites, where it has one (the Hopper decode kernels' evict-first loads)."""
+    target, options = GPUTarget("cuda", arch, 32), dict(num_warps=num_warps)
     compiled = triton.compile(src, target=target, options=options)
     path = rewritten_ptx_file(cached.ptx_pass, compiled.asm["ptx"])
     return compiled if path is None else triton.compile(src, target=target, options=dict(options, ir_override=path))
@@ -158,19 +157,16 @@ def compile_seesaw(arch: int = 90):
     return _compile_hopper_decode(_decode_seesaw_kernel, _SEESAW, descs, arch)
 
 
-def compile_sm90_fp8(kv_format: str, arch: int = 90, rows: int = 64, register_form: bool = False):
+def compile_sm90_fp8(kv_format: str, arch: int = 90, rows: int = 64):
     """The Hopper Gluon FP8-cache decode kernel (``sm90/decode_fp8.py``) for bf16 q, page 64, causal, over a
     ``kv_format`` cache, as its launcher compiles it: Q tiles of ``rows`` rows (64, or the narrow form's 16 /
-    32; with ``register_form`` fp8_e4m3's 16-row tiles the register-operand kernel)."""
+    32)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from pagedmla.kernels.triton.sm90.decode_fp8 import (
         _FORMAT_IDS,
         _MAIN,
-        _REGS,
-        REGS_MAXNREG,
         _decode_sm90_fp8_kernel,
-        _decode_sm90_fp8_regs_kernel,
         _fp8_layout,
         _scales_layout,
     )
@@ -193,9 +189,6 @@ def compile_sm90_fp8(kv_format: str, arch: int = 90, rows: int = 64, register_fo
                       KV_FMT=_FORMAT_IDS[kv_format], TRANSPOSED=rows < 64)
     signature.update({name: "constexpr" for name in constexprs})
     constexprs.update({"sc_desc": None} if e4m3 else {"kv_scale_ptr": None})
-    if register_form and e4m3 and rows == 16:
-        return _compile_as_launched(GluonASTSource(_decode_sm90_fp8_regs_kernel, signature, constexprs=constexprs),
-                                    arch, _REGS, maxnreg=REGS_MAXNREG)
     return _compile_as_launched(GluonASTSource(_decode_sm90_fp8_kernel, signature, constexprs=constexprs), arch, _MAIN)
 
 
@@ -313,10 +306,6 @@ def report(kernel, arch: int = 90) -> dict:
     # Hardware conversions of two e4m3 values to fp16 (the Hopper FP8 decode's in-place widening).
     out["e4m3x2_converts"] = ptx.count("cvt.rn.f16x2.e4m3x2")
     out["shared_byte_loads"] = len(re.findall(r"ld\.shared(?:\.v[24])?\.[ubs]8\b", ptx))
-    # 16- and 8-byte shared-memory loads (the register-operand FP8 decode's reads of its ring: one per thread,
-    # key and 16 features of K, or key and 8 columns of V).
-    out["shared_loads_16_8_bytes"] = (len(re.findall(r"ld\.shared\.v4\.b32\b", ptx)),
-                                      len(re.findall(r"ld\.shared\.(?:v2\.b32|v4\.b16)\b", ptx)))
     out["setmaxnreg"] = sorted(set(map(int, re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx))))
     # Global stores kept in L2 ahead of the streamed rows (``common.PARTIALS_EVICTION``: the split-KV partials).
     out["evict_last_stores"] = len(re.findall(r"st\.global\.L1::evict_last\.L2::cache_hint", ptx))
@@ -345,8 +334,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --varlen-sm90: a consumer partition per warpgroup (prompts outside CTA_SEQLEN)")
     ap.add_argument("--narrow", type=int, choices=(16, 32), default=None,
                     help="with --decode-sm90-fp8: its narrow (transposed) form over Q tiles of this many rows")
-    ap.add_argument("--register-form", action="store_true",
-                    help="with --decode-sm90-fp8 --narrow 16 on fp8_e4m3: the register-operand kernel (REGISTER_FORM)")
     ap.add_argument("--kv-format", choices=("fp8_e4m3", "fp8_ds_mla"), default=None,
                     help="the portable decode kernel over an FP8 cache (default: bf16 rows); with "
                          "--decode-sm90-fp8 its format")
@@ -355,8 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.decode_seesaw:
             kernel = compile_seesaw()
         elif args.decode_sm90_fp8:
-            kernel = compile_sm90_fp8(args.kv_format or "fp8_e4m3", rows=args.narrow or 64,
-                                      register_form=args.register_form)
+            kernel = compile_sm90_fp8(args.kv_format or "fp8_e4m3", rows=args.narrow or 64)
         elif args.paged_varlen_sm90:
             kernel = compile_paged_varlen_sm90()
         else:

@@ -149,25 +149,6 @@ def test_hopper_fp8_kernel_structure(fmt, rows, wgmma, converts, spills):
     _waits_for_the_prior_kernel(rep)
 
 
-def test_hopper_fp8_register_operand_structure():
-    """fp8_e4m3's register-operand narrow form (sm90/decode_fp8.py, ``REGISTER_FORM``, 16 rows): the same 68
-    MMAs with their A operands in registers, read from the FP8 ring as 16-byte loads (one per thread, key and
-    16 features of K, 18 a tile; one per key and 16 columns of V, 16 a tile), no byte loads; two CTAs per SM:
-    at most half the SM's shared memory (two FP8 tiles in the ring) and 128 registers a thread at launch,
-    redistributed to the loader (24) and the MMA warpgroup (232); every TMA load evict-first, no wgmma wait
-    injected, nothing read before the prior kernel's end; spills bounded at the 2026-12-06 cross-compile."""
-    pytest.importorskip("triton.experimental.gluon")
-    (rep,) = _reports(extra=("--decode-sm90-fp8", "--kv-format", "fp8_e4m3", "--narrow", "16", "--register-form"))
-    assert rep["wgmma"] == {"m64n16k16": 68} and not rep["mma_sync"], rep
-    assert rep["shared_loads_16_8_bytes"][0] >= 18 + 16 and rep["shared_byte_loads"] <= 1, rep
-    assert 2 * 36 * 1024 < rep["shared_bytes"] <= (228 * 1024 - 2 * 1024) // 2, rep
-    assert rep["registers"] == 128 and rep["setmaxnreg"] == [24, 232], rep
-    assert rep["tma_loads"] > 0 and rep["evict_first_tma_loads"] == rep["tma_loads"], rep
-    assert rep["spill_store_load_bytes"][0] <= 268 and rep["spill_store_load_bytes"][1] <= 348, rep
-    assert rep["ptxas_injected_waits"] == 0, rep
-    _waits_for_the_prior_kernel(rep)
-
-
 def test_hopper_prefill_kernel_structure():
     """The paged-prefill Hopper kernel reuses the decode kernel's steps: the same MMAs and ring. Its loader
     warp (32 registers) carries the next tile's bounds and the next page id and spills a few words per tile

@@ -66,7 +66,7 @@ from pagedmla.kernels.triton.launch import CachedKernel, current_stream
 from pagedmla.kernels.triton.metadata import part_bounds, request_span, schedule_matches
 from pagedmla.kernels.triton.sm90 import seesaw
 from pagedmla.kernels.triton.sm90.decode import sm90_main_args
-from pagedmla.kernels.triton.sm90.decode_fp8 import register_form, sm90_fp8_main_args, sm90_fp8_supported
+from pagedmla.kernels.triton.sm90.decode_fp8 import sm90_fp8_main_args, sm90_fp8_supported
 from pagedmla.kernels.triton.sm90.mla import sm90_supported
 from pagedmla.kernels.triton.sm90.pipeline import tma_rows
 from pagedmla.split_plan import BLOCK_N as SCHED_BLOCK_N
@@ -717,8 +717,7 @@ class _DecodePlan:
         # main kernel's end (PDL, after either main kernel; measured at batch 128, v11 / v21) and, from 32
         # rows, merge 16 rows per program. Few requests have ~parts / b pieces each, which small tiles spread
         # over more programs, and the early-scheduled combine would only wait beside the main grid (v11).
-        # The portable small tiles and the FP8 register form: two per SM.
-        per_sm = 1 if self.cfg.use_sm90 and not register_form(kv_fmt, self.rows) else tile_plan(self.rows)[1]
+        per_sm = 1 if self.cfg.use_sm90 else tile_plan(self.rows)[1]  # the portable small tiles: two per SM
         self.pdl = 2 * b * per_sm >= self.parts and pdl_available(q.device)
         self.wait_prior = pdl_available(q.device)
         sms = sm_count(q.device) if q.is_cuda else 8
@@ -923,8 +922,6 @@ def select_config(q: torch.Tensor, k_cache: torch.Tensor, head_dim_v: int, confi
     narrow = narrow_block(rows, kv_format)
     if narrow is None and parts is not None and q.is_cuda and parts <= sm_count(q.device):
         narrow = narrow_block(rows)
-    if register_form(kv_format, rows):
-        narrow = 16  # (two CTAs per SM: the format's own two-part plan)
     if config is None:
         if narrow is not None and hopper:
             return DecodeConfig(block_m=narrow, use_sm90=True)

@@ -80,21 +80,17 @@ if HAVE_GLUON:
     @gluon.jit
     def _store_half(o, scale, lse2, col0, is_direct, out_ptr, lse_ptr, partials_ptr, PIECES, b, piece, pid_m,
                     H, Q_LEN, ROWS, stride_ob, stride_ot, stride_oh, WRITE_LSE: gl.constexpr,
-                    layout: gl.constexpr, TRANSPOSED: gl.constexpr = False, COLUMNS: gl.constexpr = None):
-        """Columns col0 .. col0 + 255 (o's width) of the tile's result: normalised into ``out`` (and LSE, natural log)
+                    layout: gl.constexpr, TRANSPOSED: gl.constexpr = False):
+        """Columns col0 .. col0 + 255 of the tile's result: normalised into ``out`` (and LSE, natural log)
         when the request is in one piece, else into the fp32 partial row ``piece`` (and log2 LSE) of the
         partials buffer (``common.partials_views``: fp32 values; 16-bit ones were 7-11% slower at batch 1-8,
         benchmarks/NOTES.md decode v22, perhaps as the MMA layout then stores half sectors). ``TRANSPOSED``:
         o is O^T [256, rows] (``mla.py``); a store then writes 8 consecutive columns of 4 rows, whole
-        32-byte sectors of the fp32 partials. ``COLUMNS``: a jit function taking o's column (O^T's row) indices
-        to the value columns they hold, for an O whose columns the MMAs produced permuted."""
+        32-byte sectors of the fp32 partials."""
         KD: gl.constexpr = mla.key_dim(TRANSPOSED)
         R: gl.constexpr = o.shape[1 - KD]
         rows = pid_m * R + gl.arange(0, R, layout=gl.SliceLayout(KD, layout))
-        cols = gl.arange(0, o.shape[KD], layout=gl.SliceLayout(1 - KD, layout))
-        if COLUMNS is not None:
-            cols = COLUMNS(cols)
-        cols = gl.expand_dims(col0 + cols, 1 - KD)
+        cols = gl.expand_dims(col0 + gl.arange(0, 256, layout=gl.SliceLayout(1 - KD, layout)), 1 - KD)
         row_ok = rows < ROWS
         o = o * gl.expand_dims(scale, KD)
         if is_direct:

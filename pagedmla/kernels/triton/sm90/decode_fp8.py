@@ -32,10 +32,7 @@ per tile 36 m64n64k16 and 8 m64n256k16 (8.9 MFLOP, ~2.5 us on the H200 at the on
 more than the tile's 36 KB of FP8 take to stream (~1.2 us at an SM's share of the bandwidth); the narrow
 form issues 36 m64nRk16 for S^T and 2 x 16 for O^T (2.2 / 4.5 MFLOP at 16 / 32 rows), and its converter
 has four warps, not two (``_converter_warps``). Loader, ring and guards are the same; the rows of a 16- or
-32-row tile past the request's (the next request's q, or TMA's zeros) are computed and never stored. With
-``REGISTER_FORM`` (off: slower than the portable kernel, benchmarks/NOTES.md) fp8_e4m3's 16-row tiles run a
-kernel of their own, below the in-place one: no converter and no fp16 ring; the MMA warpgroups read the FP8
-bytes into registers as the A operands of both products, and the ring holds five FP8 tiles.
+32-row tile past the request's (the next request's q, or TMA's zeros) are computed and never stored.
 
 Barriers beyond ``decode.py``'s: the TMA completes ``q_landed`` / ``kv_landed`` (the loader's), the converter
 arrives on ``q_ready`` / ``kv_ready``, which the MMA warpgroups wait on as before; both still free a slot
@@ -55,15 +52,7 @@ import functools
 import torch
 
 from pagedmla.device import sm90_available
-from pagedmla.kernels.triton.common import (
-    BLOCK_TABLE,
-    LOG2E,
-    finish_rows,
-    fp16_row_scale,
-    kv_format_width,
-    report,
-    wait_prior_options,
-)
+from pagedmla.kernels.triton.common import LOG2E, fp16_row_scale, kv_format_width, wait_prior_options
 from pagedmla.kernels.triton.launch import CachedKernel
 from pagedmla.kernels.triton.metadata import part_bounds, request_span
 from pagedmla.kernels.triton.sm90 import decode as hopper_decode
@@ -76,13 +65,7 @@ from pagedmla.split_plan import METADATA_WIDTH
 if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
     from pagedmla.kernels.triton.common import checked_page
     from pagedmla.kernels.triton.sm90.pipeline import free_phase, launch_dependents, phase, wait_prior_grids
@@ -354,293 +337,6 @@ if HAVE_GLUON:
         )
 
 
-# The register-operand narrow form (fp8_e4m3, requests of up to 16 rows), two CTAs per SM. The in-place form
-# above widens each tile into a 16-bit ring that the MMAs read from shared memory: per 64-key tile at 16 rows
-# ~300 KB of shared-memory traffic and a two-slot ring, as the fp16 copy fills the shared memory. Here one
-# MMA warpgroup reads the FP8 bytes into registers itself and feeds both products with A in registers: S^T =
-# K Q^T (K's 64 keys are the M of wgmma's register A operand), the softmax, and O^T = V^T P^T (V^T's 512
-# columns are that M); a tile costs ~110 KB of shared-memory traffic. A first version with a softmax and a
-# value warpgroup and a five-tile ring, one CTA per SM (5fa011f), measured slower than the portable kernel:
-# its per-tile chain was serial with nothing beside it (benchmarks/NOTES.md, FP8). This one runs that chain
-# in two CTAs per SM (128 registers a thread at launch, ~113 KB of shared memory each), as the portable
-# kernel's two programs per SM overlap theirs.
-#
-# A register A operand gives each thread fixed (row, k) pairs: for K, per 16-wide k step, two keys and k = 2t,
-# 2t + 1, 2t + 8, 2t + 9 (t = lane % 4), which read in cache order would be 2-byte pieces. The dot does not care
-# in which order its k run as long as Q^T's rows follow the same order, so k is a bit permutation of the
-# feature index f (``_K_BITS``) under which each thread's features of 4 consecutive k steps are 16
-# consecutive bytes of its key's row: one 16-byte shared load. Q is written to shared memory in that order
-# once per request. For V^T the M index (the value column) is permuted instead (``_V_BITS``): each thread's
-# 16 rows of O^T in its 8 M repeats are 16 consecutive columns of a key's row (one 16-byte load per key), and
-# the results are stored through the inverse (``_value_columns``). The loads are written as loads of the
-# relabelled tensor in a layout derived from the MMA operand's, then a reshape / permute back to the operand's
-# index order, which Gluon checks is free (``convert_layout(assert_trivial)``).
-# Off: compiled, not yet run on a GPU (NOTES, FP8). With it fp8_e4m3's 16-row narrow requests run this form.
-REGISTER_FORM = False
-REGS_MAXNREG = 128  # the register form's launch budget: 2 CTAs x 256 threads x 128 = the SM's 65536
-
-
-def register_form(kv_fmt: str | None, rows: int) -> bool:
-    """Whether a request of ``rows`` query rows on a ``kv_fmt`` cache runs the register-operand form (with
-    ``REGISTER_FORM``: fp8_e4m3, up to 16 rows, on the format's own schedule of two parts per SM)."""
-    return REGISTER_FORM and kv_fmt == "fp8_e4m3" and rows <= 16
-_K_BITS = (0, 4, 5, 1, 2, 3, 6)  # k bit i -> feature bit: k = [e][t:2][b][v:2][u], f = [e][b][v:2][t:2][u]
-_V_BITS = (4, 5, 6, 0, 7, 8, 1, 2, 3)  # O^T row bit -> value column bit: m = [g:3][h][w:2][j:3], c = [h][j:3][g:3][w:2]
-
-if HAVE_GLUON:
-    _STAGES_REGS = gl.constexpr(2)  # FP8 tiles in each CTA's ring (two CTAs per SM: ~113 KB each)
-    _VALUE_KEYS = gl.constexpr(16)  # keys per register A operand of O^T (two in flight beside O^T's 64 registers)
-
-    @gluon.constexpr_function
-    def _load_layout(lin, dim):
-        """``lin`` (an operand's linear layout) with coordinate ``dim`` of every basis taken through its bit map
-        (index bit i -> bit bits[i]: ``_K_BITS`` for K's features, dim 1, ``_V_BITS`` for V^T's rows, dim 0),
-        and its register bases ordered with the single-bit steps of that coordinate first, lowest first: the
-        layout to load the relabelled tensor in, its registers in address order so that a thread's consecutive
-        bytes become one vector load."""
-        bits = _K_BITS if dim == 1 else _V_BITS
-
-        def relabel(basis):
-            out = list(basis)
-            out[dim] = sum(1 << bits[i] for i in range(len(bits)) if basis[dim] >> i & 1)
-            return out
-
-        regs = [relabel(b) for b in lin.reg_bases]
-        step = [b for b in regs if sum(b) == b[dim] and b[dim] & (b[dim] - 1) == 0 and b[dim] > 0]
-        step.sort(key=lambda b: b[dim])
-        rest = [b for b in regs if b not in step]
-        return gl.DistributedLinearLayout(step + rest, [relabel(b) for b in lin.lane_bases],
-                                          [relabel(b) for b in lin.warp_bases], [relabel(b) for b in lin.block_bases],
-                                          lin.shape)
-
-    @gluon.jit
-    def _k_operand(view, op: gl.constexpr):
-        """Features [64 keys, W] (W = 128 latent or 64 rope columns, FP8) of a ring slot as the fp16 register A
-        operand of S^T in k order (``_K_BITS``, within each 128 columns)."""
-        W: gl.constexpr = view.shape[1]
-        x = view.load(_load_layout(gl.to_linear_layout(op, [mla._BN, W]), 1)).to(gl.float16)
-        if W == 128:
-            x = x.reshape([mla._BN, 2, 4, 4, 2, 2]).permute((0, 1, 3, 4, 2, 5))
-        else:
-            x = x.reshape([mla._BN, 4, 4, 2, 2]).permute((0, 2, 3, 1, 4))
-        return gl.convert_layout(x.reshape([mla._BN, W]), op, assert_trivial=True)
-
-    @gluon.jit
-    def _v_operand(view, op: gl.constexpr):
-        """Values [K keys, 512 columns] (FP8) of a ring slot as the fp16 register A operand of O^T = V^T P^T,
-        [512, K], its rows in ``_V_BITS`` order."""
-        K: gl.constexpr = view.shape[0]
-        x = view.permute((1, 0)).load(_load_layout(gl.to_linear_layout(op, [mla._DV, K]), 0)).to(gl.float16)
-        x = x.reshape([4, 8, 8, 2, K]).permute((2, 0, 3, 1, 4)).reshape([mla._DV, K])
-        return gl.convert_layout(x, op, assert_trivial=True)
-
-    @gluon.jit
-    def _value_columns(m):
-        """The value columns that rows m of O^T hold (``_V_BITS``)."""
-        return ((m & 7) << 4) | ((m >> 3) & 1) | (((m >> 4) & 3) << 7) | (((m >> 6) & 7) << 1)
-
-    @gluon.jit
-    def _zero_tail(slot, valid):
-        """Zero the FP8 value bytes of keys valid .. 63 of a slot (0 x NaN would poison P V), visible to the
-        warpgroup's own loads after it."""
-        layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-        rows = gl.arange(0, mla._BN, layout=gl.SliceLayout(1, layout))
-        for c in gl.static_range(mla._DV // 64):
-            box = slot.slice(64 * c, 64, dim=1)
-            x = box.load(layout)
-            box.store(gl.where(rows[:, None] < valid, x, gl.zeros_like(x)))
-        gl.thread_barrier()
-
-    @gluon.jit
-    def _regs_q(q_smem, q_pe_smem, q16, q16_pe, valid_rows, q_sign):
-        """Q of one request (bf16 / fp16 rows in TMA order) to fp16 times the power of two of its rows below
-        ``valid_rows`` and ``q_sign`` (``_convert_q``), in k order (``_K_BITS``: within each 128 columns) into
-        q16 / q16_pe, for the MMAs. Returns the inverse power of two."""
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        R: gl.constexpr = q_smem.shape[0]
-        rows = gl.arange(0, R, layout=gl.SliceLayout(1, layout))
-        amax = gl.max(gl.abs(q_pe_smem.load(layout).to(gl.float32)), axis=1)
-        for c in gl.static_range(mla._DV // 128):
-            x = q_smem.slice(128 * c, 128, dim=1).load(layout)
-            amax = gl.maximum(amax, gl.max(gl.abs(x.to(gl.float32)), axis=1))
-        q_mul, q_inv = fp16_row_scale(gl.max(gl.where(rows < valid_rows, amax, 0.0), axis=0))
-        q_mul = q_mul * q_sign
-        for c in gl.static_range(mla._DV // 128):
-            x = (q_smem.slice(128 * c, 128, dim=1).load(layout).to(gl.float32) * q_mul).to(gl.float16)
-            x = x.reshape([R, 2, 4, 4, 2, 2]).permute((0, 1, 3, 4, 2, 5)).reshape([R, 128])
-            q16.slice(128 * c, 128, dim=1).store(x)
-        pe = (q_pe_smem.load(layout).to(gl.float32) * q_mul).to(gl.float16)
-        q16_pe.store(pe.reshape([R, 4, 4, 2, 2]).permute((0, 2, 3, 1, 4)).reshape([R, _PE]))
-        fence_async_shared()
-        gl.thread_barrier()
-        return q_inv
-
-    @gluon.jit
-    def _regs_loader(q_desc, q_pe_desc, lat_desc, pe_desc, bt_ptr, stride_btb, CAPACITY, num_pages, seqlens_ptr,
-                     meta_ptr, splits_ptr, partials_ptr, err_ptr, B, PARTS, ROWS, q_smem, q_pe_smem, lat8, pe8,
-                     q_landed, q_free, kv_landed, kv_empty, page_flags, PAGE: gl.constexpr, META_W: gl.constexpr):
-        STAGES: gl.constexpr = lat8.shape[0]
-        q_row0 = gl.program_id(0) * q_smem.shape[0]
-        begin_req, begin_blk, end_req, end_blk, _ = part_bounds(meta_ptr, gl.program_id(1), B - 1, META_W)
-        it = 0
-        nq = 0
-        for b in range(begin_req, end_req + 1):
-            bt_row, first_page, tok_lo, tok_hi = hopper_decode.slice_start(bt_ptr, stride_btb, seqlens_ptr, b,
-                                                                           begin_req, begin_blk, end_req, end_blk,
-                                                                           CAPACITY, PAGE)
-            if tok_lo < tok_hi:
-                # The previous request's Q stays until warpgroup 0 has its fp16 copy.
-                mbarrier.wait(q_free, free_phase(nq, 1))
-                mla.load_q(q_desc, q_pe_desc, b * ROWS + q_row0, q_smem, q_pe_smem, q_landed)
-                flag = page_flags.index(nq % 2)
-                page_id, bad = checked_page(first_page, num_pages)
-                for n0 in range(tok_lo, tok_hi, mla._BN):
-                    next_page, bad = mla.next_kv_page(bt_row, n0, tok_hi, bad, flag, num_pages, PAGE)
-                    s = it % STAGES
-                    mbarrier.wait(kv_empty.index(s), free_phase(it, STAGES))
-                    row = page_id * PAGE + n0 % PAGE
-                    landed = kv_landed.index(s)
-                    mbarrier.expect(landed, lat_desc.block_type.nbytes + pe_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(lat_desc, [row, 0], landed, lat8.index(s))
-                    tma.async_copy_global_to_shared(pe_desc, [row, mla._DV], landed, pe8.index(s))
-                    page_id = next_page
-                    it += 1
-                nq += 1
-        hopper_decode.schedule_verdict(seqlens_ptr, meta_ptr, splits_ptr, partials_ptr, err_ptr, B, PARTS)
-
-    @gluon.jit
-    def _regs_consumer(q_smem, q_pe_smem, q16, q16_pe, lat8, pe8, p_smem, q_landed, q_free, kv_landed, kv_empty,
-                       page_flags, PIECES, CAPACITY, seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr, partials_ptr,
-                       err_ptr, kv_scale_ptr, B, H, Q_LEN, ROWS, qk_scale, stride_ob, stride_ot, stride_oh,
-                       CAUSAL: gl.constexpr, META_W: gl.constexpr):
-        """The one MMA warpgroup: per request Q to fp16; per tile S^T, the online softmax, P^T (its own shared
-        buffer: the B operand of O^T) and O^T = V^T P^T over all 512 columns; the request's result."""
-        STAGES: gl.constexpr = lat8.shape[0]
-        R: gl.constexpr = q_smem.shape[0]
-        layout: gl.constexpr = mla.transposed_layout(R)
-        op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=layout, k_width=2)
-        row_l: gl.constexpr = gl.SliceLayout(0, layout)
-        v_scale = gl.load(kv_scale_ptr)
-        q_sign = gl.where(v_scale < 0, -1.0, 1.0)
-        pid_m = gl.program_id(0)
-        begin_req, begin_blk, end_req, end_blk, begin_split = part_bounds(meta_ptr, gl.program_id(1), B - 1, META_W)
-        t = (pid_m * R + gl.arange(0, R, layout=row_l)) // H
-        it = 0
-        nq = 0
-        for b in range(begin_req, end_req + 1):
-            seqlen, tok_lo, tok_hi, bits = request_span(seqlens_ptr, b, begin_req, begin_blk, end_req, end_blk,
-                                                        CAPACITY, mla._BN)
-            if tok_lo < tok_hi:
-                if CAUSAL:
-                    first_masked = seqlen - Q_LEN + 1
-                    lim = gl.minimum(first_masked + t, seqlen)
-                else:
-                    first_masked = seqlen
-                    lim = gl.zeros([R], dtype=gl.int32, layout=row_l) + seqlen
-                mbarrier.wait(q_landed, phase(nq, 1))
-                q_inv = _regs_q(q_smem, q_pe_smem, q16, q16_pe, ROWS - pid_m * R, q_sign)
-                mbarrier.arrive(q_free, count=1)
-                # The scores' scale stays positive (q took k_scale's sign), as the unscaled row maxima need.
-                qk = qk_scale * q_inv * gl.abs(v_scale)
-                m_i = gl.full([R], float("-inf"), dtype=gl.float32, layout=row_l)
-                l_i = gl.zeros([R], dtype=gl.float32, layout=row_l)
-                o = gl.zeros([mla._DV, R], dtype=gl.float32, layout=layout)
-                for n0 in range(tok_lo, tok_hi, mla._BN):
-                    s = it % STAGES
-                    slot = lat8.index(s)
-                    mbarrier.wait(kv_landed.index(s), phase(it, STAGES))
-                    acc = gl.zeros([mla._BN, R], dtype=gl.float32, layout=layout)
-                    for c in gl.static_range(mla._DV // 128):
-                        kc = _k_operand(slot.slice(128 * c, 128, dim=1), op)
-                        acc = warpgroup_mma(kc, q16.slice(128 * c, 128, dim=1).permute((1, 0)), acc, is_async=True)
-                        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, kc))[0]
-                    kr = _k_operand(pe8.index(s), op)
-                    acc = warpgroup_mma(kr, q16_pe.permute((1, 0)), acc, is_async=True)
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, kr, q16, q16_pe))[0]
-                    if n0 + mla._BN > first_masked:
-                        keys = n0 + gl.arange(0, mla._BN, layout=gl.SliceLayout(1, layout))
-                        acc = gl.where(gl.expand_dims(keys, 1) < gl.expand_dims(lim, 0), acc, float("-inf"))
-                    m_new = gl.maximum(m_i, gl.max(acc, axis=0))
-                    m_sc = gl.where(m_new == float("-inf"), 0.0, m_new * qk)
-                    alpha = gl.exp2(m_i * qk - m_sc)
-                    p = gl.exp2(acc * qk - gl.expand_dims(m_sc, 0))
-                    l_i = l_i * alpha + gl.sum(p, axis=0)
-                    m_i = m_new
-                    p_smem.store(p.to(gl.float16))
-                    fence_async_shared()
-                    if n0 + mla._BN > seqlen:
-                        _zero_tail(slot, seqlen - n0)  # (its barrier also orders every warp's P^T stores)
-                    else:
-                        gl.thread_barrier()
-                    o = o * gl.expand_dims(gl.convert_layout(alpha, row_l), 0)
-                    for k0 in gl.static_range(0, mla._BN, _VALUE_KEYS):
-                        v = _v_operand(slot.slice(k0, _VALUE_KEYS, dim=0), op)
-                        o = warpgroup_mma(v, p_smem.slice(k0, _VALUE_KEYS, dim=0), o, is_async=True)
-                        o = warpgroup_mma_wait(num_outstanding=1, deps=(o, v, p_smem))[0]
-                    o = warpgroup_mma_wait(num_outstanding=0, deps=(o, p_smem))[0]
-                    mbarrier.arrive(kv_empty.index(s), count=1)
-                    it += 1
-                bits = bits | gl.where(mla.pages_ok(page_flags.index(nq % 2)), 0, BLOCK_TABLE)
-                report(err_ptr, bits)
-                inv_l, lse2 = finish_rows(l_i, m_i * qk, bits != 0)
-                nq += 1
-                is_direct, piece = hopper_decode._piece(splits_ptr, b, begin_req, begin_split, PIECES)
-                hopper_decode._store_half(o, inv_l * v_scale, lse2, 0, is_direct, out_ptr, lse_ptr, partials_ptr,
-                                          PIECES, b, piece, pid_m, H, Q_LEN, ROWS, stride_ob, stride_ot, stride_oh,
-                                          True, layout, True, _value_columns)
-
-    @gluon.jit
-    def _decode_sm90_fp8_regs_kernel(
-        q_desc, q_pe_desc, lat_desc, pe_desc, sc_desc, bt_ptr, seqlens_ptr, meta_ptr, splits_ptr,
-        out_ptr, lse_ptr, partials_ptr, err_ptr, kv_scale_ptr,
-        B, PARTS, H, Q_LEN, ROWS, qk_scale, stride_btb, PIECES, CAPACITY, num_pages, stride_ob, stride_ot, stride_oh,
-        CAUSAL: gl.constexpr, PAGE: gl.constexpr, META_W: gl.constexpr, PDL: gl.constexpr,
-        WAIT_PRIOR: gl.constexpr, KV_FMT: gl.constexpr, TRANSPOSED: gl.constexpr,
-    ):
-        """The register-operand narrow form (fp8_e4m3, Q tiles of 16 rows), two CTAs per SM (``maxnreg`` 128 at
-        launch, ~110 KB of shared memory each): ``_decode_sm90_fp8_kernel``'s arguments (``sc_desc`` unused,
-        ``KV_FMT`` 1, ``TRANSPOSED`` true)."""
-        if PDL:
-            launch_dependents()
-        if WAIT_PRIOR:
-            wait_prior_grids()
-        R: gl.constexpr = q_desc.block_type.shape[0]
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
-        q_pe_smem = gl.allocate_shared_memory(q_desc.dtype, q_pe_desc.block_type.shape, q_pe_desc.layout)
-        q16 = gl.allocate_shared_memory(gl.float16, [R, mla._DV],
-                                        gl.NVMMASharedLayout.get_default_for([R, mla._DV], gl.float16))
-        q16_pe = gl.allocate_shared_memory(gl.float16, [R, _PE], gl.NVMMASharedLayout.get_default_for([R, _PE],
-                                                                                                    gl.float16))
-        lat8 = gl.allocate_shared_memory(gl.float8e4nv, [_STAGES_REGS, mla._BN, mla._DV], lat_desc.layout)
-        pe8 = gl.allocate_shared_memory(gl.float8e4nv, [_STAGES_REGS, mla._BN, _PE], pe_desc.layout)
-        p_smem = gl.allocate_shared_memory(gl.float16, [mla._BN, R],
-                                           gl.NVMMASharedLayout.get_default_for([mla._BN, R], gl.float16))
-        page_flags = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        bar: gl.constexpr = mbarrier.MBarrierLayout()
-        q_landed = gl.allocate_shared_memory(gl.int64, [1], bar)
-        q_free = gl.allocate_shared_memory(gl.int64, [1], bar)
-        kv_landed = gl.allocate_shared_memory(gl.int64, [_STAGES_REGS, 1], bar)
-        kv_empty = gl.allocate_shared_memory(gl.int64, [_STAGES_REGS, 1], bar)
-        mbarrier.init(q_landed, count=1)
-        mbarrier.init(q_free, count=1)
-        for i in gl.static_range(_STAGES_REGS):
-            mbarrier.init(kv_landed.index(i), count=1)
-            mbarrier.init(kv_empty.index(i), count=1)
-        gl.warp_specialize(
-            [(_regs_consumer,
-              (q_smem, q_pe_smem, q16, q16_pe, lat8, pe8, p_smem, q_landed, q_free, kv_landed, kv_empty, page_flags,
-               PIECES, CAPACITY, seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr, partials_ptr, err_ptr,
-               kv_scale_ptr, B, H, Q_LEN, ROWS, qk_scale, stride_ob, stride_ot, stride_oh, CAUSAL, META_W)),
-             (_regs_loader,
-              (q_desc, q_pe_desc, lat_desc, pe_desc, bt_ptr, stride_btb, CAPACITY, num_pages, seqlens_ptr, meta_ptr,
-               splits_ptr, partials_ptr, err_ptr, B, PARTS, ROWS, q_smem, q_pe_smem, lat8, pe8, q_landed, q_free,
-               kv_landed, kv_empty, page_flags, PAGE, META_W))],
-            worker_num_warps=[1],
-            worker_num_regs=[24],
-        )
-
-_REGS = CachedKernel(_decode_sm90_fp8_regs_kernel, ptx_pass=tma_loads_evict_first) if HAVE_GLUON else None
-
 _MAIN = CachedKernel(_decode_sm90_fp8_kernel, ptx_pass=tma_loads_evict_first) if HAVE_GLUON else None
 
 
@@ -662,7 +358,4 @@ def sm90_fp8_main_args(q_rows, k_cache, kv_fmt, k_scale, block_table, cache_seql
     options = dict(CAUSAL=bool(causal), PAGE=k_cache.shape[1], META_W=METADATA_WIDTH, PDL=pdl,
                    KV_FMT=_FORMAT_IDS[kv_fmt], TRANSPOSED=block_m < BLOCK_M, num_warps=4,
                    **wait_prior_options(wait_prior))
-    if block_m == 16 and register_form(kv_fmt, rows):
-        # Two CTAs per SM: 128 registers a thread at launch, which the partitions' setmaxnreg redistribute.
-        return _REGS, (-(-rows // block_m), parts, 1), args, dict(options, maxnreg=REGS_MAXNREG)
     return _MAIN, (-(-rows // block_m), parts, 1), args, options
