@@ -377,7 +377,8 @@ def test_gpu_hopper_fp8_decode_poisons_a_bad_page_only(kv_format, heads):
     k_cache, table = cache.k_cache.cuda(), cache.block_table.cuda()
     if not sm90_fp8_supported(q, k_cache, 512, kv_format):
         pytest.skip("needs an sm_90 GPU with Gluon")
-    schedules = [schedule, pagedmla.get_mla_metadata(seqlens, heads, 1)]
+    plain = pagedmla.get_mla_metadata(seqlens, heads, 1)  # planned without the format
+    schedules = [schedule] + ([plain] if plain[0].shape != schedule[0].shape else [])
     bad = table.clone()
     bad[1, 2] = k_cache.shape[0] + 10 ** 6
     for md, ns in schedules:
