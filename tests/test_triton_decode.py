@@ -257,12 +257,14 @@ def test_gpu_sm90_transposed_kernel(heads, q_len, block_m, page, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b,heads,pdl", [(128, 16, True), (128, 64, True), (4, 16, False), (8, 64, False)])
+@pytest.mark.parametrize("b,heads,pdl", [(128, 16, True), (128, 64, True), (48, 64, True), (4, 16, False),
+                                         (8, 64, False)])
 def test_gpu_combine_launch_follows_the_batch(b, heads, pdl):
-    """From a request per two SMs the combine launches as the main kernel's programmatic dependent (PDL),
-    after the portable kernel (16 rows, two parts per SM) and the Hopper one (64 rows) alike; results match
-    the reference either way, requests in one piece (written by the main kernel itself) included: every
-    combine program waits for the main grid's end, so the next launch cannot overtake it."""
+    """From a request per four SMs the combine launches as the main kernel's programmatic dependent (PDL; the
+    cases hold on GPUs of 33-192 SMs), after the portable kernel (16 rows, two parts per SM) and the Hopper one
+    (64 rows) alike; results match the reference either way, requests in one piece (written by the main
+    kernel itself) included: every combine program waits for the main grid's end, so the next launch cannot
+    overtake it."""
     case = DecodeCase(f"pdl-b{b}", varlen_lens(b, 600, 1, seed=b), 1, heads, 64, None)
     check_paged_decode(launcher(), case, True, BF16, "cuda", DECODE_BOUNDS[("cuda", BF16)])
     q, _, cache, table, seqlens = decode_inputs(case, BF16, "cuda", 0)

@@ -713,12 +713,13 @@ class _DecodePlan:
         self.partials_numel = partials_size(b, self.parts, self.rows, head_dim_v,
                                             q.element_size() if self.out_typed else 4)
         self.scale, self.causal = softmax_scale, causal
-        # Many requests (a request per two SMs or more: each has a few pieces) let the combine overlap the
-        # main kernel's end (PDL, after either main kernel; measured at batch 128, v11 / v21) and, from 32
-        # rows, merge 16 rows per program. Few requests have ~parts / b pieces each, which small tiles spread
-        # over more programs, and the early-scheduled combine would only wait beside the main grid (v11).
+        # From a request per four SMs (a few pieces each) the combine overlaps the main kernel's end (PDL,
+        # after either main kernel: batch 128 in v11 / v21, batch 64 at 64 rows 1% in v30); below, the
+        # early-scheduled combine only waits beside the main grid (batch 1 / 8 2-14% slower, v11 / v30).
+        # Many requests (one per two SMs) also merge 16 rows per program from 32 rows; fewer have ~parts / b
+        # pieces each, which small tiles spread over more programs.
         per_sm = 1 if self.cfg.use_sm90 else tile_plan(self.rows)[1]  # the portable small tiles: two per SM
-        self.pdl = 2 * b * per_sm >= self.parts and pdl_available(q.device)
+        self.pdl = 4 * b * per_sm >= self.parts and pdl_available(q.device)
         self.wait_prior = pdl_available(q.device)
         sms = sm_count(q.device) if q.is_cuda else 8
         many = 2 * b >= self.parts and self.rows >= 32
