@@ -715,7 +715,7 @@ class _DecodePlan:
         self.scale, self.causal = softmax_scale, causal
         # From a request per four SMs (a few pieces each) the combine overlaps the main kernel's end (PDL,
         # after either main kernel: batch 128 in v11 / v21, batch 64 at 64 rows 1% in v30); below, the
-        # early-scheduled combine only waits beside the main grid (batch 1 / 8 2-14% slower, v11 / v30).
+        # early-scheduled combine only waits beside the main grid (on every call: batch 1 / 8 3-14% slower, v30).
         # Many requests (one per two SMs) also merge 16 rows per program from 32 rows; fewer have ~parts / b
         # pieces each, which small tiles spread over more programs.
         per_sm = 1 if self.cfg.use_sm90 else tile_plan(self.rows)[1]  # the portable small tiles: two per SM
