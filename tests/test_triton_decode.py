@@ -22,8 +22,10 @@ from test_conformance import (
     DECODE_CASES,
     F16,
     DecodeCase,
+    assert_matches,
     check_paged_decode,
     decode_inputs,
+    fp8_args,
 )
 
 from pagedmla import split_plan
@@ -95,6 +97,26 @@ def test_decode_carried_page_ids(page, block_n, block_m):
     case = DecodeCase(f"carried-page{page}", [0, 1, page - 1, page, page + 1, 3 * page + 5], 2, 16, page, 5)
     check_paged_decode(launcher(config), case, True, F16, "cpu", CPU_F16, key=config.spec)
 
+
+
+@pytest.mark.parametrize("kv_format", [None, "fp8_e4m3"])
+@pytest.mark.parametrize("q_gain", [1.0, 32.0, 256.0])
+def test_decode_running_max_rises_by_small_and_large_steps(q_gain, kv_format):
+    """Scores spread over tens of log2 units (q scaled up by powers of two, exact in fp16), so the running max
+    rises from tile to tile by more than ``RESCALE_SLACK`` and by less, for some rows and not others: FP8 tiles
+    rescale their accumulators only past the slack, 16-bit ones at every step."""
+    config = DecodeConfig(block_m=16, block_n=32, num_warps=4, num_stages=3, chunks=4, carry_pages=True)
+    case = DecodeCase(f"rising-max-{kv_format}", [1, 31, 33, 200, 333], 2, 8, 64, 3, kv_format=kv_format)
+    q, cache, k_cache, table, seqlens = decode_inputs(case, F16, "cpu", q_gain)
+    q = q * q_gain
+    b, q_len, heads, d = q.shape
+    meta, splits = get_mla_metadata(seqlens, q_len * heads, 1, num_sm_parts=case.parts)
+    out, lse = paged_decode_triton(q, k_cache, table, seqlens, case.dv, meta, splits, d ** -0.5, True, config,
+                                   kv_format=kv_format, **fp8_args(kv_format, "cpu"))
+    ref_out, ref_lse = dense_paged(q.reshape(b * q_len, heads, d), list(range(0, (b + 1) * q_len, q_len)),
+                                   cache.rows, d ** -0.5, True, case.dv)
+    assert_matches(out, lse.transpose(1, 2), ref_out.reshape(b, q_len, heads, case.dv),
+                   ref_lse.reshape(b, q_len, heads), F16, CPU_F16, f"q x {q_gain}")
 
 def test_decode_rejects_unsupported_dims():
     q, _, cache, table, seqlens = decode_inputs(DecodeCase("d100", [4], 1, 16, 16, None, d=100), F16, "cpu", 0)

@@ -209,6 +209,28 @@ def _kv_pairs(kv_ptr, desc, tok, row, in_seq, word0, WIDTH: tl.constexpr, MASKED
     return even, odd
 
 
+# How far (log2 units) a row's tile max may exceed the running max in use before the accumulators are rescaled
+# to it: P values up to 2^8 (FA4's lazy rescale; benchmarks/NOTES.md decode v31).
+RESCALE_SLACK = tl.constexpr(8.0)
+
+
+@triton.jit
+def _rescaled(acc0, acc1, acc2, acc3, m_i, m_tile, NC: tl.constexpr):
+    """The accumulator chunks moved to the running max m_new = max(m_i, m_tile): (chunks, m_new, m_new with a
+    still -inf max read as 0, the factor exp2(m_i - that)). A row with no visible key yet keeps max -inf:
+    subtracting 0 instead makes exp2 give 0, not NaN."""
+    m_new = tl.maximum(m_i, m_tile)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    acc0 = acc0 * alpha[:, None]
+    if NC >= 2:
+        acc1 = acc1 * alpha[:, None]
+    if NC == 4:
+        acc2 = acc2 * alpha[:, None]
+        acc3 = acc3 * alpha[:, None]
+    return acc0, acc1, acc2, acc3, m_new, m_safe, alpha
+
+
 @triton.jit
 def _attend_tile(
     acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, q_pe,
@@ -289,20 +311,32 @@ def _attend_tile(
         s = s * qk_scale
     if MASKED:
         s = tl.where(offs_n[None, :] < lim[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    # A row with no visible key yet keeps max -inf: subtract 0 instead so exp2 gives 0, not NaN.
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    m_tile = tl.max(s, 1)
+    # On FP8 tiles of up to 32 rows the running max in use moves only when some row's tile max exceeds it by
+    # more than RESCALE_SLACK (log2 units), so most steps skip the accumulators' rescale: P stays below
+    # 2^RESCALE_SLACK, far inside fp16's and bf16's range, and the final LSE (m + log2 l) does not depend on
+    # which max was used. A row with no visible key yet keeps max -inf; comparing, not subtracting, keeps
+    # -inf - -inf (NaN) out of the decision. Elsewhere every step rescales: the branch left 16-bit tiles level
+    # and made the 64-row (wgmma) tiles 15% slower (benchmarks/NOTES.md, decode v31).
+    if KV_FMT != 0 and q0.shape[0] <= 32:
+        if tl.max((m_tile > m_i + RESCALE_SLACK).to(tl.int32), 0) > 0:
+            acc0, acc1, acc2, acc3, m_i, _, alpha = _rescaled(acc0, acc1, acc2, acc3, m_i, m_tile, NC)
+            l_i = l_i * alpha
+        # Subtract 0 where the max is still -inf, so exp2 gives 0, not NaN.
+        p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+        l_i = l_i + tl.sum(p, 1)
+    else:
+        acc0, acc1, acc2, acc3, m_i, m_safe, alpha = _rescaled(acc0, acc1, acc2, acc3, m_i, m_tile, NC)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
     p = p.to(k0.dtype)
-    acc0 = tl.dot(p, k0, acc0 * alpha[:, None], input_precision=PRECISION)
+    acc0 = tl.dot(p, k0, acc0, input_precision=PRECISION)
     if NC >= 2:
-        acc1 = tl.dot(p, k1, acc1 * alpha[:, None], input_precision=PRECISION)
+        acc1 = tl.dot(p, k1, acc1, input_precision=PRECISION)
     if NC == 4:
-        acc2 = tl.dot(p, k2, acc2 * alpha[:, None], input_precision=PRECISION)
-        acc3 = tl.dot(p, k3, acc3 * alpha[:, None], input_precision=PRECISION)
-    return acc0, acc1, acc2, acc3, m_new, l_i, bad_page
+        acc2 = tl.dot(p, k2, acc2, input_precision=PRECISION)
+        acc3 = tl.dot(p, k3, acc3, input_precision=PRECISION)
+    return acc0, acc1, acc2, acc3, m_i, l_i, bad_page
 
 
 @triton.jit
