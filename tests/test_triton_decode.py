@@ -98,7 +98,6 @@ def test_decode_carried_page_ids(page, block_n, block_m):
     check_paged_decode(launcher(config), case, True, F16, "cpu", CPU_F16, key=config.spec)
 
 
-
 @pytest.mark.parametrize("kv_format", [None, "fp8_e4m3"])
 @pytest.mark.parametrize("q_gain", [1.0, 32.0, 256.0])
 def test_decode_running_max_rises_by_small_and_large_steps(q_gain, kv_format):
@@ -117,6 +116,7 @@ def test_decode_running_max_rises_by_small_and_large_steps(q_gain, kv_format):
                                    cache.rows, d ** -0.5, True, case.dv)
     assert_matches(out, lse.transpose(1, 2), ref_out.reshape(b, q_len, heads, case.dv),
                    ref_lse.reshape(b, q_len, heads), F16, CPU_F16, f"q x {q_gain}")
+
 
 def test_decode_rejects_unsupported_dims():
     q, _, cache, table, seqlens = decode_inputs(DecodeCase("d100", [4], 1, 16, 16, None, d=100), F16, "cpu", 0)
