@@ -232,6 +232,13 @@ def _rescaled(acc0, acc1, acc2, acc3, m_i, m_tile, NC: tl.constexpr):
 
 
 @triton.jit
+def _sum_unfused(a, b):
+    """a + b for float32 [M, N] tiles, written as a reduction: Triton folds ``dot(x, y) + b`` into the dot's
+    accumulator (one MMA chain after the other), which this keeps two independent chains."""
+    return tl.sum(tl.join(a, b), 2)
+
+
+@triton.jit
 def _attend_tile(
     acc0, acc1, acc2, acc3, m_i, l_i, q0, q1, q2, q3, q_pe,
     kv_ptr, desc, desc_pe, bt_row, n0, seqlen, lim, stride_page, stride_tok, qk_scale, page_id, num_pages,
@@ -248,6 +255,8 @@ def _attend_tile(
     the score scale (log2 units), per row (float32 [BLOCK_M]) for fp8_e4m3 and one scalar otherwise. FP8 rows
     are read as ``common.fp8_cols`` gives them and cast to q's dtype for the dots (exact: fp8_e4m3's scale is
     folded into qk_scale and the output by the caller, which also hands its q over as fp16 rows on GPUs).
+    l_i holds the row sums, per key slot ([BLOCK_M, BLOCK_N]) on FP8 tiles of 16 rows (the caller sums them at
+    the request's end) and per row otherwise.
     PAIRS (FP8, NC 4): the value's bytes come as 16-bit words, two word tiles of DC words per step
     (``_kv_pairs``); chunks 0 / 1 are the even / odd columns of the value's first 2 * DC bytes (0-255 for a
     512-wide value), chunks 2 / 3 those of the next 2 * DC, and q's chunks and the accumulators hold the
@@ -279,10 +288,13 @@ def _attend_tile(
         k1 = k1.to(q0.dtype)
         k2 = k2.to(q0.dtype)
         k3 = k3.to(q0.dtype)
-        s = tl.dot(q0, tl.trans(k0), input_precision=PRECISION)
-        s = tl.dot(q1, tl.trans(k1), s, input_precision=PRECISION)
-        s = tl.dot(q2, tl.trans(k2), s, input_precision=PRECISION)
-        s = tl.dot(q3, tl.trans(k3), s, input_precision=PRECISION)
+        # Partial scores per chunk (and the rope part's below) summed at the end, not one accumulator through
+        # all 36 k-steps: no chain of dependent MMAs is longer than 8, so the tensor cores overlap them
+        # (benchmarks/NOTES.md, decode v32).
+        s = _sum_unfused(_sum_unfused(tl.dot(q0, tl.trans(k0), input_precision=PRECISION),
+                                      tl.dot(q1, tl.trans(k1), input_precision=PRECISION)),
+                         _sum_unfused(tl.dot(q2, tl.trans(k2), input_precision=PRECISION),
+                                      tl.dot(q3, tl.trans(k3), input_precision=PRECISION)))
     else:
         k0 = _kv_cols(kv_ptr, desc, tok, row, in_seq, 0, DC, MASKED, USE_TMA, KV_FMT, False,
                       NAN_FIXUP).to(q0.dtype)
@@ -304,7 +316,10 @@ def _attend_tile(
     if HAS_PE:
         k_pe = _kv_cols(kv_ptr, desc_pe, tok, row, in_seq, NC * DC, DR, MASKED, USE_TMA, KV_FMT, True,
                         NAN_FIXUP).to(q0.dtype)
-        s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PRECISION)
+        if PAIRS:
+            s = _sum_unfused(s, tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION))
+        else:
+            s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PRECISION)
     if KV_FMT == 1:
         s = s * qk_scale[:, None]
     else:
@@ -321,10 +336,18 @@ def _attend_tile(
     if KV_FMT != 0 and q0.shape[0] <= 32:
         if tl.max((m_tile > m_i + RESCALE_SLACK).to(tl.int32), 0) > 0:
             acc0, acc1, acc2, acc3, m_i, _, alpha = _rescaled(acc0, acc1, acc2, acc3, m_i, m_tile, NC)
-            l_i = l_i * alpha
+            if q0.shape[0] <= 16:
+                l_i = l_i * alpha[:, None]
+            else:
+                l_i = l_i * alpha
         # Subtract 0 where the max is still -inf, so exp2 gives 0, not NaN.
         p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
-        l_i = l_i + tl.sum(p, 1)
+        if q0.shape[0] <= 16:
+            # The row sums stay per (row, key slot) until the request's end (the caller's ``tl.sum``): no
+            # reduction across the warps that hold a row's keys at every step (32-row tiles spilled with it).
+            l_i = l_i + p
+        else:
+            l_i = l_i + tl.sum(p, 1)
     else:
         acc0, acc1, acc2, acc3, m_i, m_safe, alpha = _rescaled(acc0, acc1, acc2, acc3, m_i, m_tile, NC)
         p = tl.exp2(s - m_safe[:, None])
@@ -516,7 +539,11 @@ def _decode_split_kernel(
             acc2 = acc0
             acc3 = acc0
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            # Row sums per key slot on FP8 tiles of 16 rows (``_attend_tile``), summed at the end.
+            if KV_FMT != 0 and BLOCK_M <= 16:
+                l_i = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            else:
+                l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
             carry: tl.constexpr = CARRY_PAGES and PAGE >= BLOCK_N
             page_id = tok_lo * 0
             bad_page = page_id != 0
@@ -535,6 +562,8 @@ def _decode_split_kernel(
 
             bits = bits | tl.where(bad_page, BLOCK_TABLE, 0)
             report(err_ptr, bits)
+            if KV_FMT != 0 and BLOCK_M <= 16:
+                l_i = tl.sum(l_i, 1)
             inv_l, lse2 = finish_rows(l_i, m_i, bits != 0)
             if KV_FMT == 1:
                 inv_l = inv_l * k_scale
