@@ -289,8 +289,8 @@ def _attend_tile(
         k2 = k2.to(q0.dtype)
         k3 = k3.to(q0.dtype)
         # Partial scores per chunk (and the rope part's below) summed at the end, not one accumulator through
-        # all 36 k-steps: no chain of dependent MMAs is longer than 8, so the tensor cores overlap them
-        # (benchmarks/NOTES.md, decode v32).
+        # all 36 k-steps: no chain of dependent MMAs is longer than 8 (benchmarks/NOTES.md, decode v32: level
+        # alone, 0.4-1.2% beside v33's row sums on the H100).
         s = _sum_unfused(_sum_unfused(tl.dot(q0, tl.trans(k0), input_precision=PRECISION),
                                       tl.dot(q1, tl.trans(k1), input_precision=PRECISION)),
                          _sum_unfused(tl.dot(q2, tl.trans(k2), input_precision=PRECISION),
