@@ -13,7 +13,9 @@ skewed batches included) and paged (``flash_mla_varlen_with_kvcache``, causal 57
 is timed ``--rounds`` times per cell, alternating (``triton.testing.do_bench`` median, L2 flushed); the table
 gives each version's best median, the ratio other / this (above 1: this checkout is faster) and the spread
 of each version's rounds (the noise the ratio should be read against). ``same`` says whether the versions
-returned this checkout's output bit for bit, and names those that did not.
+returned this checkout's output bit for bit, and names those that did not with the cosine difference of their
+output from this checkout's (``pagedmla.bench.decode.cos_diff``; another summation order gives ~1e-9-1e-6, a
+wrong result 1e-3 and up), so that an A/B run also checks a changed kernel's outputs on the GPU.
 ``--match`` keeps the cells whose name holds one of its strings (e.g. ``h16 s4096``). ``--graphs`` also times
 each decode cell as CUDA graphs of ``GRAPH_CALLS`` calls over rotated input copies (``bench_decode --graphs``'s
 timer, what an engine replaying graphs pays), alternating with the eager timings; ``--queued`` as
@@ -200,13 +202,15 @@ def time_cell(name: str, setup: Setup, versions: dict[str, ModuleType], rounds: 
               queued: bool = False) -> dict:
     """One cell's row: each version's best median over ``rounds`` alternating timings, its spread, the ratio
     other / this per other version, and whether every version's output equals this checkout's bit for bit
-    (``differ``: the versions whose output does not).
+    (``differ``: the versions whose output does not; ``cos_<version>``: each other version's cosine difference
+    from this checkout's output).
     With ``graphs`` a decode cell also gets each version's CUDA-graph figures (µs per call, ``graph_`` keys),
     timed in the same rounds; with ``queued`` the queued eager figures (``queued_`` keys) too."""
     bind, copies = setup(graphs or queued)
     fns = {v: bind(lib) for v, lib in versions.items()}
     outs = {v: fn(0) for v, fn in fns.items()}
     differ = [v for v, o in outs.items() if not torch.equal(outs["this"], o)]
+    cos = {v: bdecode.cos_diff(outs["this"], o) for v, o in outs.items() if v != "this"}
     del outs
     # (kind, version): kind "" for eager calls, "graph_" for CUDA-graph replays (the row keys' prefix).
     timers = {("", v): functools.partial(timed, functools.partial(fn, 0)) for v, fn in fns.items()}
@@ -229,6 +233,7 @@ def time_cell(name: str, setup: Setup, versions: dict[str, ModuleType], rounds: 
             row[f"ratio_{kind}{v}"] = min(t) / min(times[kind, "this"])
     row["same"] = not differ
     row["differ"] = " ".join(differ)
+    row |= {f"cos_{v}": c for v, c in cos.items()}
     print(f"{name}: " + ", ".join(f"{kind}{v} {min(t):.1f} us" for (kind, v), t in times.items()), flush=True)
     return row
 
@@ -258,7 +263,8 @@ def print_table(rows: list[dict], others: list[str]) -> None:
             cells += [f"{r[f'{kind}{v}_us']:.1f}" for v in versions]
             cells += [f"{r[f'ratio_{kind}{o}']:.3f}" for o in others]
             cells.append(" / ".join(f"{100 * r[f'spread_{kind}{v}']:.1f}%" for v in versions))
-        print("| " + " | ".join(cells + ["yes" if r["same"] else f"NO: {r['differ']}"]) + " |")
+        same = "yes" if r["same"] else "NO: " + " ".join(f"{v} (cos {r[f'cos_{v}']:.1e})" for v in r["differ"].split())
+        print("| " + " | ".join(cells + [same]) + " |")
     for kind in kinds:
         for o in others:
             ratios = [r[f"ratio_{kind}{o}"] for r in rows if f"ratio_{kind}{o}" in r]

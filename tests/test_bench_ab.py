@@ -90,10 +90,13 @@ def test_rows_and_table_of_three_versions(monkeypatch, capsys):
     assert row["ratio_eef7c2b"] == pytest.approx(11 / 9) and row["ratio_HEAD"] == pytest.approx(20 / 9)
     assert row["spread_this"] == pytest.approx(1 / 9)
     assert row["same"] is False and row["differ"] == "HEAD"  # HEAD's output differs from this checkout's
+    # 1 - 2 (1 . 2) / (|1|^2 + |2|^2) over three elements: 1 - 12 / 15.
+    assert row["cos_HEAD"] == pytest.approx(0.2) and row["cos_eef7c2b"] == 0.0
     assert not any(k.startswith("graph_") for k in row)
     bench.print_table([row], ["eef7c2b", "HEAD"])
     out = capsys.readouterr().out
-    assert "| decode b128 q1 h16 s4096 | 9.0 | 11.0 | 20.0 | 1.222 | 2.222 | 11.1% / 9.1% / 5.0% | NO: HEAD |" in out
+    assert ("| decode b128 q1 h16 s4096 | 9.0 | 11.0 | 20.0 | 1.222 | 2.222 | 11.1% / 9.1% / 5.0% "
+            "| NO: HEAD (cos 2.0e-01) |") in out
     assert "HEAD / this: geomean 2.222, min 2.222, max 2.222 over 1 cells" in out
 
 
