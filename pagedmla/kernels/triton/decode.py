@@ -255,8 +255,8 @@ def _attend_tile(
     the score scale (log2 units), per row (float32 [BLOCK_M]) for fp8_e4m3 and one scalar otherwise. FP8 rows
     are read as ``common.fp8_cols`` gives them and cast to q's dtype for the dots (exact: fp8_e4m3's scale is
     folded into qk_scale and the output by the caller, which also hands its q over as fp16 rows on GPUs).
-    l_i holds the row sums, per key slot ([BLOCK_M, BLOCK_N]) on FP8 tiles of 16 rows (the caller sums them at
-    the request's end) and per row otherwise.
+    l_i holds the row sums, per key slot ([BLOCK_M, BLOCK_N]) where the caller keeps them so (FP8 tiles of 16
+    rows, ``SLOT_SUMS``; it sums them at the request's end) and per row ([BLOCK_M]) otherwise.
     PAIRS (FP8, NC 4): the value's bytes come as 16-bit words, two word tiles of DC words per step
     (``_kv_pairs``); chunks 0 / 1 are the even / odd columns of the value's first 2 * DC bytes (0-255 for a
     512-wide value), chunks 2 / 3 those of the next 2 * DC, and q's chunks and the accumulators hold the
@@ -336,13 +336,13 @@ def _attend_tile(
     if KV_FMT != 0 and q0.shape[0] <= 32:
         if tl.max((m_tile > m_i + RESCALE_SLACK).to(tl.int32), 0) > 0:
             acc0, acc1, acc2, acc3, m_i, _, alpha = _rescaled(acc0, acc1, acc2, acc3, m_i, m_tile, NC)
-            if q0.shape[0] <= 16:
+            if len(l_i.shape) == 2:
                 l_i = l_i * alpha[:, None]
             else:
                 l_i = l_i * alpha
         # Subtract 0 where the max is still -inf, so exp2 gives 0, not NaN.
         p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
-        if q0.shape[0] <= 16:
+        if len(l_i.shape) == 2:
             # The row sums stay per (row, key slot) until the request's end (the caller's ``tl.sum``): no
             # reduction across the warps that hold a row's keys at every step (32-row tiles spilled with it).
             l_i = l_i + p
@@ -540,7 +540,8 @@ def _decode_split_kernel(
             acc3 = acc0
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
             # Row sums per key slot on FP8 tiles of 16 rows (``_attend_tile``), summed at the end.
-            if KV_FMT != 0 and BLOCK_M <= 16:
+            SLOT_SUMS: tl.constexpr = KV_FMT != 0 and BLOCK_M <= 16
+            if SLOT_SUMS:
                 l_i = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             else:
                 l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -562,7 +563,7 @@ def _decode_split_kernel(
 
             bits = bits | tl.where(bad_page, BLOCK_TABLE, 0)
             report(err_ptr, bits)
-            if KV_FMT != 0 and BLOCK_M <= 16:
+            if SLOT_SUMS:
                 l_i = tl.sum(l_i, 1)
             inv_l, lse2 = finish_rows(l_i, m_i, bits != 0)
             if KV_FMT == 1:
