@@ -126,7 +126,7 @@ _WIDE = {"m64n64k16": 36, "m64n256k16": 8}
 @pytest.mark.parametrize("fmt, rows, wgmma, converts, spills", [
     ("fp8_e4m3", 64, _WIDE, 288, (328, 380)), ("fp8_ds_mla", 64, _WIDE, 256, (504, 554)),
     ("fp8_e4m3", 16, {"m64n16k16": 68}, 144, (12, 12)), ("fp8_ds_mla", 16, {"m64n16k16": 68}, 128, (24, 24)),
-    ("fp8_e4m3", 32, {"m64n32k16": 68}, 144, (172, 184)), ("fp8_ds_mla", 32, {"m64n32k16": 68}, 128, (176, 188))])
+    ("fp8_e4m3", 32, {"m64n32k16": 68}, 144, (192, 204)), ("fp8_ds_mla", 32, {"m64n32k16": 68}, 128, (200, 212))])
 def test_hopper_fp8_kernel_structure(fmt, rows, wgmma, converts, spills):
     """The FP8-cache Hopper decode kernel (sm90/decode_fp8.py). Over 64-row Q tiles: the one-softmax kernel's
     MMAs on its 16-bit ring (36 m64n64k16 and 8 m64n256k16) and a two-warp converter (per thread and tile: 256
@@ -135,8 +135,9 @@ def test_hopper_fp8_kernel_structure(fmt, rows, wgmma, converts, spills):
     is padded to 64 query rows (36 + 2 x 16 m64nRk16), and a four-warp converter (half the conversions per
     thread). Both: every TMA load evict-first, within the 227 KB of shared memory (fp8_ds_mla's scale ring
     included), no wgmma wait injected by ptxas, nothing read before the prior kernel's end; spills bounded at
-    today's builds (2026-12-04 / 2026-12-06 cross-compiles, the partitions' budgets of sm90/decode_fp8.py), so
-    that a new spill is noticed."""
+    today's builds (2026-12-04 / 2026-12-06 cross-compiles, the partitions' budgets of sm90/decode_fp8.py; the
+    32-row ones ~20 bytes more since the row sums stay per key slot, measured 7-10% faster), so that a new
+    spill is noticed."""
     pytest.importorskip("triton.experimental.gluon")
     narrow = () if rows == 64 else ("--narrow", str(rows))
     (rep,) = _reports(extra=("--decode-sm90-fp8", "--kv-format", fmt, *narrow))
