@@ -246,7 +246,7 @@ def compile_decode(cfg: DecodeConfig, heads: int, arch: int = 90, kv_format: str
                      NC=cfg.chunks, DR=D - DV, HAS_PE=True, META_W=METADATA_WIDTH, USE_TMA=cfg.use_tma,
                      CARRY_PAGES=cfg.carry_pages, PRECISION="tf32",
                      KV_FMT=0 if kv_format is None else KV_FORMATS[kv_format], NAN_FIXUP=False,
-                     PAIRS=fp8_pairs(cfg, kv_format), PDL=False, OUT_TYPED=True, WAIT_PRIOR=True)
+                     PAIRS=fp8_pairs(cfg, kv_format), PDL=True, OUT_TYPED=True, WAIT_PRIOR=True)
     target = GPUTarget("cuda", arch, 32)
     backend = CUDABackend(target)
     signature, constexprs, attrs = {}, {}, {}
@@ -316,6 +316,11 @@ def report(kernel, arch: int = 90) -> dict:
     out["prior_waits"] = ptx.count("griddepcontrol.wait")
     out["global_accesses_before_prior_wait"] = None if first_wait < 0 else len(re.findall(
         r"\b(?:ld|st|atom|red)\.global\.|\bcp\.async\.", ptx[:first_wait]))
+    # The combine, the main kernel's programmatic dependent, reads the schedule and the lengths before its own
+    # wait: safe only if no main program lets it start before the main kernel's wait for its predecessor.
+    out["dependent_launches"] = ptx.count("griddepcontrol.launch_dependents")
+    out["dependent_launches_before_prior_wait"] = None if first_wait < 0 else ptx[:first_wait].count(
+        "griddepcontrol.launch_dependents")
     return out
 
 

@@ -53,8 +53,10 @@ def test_carried_page_ids_double_buffer_the_small_tiles():
 def _waits_for_the_prior_kernel(rep: dict) -> None:
     """Built as launched on a Hopper GPU (``common.wait_prior_options``): one ``griddepcontrol.wait``, no
     global load or store before it (the warp-specialised kernels' partitions start after it, at the
-    partition split)."""
+    partition split), and the combine let start only after it (the combine reads the schedule and the
+    lengths before its own wait, ``decode._decode_combine_kernel``)."""
     assert rep["prior_waits"] == 1 and rep["global_accesses_before_prior_wait"] == 0, rep
+    assert rep["dependent_launches"] >= 1 and rep["dependent_launches_before_prior_wait"] == 0, rep
 
 
 def _fp8_reports(fmt: str) -> list[dict]:

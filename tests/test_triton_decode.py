@@ -469,12 +469,14 @@ def test_hopper_descriptors_and_row_alignment():
     assert pipeline.tma_rows(strided).stride() == (576, 1)
 
 
+@pytest.mark.parametrize("per_step", [1, 2, 4])
 @pytest.mark.parametrize("out_typed", [False, True])
 @pytest.mark.parametrize("block_r", [1, 2, 4, 16, 32])
-def test_combine_kernel_tile_shapes(block_r, out_typed):
-    """The combine kernel alone, for every tile height the launcher may pick and both value types (float32,
-    the output's dtype): requests with 0 (empty), 1 (written by the main kernel: left untouched), 2 and 5
-    pieces, one piece with every row empty (LSE -inf), against a float64 merge of the same partials."""
+def test_combine_kernel_tile_shapes(block_r, out_typed, per_step):
+    """The combine kernel alone, for every tile height the launcher may pick, both value types (float32,
+    the output's dtype) and 1, 2 or 4 pieces a step: requests with 0 (empty), 1 (written by the main kernel:
+    left untouched), 2, 5 and 3 pieces, one piece with every row empty (LSE -inf), against a float64 merge of
+    the same partials."""
     g = torch.Generator().manual_seed(block_r)
     q_len, heads, dv = 2, 12, 64
     rows = q_len * heads
@@ -498,7 +500,8 @@ def test_combine_kernel_tile_shapes(block_r, out_typed):
     partials[32 + value_words:32 + value_words + pieces * rows] = plse.reshape(-1)
     po = po.to(vty)  # the values the combine reads
     lens = torch.tensor([64 * n for n in counts], dtype=torch.int32)
-    launch_combine(out, lse, partials, splits, lens, parts, capacity=1 << 20, block_r=block_r, out_typed=out_typed)
+    launch_combine(out, lse, partials, splits, lens, parts, capacity=1 << 20, block_r=block_r, out_typed=out_typed,
+                   pieces=per_step)
     for r, n in enumerate(counts):
         got_o, got_l = out[r].reshape(rows, dv), lse[r].transpose(0, 1).reshape(rows)
         if n == 1:

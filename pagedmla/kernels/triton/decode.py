@@ -443,13 +443,14 @@ def _decode_split_kernel(
     Long (~110 lines) on purpose: the loop-carried state (the accumulator chunks, row max and sum, the
     carried page id) stays in one body; Triton inlines helpers anyway, and a helper per stage would take
     and return all of it."""
-    if PDL:
-        # The combine's programs may be scheduled once every program here has started (or ended): each waits
-        # for this grid's end before it reads the partials (``_decode_combine_kernel``).
-        gdc_launch_dependents()
     if WAIT_PRIOR:
         # Launched as the previous kernel's programmatic dependent: nothing is read before its end.
         gdc_wait()
+    if PDL:
+        # The combine's programs may be scheduled once every program here has passed this point: each waits for
+        # this grid's end before it reads the partials, and reads the schedule and the lengths before that,
+        # which the wait above makes safe (``_decode_combine_kernel``).
+        gdc_launch_dependents()
     DC: tl.constexpr = DV // NC
     k_scale = 1.0
     if KV_FMT == 1:
@@ -589,13 +590,34 @@ def _decode_split_kernel(
 
 
 @triton.jit
+def _combine_piece(plse_ptr, pval_ptr, s, s_hi, rows, cols, row_ok, ROWS, DV: tl.constexpr):
+    """(log2 LSEs, values as stored) of piece ``s``'s rows and columns: -inf and 0 past ``s_hi``. The values
+    are loaded first and widened only where used (``_add_piece``): so written, ptxas issues every piece's
+    loads of a combine step before the first use (sm_90a SASS; with the LSEs first or the values widened
+    here it issued a piece's value loads after the previous piece's multiply-adds, a round trip each)."""
+    ok = row_ok & (s < s_hi)
+    p_row = tl.cast(s, tl.int64) * ROWS + rows
+    os = tl.load(pval_ptr + p_row[:, None] * DV + cols[None, :], mask=ok[:, None], other=0.0)
+    return tl.load(plse_ptr + p_row, mask=ok, other=float("-inf")), os
+
+
+@triton.jit
+def _add_piece(acc, l, ls, os, m_safe):
+    """The running sums plus a piece of log2 LSEs ``ls`` and values ``os`` at row max ``m_safe``."""
+    w = tl.exp2(ls - m_safe)  # NaN for a piece of a corrupt request: the sums stay NaN
+    return acc + w[:, None] * os.to(tl.float32), l + w
+
+
+@triton.jit
 def _decode_combine_kernel(
     out_ptr, lse_ptr, part_ptr, splits_ptr, seqlens_ptr, err_ptr,
     B, H, Q_LEN, ROWS, PARTS, CAPACITY,
     stride_ob, stride_ot, stride_oh,
-    DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr, OUT_TYPED: tl.constexpr,
+    DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PIECES: tl.constexpr, PDL: tl.constexpr,
+    OUT_TYPED: tl.constexpr,
 ):
-    """Merge the partials of request program_id(0), rows block program_id(1), columns block program_id(2).
+    """Merge the partials of request program_id(0), rows block program_id(1), columns block program_id(2),
+    ``PIECES`` pieces a step.
 
     Also writes requests with no KV (no pieces): output 0, LSE -inf. Requests in one piece were written
     by the main kernel, unless the main kernel found the schedule was made for other lengths: then every
@@ -603,51 +625,68 @@ def _decode_combine_kernel(
     programmatic dependent of the main kernel) the programs start while the main kernel runs and wait for
     its end (``griddepcontrol.wait``) before touching results.
     """
-    if PDL:
-        # Every program waits, also those with nothing to merge: the next kernel in the stream is ordered
-        # after this grid only, so this grid must not finish before the main kernel has (when no request is
-        # split, no program would otherwise wait and a reader of ``out`` could overtake the main kernel).
-        gdc_wait()
     b = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok = rows < ROWS
     pieces_cap = B + PARTS
     verdict_ptr, pval_ptr, plse_ptr = partials_views(part_ptr, out_ptr, pieces_cap, ROWS, DV, OUT_TYPED)
-    bad_schedule = tl.load(verdict_ptr) != 1.0
+    # The piece range and the length were written before the main kernel started, and under PDL the main
+    # kernel lets this grid start only after its own wait for its predecessor: both may be read before the
+    # wait below, so that after it the verdict and the first pieces are one round trip.
     s_lo = tl.load(splits_ptr + b)
     s_hi = tl.load(splits_ptr + b + 1)
-    if (s_hi - s_lo != 1) | bad_schedule:
-        _, bits = checked_length(tl.load(seqlens_ptr + b), CAPACITY)
-        if (tl.program_id(1) == 0) & (tl.program_id(2) == 0) & (s_hi == s_lo):
-            # A request with no pieces never reached the main kernel, which reports the others' lengths.
-            report(err_ptr, bits)
-        # Pieces inside the buffer whatever num_splits holds (a schedule for other lengths poisons anyway).
-        s_lo = tl.minimum(tl.maximum(s_lo, 0), pieces_cap)
-        s_hi = tl.where(bad_schedule, s_lo, tl.minimum(tl.maximum(s_hi, s_lo), pieces_cap))
-        acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-        m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-        l = tl.zeros([BLOCK_R], dtype=tl.float32)
-        # The loads of one piece do not depend on the running state, so the loop pipelines them.
-        for s in range(s_lo, s_hi):
-            p_row = tl.cast(s, tl.int64) * ROWS + rows
-            ls = tl.load(plse_ptr + p_row, mask=row_ok, other=float("-inf"))
-            os = tl.load(pval_ptr + p_row[:, None] * DV + cols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-            m_new = tl.maximum(m, ls)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m - m_safe)
-            w = tl.exp2(ls - m_safe)  # NaN for a piece of a corrupt request: the sums below stay NaN
-            acc = acc * alpha[:, None] + w[:, None] * os
-            l = l * alpha + w
-            m = m_new
-        inv_l, lse2 = finish_rows(l, m, bad_schedule | (bits != 0))
-        t = rows // H
-        h = rows % H
-        o_ptrs = (out_ptr + tl.cast(b, tl.int64) * stride_ob + (t.to(tl.int64) * stride_ot + h * stride_oh)[:, None]
-                  + cols[None, :])
-        tl.store(o_ptrs, (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-        if tl.program_id(2) == 0:
-            tl.store(lse_ptr + tl.cast(b, tl.int64) * ROWS + h * Q_LEN + t, lse2 * _LN2, mask=row_ok)
+    _, bits = checked_length(tl.load(seqlens_ptr + b), CAPACITY)
+    if PDL:
+        # Every program waits, also those with nothing to merge: the next kernel in the stream is ordered
+        # after this grid only, so this grid must not finish before the main kernel has (when no request is
+        # split, no program would otherwise wait and a reader of ``out`` could overtake the main kernel).
+        gdc_wait()
+    bad_schedule = tl.load(verdict_ptr) != 1.0
+    # A one-piece request was written by the main kernel; this program writes it only under a bad schedule.
+    # Nothing branches on the verdict before the pieces' loads are issued: it is used when storing.
+    merge = s_hi - s_lo != 1
+    if (tl.program_id(1) == 0) & (tl.program_id(2) == 0) & (s_hi == s_lo):
+        # A request with no pieces never reached the main kernel, which reports the others' lengths.
+        report(err_ptr, bits)
+    # Pieces inside the buffer whatever num_splits holds (a schedule for other lengths poisons anyway).
+    s_lo = tl.minimum(tl.maximum(s_lo, 0), pieces_cap)
+    s_hi = tl.where(merge, tl.minimum(tl.maximum(s_hi, s_lo), pieces_cap), s_lo)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([BLOCK_R], dtype=tl.float32)
+    # PIECES pieces a step, all loaded before any is used: Triton does not pipeline this loop (no dot), so one
+    # piece a step costs a round trip per piece (benchmarks/NOTES.md, decode v35). Each piece is a tile of its
+    # own: one [PIECES, rows, columns] tile got warps across the pieces and a cross-warp sum.
+    for s0 in range(s_lo, s_hi, PIECES):
+        ls0, os0 = _combine_piece(plse_ptr, pval_ptr, s0, s_hi, rows, cols, row_ok, ROWS, DV)
+        top = ls0
+        if PIECES >= 2:
+            ls1, os1 = _combine_piece(plse_ptr, pval_ptr, s0 + 1, s_hi, rows, cols, row_ok, ROWS, DV)
+            top = tl.maximum(top, ls1)
+        if PIECES >= 4:
+            ls2, os2 = _combine_piece(plse_ptr, pval_ptr, s0 + 2, s_hi, rows, cols, row_ok, ROWS, DV)
+            ls3, os3 = _combine_piece(plse_ptr, pval_ptr, s0 + 3, s_hi, rows, cols, row_ok, ROWS, DV)
+            top = tl.maximum(top, tl.maximum(ls2, ls3))
+        m_new = tl.maximum(m, top)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        acc, l = _add_piece(acc * alpha[:, None], l * alpha, ls0, os0, m_safe)
+        if PIECES >= 2:
+            acc, l = _add_piece(acc, l, ls1, os1, m_safe)
+        if PIECES >= 4:
+            acc, l = _add_piece(acc, l, ls2, os2, m_safe)
+            acc, l = _add_piece(acc, l, ls3, os3, m_safe)
+        m = m_new
+    inv_l, lse2 = finish_rows(l, m, bad_schedule | (bits != 0))
+    write = row_ok & (merge | bad_schedule)
+    t = rows // H
+    h = rows % H
+    o_ptrs = (out_ptr + tl.cast(b, tl.int64) * stride_ob + (t.to(tl.int64) * stride_ot + h * stride_oh)[:, None]
+              + cols[None, :])
+    tl.store(o_ptrs, (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=write[:, None])
+    if tl.program_id(2) == 0:
+        tl.store(lse_ptr + tl.cast(b, tl.int64) * ROWS + h * Q_LEN + t, lse2 * _LN2, mask=write)
 
 
 _SPLIT = CachedKernel(_decode_split_kernel)
@@ -739,7 +778,12 @@ def fp8_pairs(cfg: DecodeConfig, kv_fmt: str | None) -> bool:
     return kv_fmt is not None and cfg.chunks == 4 and cfg.block_m <= 32
 
 
-def _combine_args(out, lse, partials, num_splits, cache_seqlens, err, parts, capacity, pdl, block_r, out_typed):
+# Pieces of a split request the combine kernel loads in one step (its ``PIECES``).
+COMBINE_PIECES = 4
+
+
+def _combine_args(out, lse, partials, num_splits, cache_seqlens, err, parts, capacity, pdl, block_r, out_typed,
+                  pieces=COMBINE_PIECES):
     b, q_len, h, head_dim_v = out.shape
     rows = q_len * h
     block_r = min(block_r, 1 << (rows - 1).bit_length())
@@ -748,7 +792,7 @@ def _combine_args(out, lse, partials, num_splits, cache_seqlens, err, parts, cap
     num_warps = max(1, min(4, block_r * block_d * (out.element_size() if out_typed else 4) // (16 * 32)))
     args = (out, lse, partials, num_splits, cache_seqlens, err, b, h, q_len, rows, parts, capacity,
             out.stride(0), out.stride(1), out.stride(2))
-    options = dict(DV=head_dim_v, BLOCK_R=block_r, BLOCK_D=block_d, PDL=pdl, OUT_TYPED=out_typed,
+    options = dict(DV=head_dim_v, BLOCK_R=block_r, BLOCK_D=block_d, PIECES=pieces, PDL=pdl, OUT_TYPED=out_typed,
                    num_warps=num_warps, num_stages=3,
                    **({"launch_pdl": True} if pdl else {}))
     return (b, -(-rows // block_r), head_dim_v // block_d), args, options
@@ -955,16 +999,19 @@ def few_requests_block_r(b: int, rows: int, head_dim_v: int, sms: int) -> int:
 
 def launch_combine(out: torch.Tensor, lse: torch.Tensor, partials: torch.Tensor, num_splits: torch.Tensor,
                    cache_seqlens: torch.Tensor, parts: int, capacity: int, pdl: bool = False, block_r: int = 4,
-                   out_typed: bool = False) -> None:
+                   out_typed: bool = False, pieces: int = COMBINE_PIECES) -> None:
     """The combine kernel alone (tests): merge the pieces in ``partials`` (``partials_size`` layout, b +
     ``parts`` pieces, values float32 or with ``out_typed`` in out's dtype) of the requests ``num_splits``
     (int32 [b + 1], cumulative) gives more than one into
     out [b, q_len, h, Dv] / lse [b, h, q_len] (natural log); requests with no piece get output 0 and LSE
     -inf; a verdict other than 1.0 or a length outside 0 .. ``capacity`` poisons the request (NaN);
-    ``pdl``: launched as the main kernel's programmatic dependent (sm_90+). ``block_r`` rows per program."""
+    ``pdl``: launched as the main kernel's programmatic dependent (sm_90+). ``block_r`` rows per program,
+    ``pieces`` (1, 2 or 4) pieces merged a step."""
+    if pieces not in (1, 2, 4):
+        raise ValueError(f"pieces: 1, 2 or 4, got {pieces}")
     err = errors.error_word(out.device)
     grid, args, options = _combine_args(out, lse, partials, num_splits, cache_seqlens, err, parts, capacity, pdl,
-                                        block_r, out_typed)
+                                        block_r, out_typed, pieces)
     _COMBINE.launch(out.device, grid, *args, **options)
 
 

@@ -248,12 +248,12 @@ if HAVE_GLUON:
         CAUSAL: gl.constexpr, PAGE: gl.constexpr, META_W: gl.constexpr, PDL: gl.constexpr,
         WAIT_PRIOR: gl.constexpr, TRANSPOSED: gl.constexpr = False,
     ):
-        if PDL:
-            # One program per SM part, all resident at once: let the combine kernel's programs be scheduled
-            # now (they wait for this grid's end before reading partials).
-            launch_dependents()
         if WAIT_PRIOR:
             wait_prior_grids()
+        if PDL:
+            # One program per SM part, all resident at once: let the combine kernel's programs be scheduled
+            # now, after the wait above (they read the schedule and the lengths before waiting for this grid).
+            launch_dependents()
         (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, p_ready, p_free, kv_ready,
          kv_empty, page_flags) = mla.mla_buffers(q_desc, q_pe_desc, q_desc.dtype, TRANSPOSED)
         gl.warp_specialize(

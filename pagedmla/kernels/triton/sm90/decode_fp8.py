@@ -294,10 +294,10 @@ if HAVE_GLUON:
         CAUSAL: gl.constexpr, PAGE: gl.constexpr, META_W: gl.constexpr, PDL: gl.constexpr,
         WAIT_PRIOR: gl.constexpr, KV_FMT: gl.constexpr, TRANSPOSED: gl.constexpr,
     ):
-        if PDL:
-            launch_dependents()  # as decode.py's kernel: the combine's programs wait for this grid's end
         if WAIT_PRIOR:
             wait_prior_grids()
+        if PDL:
+            launch_dependents()  # after the wait, as decode.py's kernel
         CW: gl.constexpr = _converter_warps(TRANSPOSED)
         (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, p_ready, p_free, kv_ready,
          kv_empty, page_flags) = mla.mla_buffers(q_desc, q_pe_desc, gl.float16, TRANSPOSED)

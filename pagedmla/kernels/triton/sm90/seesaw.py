@@ -392,10 +392,10 @@ if HAVE_GLUON:
         CAUSAL: gl.constexpr, PAGE: gl.constexpr, META_W: gl.constexpr, PDL: gl.constexpr,
         WAIT_PRIOR: gl.constexpr,
     ):
-        if PDL:
-            launch_dependents()
         if WAIT_PRIOR:
             wait_prior_grids()
+        if PDL:
+            launch_dependents()  # after the wait, as decode.py's kernel
         dtype: gl.constexpr = q_desc.dtype
         half_l: gl.constexpr = q_desc.layout
         pe_l: gl.constexpr = q_pe_desc.layout
