@@ -17,6 +17,7 @@ kernels are compiled as their launcher compiles them: again from their PTX with 
     python benchmarks/compile_report.py --config m64n64w8s2c1h   # the Hopper kernel
     python benchmarks/compile_report.py --kv-format fp8_ds_mla   # the portable kernel on an FP8 cache
     python benchmarks/compile_report.py --decode-seesaw          # the Hopper seesaw decode kernel (>= 128 rows)
+    python benchmarks/compile_report.py --combine                # the decode combine kernel
     python benchmarks/compile_report.py --decode-sm90-fp8 --kv-format fp8_ds_mla  # the Hopper FP8 decode kernel
     python benchmarks/compile_report.py --decode-sm90-fp8 --narrow 16  # its narrow form (up to 16 rows)
     python benchmarks/compile_report.py --paged-varlen-sm90           # the Hopper paged-prefill kernel
@@ -217,7 +218,6 @@ def compile_decode(cfg: DecodeConfig, heads: int, arch: int = 90, kv_format: str
         if kv_format is not None:
             raise ValueError(f"kv_format: the Hopper kernels read bf16/fp16 caches, not {kv_format}")
         return compile_sm90(arch, cfg.block_m)
-    from triton._C.libtriton import native_specialize_impl
     from triton.runtime.jit import MockTensor
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -247,10 +247,18 @@ def compile_decode(cfg: DecodeConfig, heads: int, arch: int = 90, kv_format: str
                      CARRY_PAGES=cfg.carry_pages, PRECISION="tf32",
                      KV_FMT=0 if kv_format is None else KV_FORMATS[kv_format], NAN_FIXUP=False,
                      PAIRS=fp8_pairs(cfg, kv_format), PDL=True, OUT_TYPED=True, WAIT_PRIOR=True)
+    return _compile_jit(_decode_split_kernel, values, constants, arch, cfg.num_warps, cfg.num_stages)
+
+
+def _compile_jit(fn, values: dict, constants: dict, arch: int, num_warps: int, num_stages: int):
+    """The ``@triton.jit`` kernel ``fn`` compiled with the specialisation a launch with ``values`` (argument
+    name -> a ``MockTensor`` or a scalar) gets, ``constants`` its constexpr arguments."""
+    from triton._C.libtriton import native_specialize_impl
+
     target = GPUTarget("cuda", arch, 32)
     backend = CUDABackend(target)
     signature, constexprs, attrs = {}, {}, {}
-    for i, name in enumerate(_decode_split_kernel.arg_names):
+    for i, name in enumerate(fn.arg_names):
         if name in constants:
             signature[name], constexprs[name] = "constexpr", constants[name]
             continue
@@ -260,9 +268,26 @@ def compile_decode(cfg: DecodeConfig, heads: int, arch: int = 90, kv_format: str
             constexprs[name] = values[name]
         elif isinstance(spec, str):
             attrs[(i,)] = backend.parse_attr(spec)
-    src = triton.compiler.ASTSource(fn=_decode_split_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     with _targeting(target):
-        return triton.compile(src, target=target, options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+        return triton.compile(src, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def compile_combine(arch: int = 90, heads: int = 64):
+    """The decode combine kernel as the plan launches it after a Hopper main kernel at batch 128, q_len 1:
+    float32 partials, 16-row tiles of 128 columns, ``COMBINE_PIECES`` pieces a step, as a programmatic
+    dependent."""
+    from triton.runtime.jit import MockTensor
+
+    from pagedmla.kernels.triton.decode import COMBINE_PIECES, _decode_combine_kernel
+
+    bf16, i32, f32 = torch.bfloat16, torch.int32, torch.float32
+    values = dict(out_ptr=MockTensor(bf16), lse_ptr=MockTensor(f32), part_ptr=MockTensor(f32),
+                  splits_ptr=MockTensor(i32), seqlens_ptr=MockTensor(i32), err_ptr=MockTensor(i32), B=128, H=heads,
+                  Q_LEN=1, ROWS=heads, PARTS=132, CAPACITY=4096, stride_ob=heads * DV, stride_ot=heads * DV,
+                  stride_oh=DV)
+    constants = dict(DV=DV, BLOCK_R=16, BLOCK_D=128, PIECES=COMBINE_PIECES, PDL=True, OUT_TYPED=False)
+    return _compile_jit(_decode_combine_kernel, values, constants, arch, 4, 3)
 
 
 def report(kernel, arch: int = 90) -> dict:
@@ -330,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", type=int, default=None, help="query heads (default: the config's rows)")
     ap.add_argument("--json", action="store_true", help="print one JSON list of the reports instead")
     ap.add_argument("--decode-seesaw", action="store_true", help="report the Hopper seesaw decode kernel instead")
+    ap.add_argument("--combine", action="store_true", help="report the decode combine kernel instead")
     ap.add_argument("--decode-sm90-fp8", action="store_true",
                     help="report the Hopper FP8-cache decode kernel instead (--kv-format picks the format)")
     ap.add_argument("--paged-varlen-sm90", action="store_true", help="report the Hopper paged-prefill kernel instead")
@@ -343,9 +369,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="the portable decode kernel over an FP8 cache (default: bf16 rows); with "
                          "--decode-sm90-fp8 its format")
     args = ap.parse_args(argv)
-    if args.decode_seesaw or args.decode_sm90_fp8 or args.paged_varlen_sm90 or args.varlen_sm90:
+    if args.decode_seesaw or args.combine or args.decode_sm90_fp8 or args.paged_varlen_sm90 or args.varlen_sm90:
         if args.decode_seesaw:
             kernel = compile_seesaw()
+        elif args.combine:
+            kernel = compile_combine()
         elif args.decode_sm90_fp8:
             kernel = compile_sm90_fp8(args.kv_format or "fp8_e4m3", rows=args.narrow or 64)
         elif args.paged_varlen_sm90:

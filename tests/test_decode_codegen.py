@@ -204,3 +204,12 @@ def test_hopper_varlen_kernel_structure():
     for form in ((), ("--wg-partitions",)):
         padded, per_seq = reps[("--varlen-sm90", *form)], reps[("--varlen-sm90", *form, "--per-seq")]
         assert per_seq["sass_r2ur"] <= padded["sass_r2ur"] + 24, (form, per_seq["sass_r2ur"], padded["sass_r2ur"])
+
+
+def test_combine_reads_only_the_schedule_and_length_before_its_wait():
+    """The combine, the main kernel's programmatic dependent, reads num_splits' two entries and the request's
+    length before its ``griddepcontrol.wait`` (the main kernels let it start only after their own wait, above)
+    and nothing else: the verdict and the pieces are the main kernel's results (decode v35)."""
+    (rep,) = _reports(extra=("--combine",))
+    assert rep["prior_waits"] == 1 and rep["global_accesses_before_prior_wait"] == 3, rep
+    assert rep["spill_store_load_bytes"] == [0, 0], rep  # JSON: a list

@@ -469,39 +469,52 @@ def test_hopper_descriptors_and_row_alignment():
     assert pipeline.tma_rows(strided).stride() == (576, 1)
 
 
+def _run_combine(counts, plse, po, block_r, out_typed, per_step, verdict=1.0, start=float("nan")):
+    """(out [b, q_len, h, dv] fp16, lse [b, h, q_len]) of the combine kernel alone over pieces ``po`` [pieces,
+    rows, dv] / log2 LSEs ``plse`` [pieces, rows], ``counts`` of them per request, laid out as the main kernel
+    leaves them (``common.partials_views``: the schedule verdict, from word 32 the b + parts pieces' values,
+    then their LSEs), lengths that need exactly ``counts`` pieces; out and lse hold ``start`` before."""
+    b, rows, dv = len(counts), po.shape[1], po.shape[2]
+    q_len, heads = 2, rows // 2
+    splits = torch.tensor([0] + list(itertools.accumulate(counts)), dtype=torch.int32)
+    pieces = int(splits[-1])
+    out = torch.full((b, q_len, heads, dv), start, dtype=torch.float16)
+    lse = torch.full((b, heads, q_len), start)
+    parts = pieces - b
+    vty = out.dtype if out_typed else torch.float32
+    vbytes = torch.empty(0, dtype=vty).element_size()
+    partials = torch.full((partials_size(b, parts, rows, dv, vbytes),), float("nan"))
+    partials[0] = verdict
+    value_words = (b + parts) * rows * dv * vbytes // 4  # room for b + parts pieces
+    partials[32:32 + value_words].view(vty)[:pieces * rows * dv] = po.reshape(-1).to(vty)
+    partials[32 + value_words:32 + value_words + pieces * rows] = plse.reshape(-1)
+    lens = torch.tensor([64 * n for n in counts], dtype=torch.int32)
+    launch_combine(out, lse, partials, splits, lens, parts, capacity=1 << 20, block_r=block_r, out_typed=out_typed,
+                   pieces=per_step)
+    return out, lse
+
+
 @pytest.mark.parametrize("per_step", [1, 2, 4])
 @pytest.mark.parametrize("out_typed", [False, True])
 @pytest.mark.parametrize("block_r", [1, 2, 4, 16, 32])
 def test_combine_kernel_tile_shapes(block_r, out_typed, per_step):
     """The combine kernel alone, for every tile height the launcher may pick, both value types (float32,
     the output's dtype) and 1, 2 or 4 pieces a step: requests with 0 (empty), 1 (written by the main kernel:
-    left untouched), 2, 5 and 3 pieces, one piece with every row empty (LSE -inf), against a float64 merge of
-    the same partials."""
+    left untouched), 2, 5, 3 and 6 pieces, a piece with every row empty (LSE -inf, the third of its request),
+    in another's fourth piece a NaN LSE in one row (that row NaN, the others exact) and one 300 above the rest
+    in another (the step's max must take it: exp2 of 300 overflows), against a float64 merge of the same
+    partials."""
     g = torch.Generator().manual_seed(block_r)
-    q_len, heads, dv = 2, 12, 64
-    rows = q_len * heads
-    counts = [2, 0, 1, 5, 3]
-    splits = torch.tensor([0] + list(itertools.accumulate(counts)), dtype=torch.int32)
-    pieces = int(splits[-1])
-    po = torch.randn(pieces, rows, dv, generator=g)
-    plse = torch.randn(pieces, rows, generator=g) * 3
-    plse[splits[4]] = float("-inf")  # a piece that saw no key: it must not contribute
-    out = torch.full((len(counts), q_len, heads, dv), float("nan"), dtype=torch.float16)
-    lse = torch.full((len(counts), heads, q_len), float("nan"))
-    # The partials buffer as the main kernel leaves it (common.partials_views: the schedule verdict 1.0, from
-    # word 32 the b + parts pieces' values, then their LSEs), with lengths that need exactly ``counts`` pieces.
-    parts = pieces - len(counts)
-    vty = out.dtype if out_typed else torch.float32
-    vbytes = torch.empty(0, dtype=vty).element_size()
-    partials = torch.full((partials_size(len(counts), parts, rows, dv, vbytes),), float("nan"))
-    partials[0] = 1.0
-    value_words = (len(counts) + parts) * rows * dv * vbytes // 4  # room for b + parts pieces
-    partials[32:32 + value_words].view(vty)[:pieces * rows * dv] = po.reshape(-1).to(vty)
-    partials[32 + value_words:32 + value_words + pieces * rows] = plse.reshape(-1)
-    po = po.to(vty)  # the values the combine reads
-    lens = torch.tensor([64 * n for n in counts], dtype=torch.int32)
-    launch_combine(out, lse, partials, splits, lens, parts, capacity=1 << 20, block_r=block_r, out_typed=out_typed,
-                   pieces=per_step)
+    rows, dv = 24, 64
+    counts = [2, 0, 1, 5, 3, 6]
+    starts = [0] + list(itertools.accumulate(counts))
+    po = torch.randn(starts[-1], rows, dv, generator=g)
+    plse = torch.randn(starts[-1], rows, generator=g) * 3
+    plse[starts[3] + 2] = float("-inf")  # a piece that saw no key: it must not contribute
+    plse[starts[5] + 3, 7] = float("nan")  # a corrupt piece's row: that row only is NaN
+    plse[starts[5] + 3, 8] = 300.0
+    out, lse = _run_combine(counts, plse, po, block_r, out_typed, per_step)
+    po = po.to(out.dtype if out_typed else torch.float32)  # the values the combine reads
     for r, n in enumerate(counts):
         got_o, got_l = out[r].reshape(rows, dv), lse[r].transpose(0, 1).reshape(rows)
         if n == 1:
@@ -510,12 +523,27 @@ def test_combine_kernel_tile_shapes(block_r, out_typed, per_step):
         if n == 0:
             assert (got_o == 0).all() and torch.isneginf(got_l).all()
             continue
-        s = slice(int(splits[r]), int(splits[r + 1]))
+        s = slice(starts[r], starts[r + 1])
         w = torch.softmax(plse[s].double() * math.log(2), dim=0)
         want_o = (w[..., None] * po[s].double()).sum(0)
         want_l = torch.logsumexp(plse[s].double() * math.log(2), dim=0)
-        torch.testing.assert_close(got_o.double(), want_o, atol=2e-3, rtol=2e-3)
-        torch.testing.assert_close(got_l.double(), want_l, atol=1e-5, rtol=1e-5)
+        assert want_o.isnan().any() == (r == 5)
+        torch.testing.assert_close(got_o.double(), want_o, atol=2e-3, rtol=2e-3, equal_nan=True)
+        torch.testing.assert_close(got_l.double(), want_l, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("per_step", [1, 4])
+def test_combine_kernel_bad_verdict_poisons_every_request(per_step):
+    """A schedule verdict other than 1.0 (the main kernel found the schedule made for other lengths): every
+    request's rows come out NaN, also those with no piece and those the main kernel wrote in one."""
+    g = torch.Generator().manual_seed(per_step)
+    counts = [2, 0, 1, 5]
+    po = torch.randn(sum(counts), 24, 64, generator=g)
+    out, lse = _run_combine(counts, torch.randn(sum(counts), 24, generator=g), po, 4, False, per_step, verdict=0.0,
+                            start=0.0)
+    assert out.isnan().all() and lse.isnan().all()
+    out, lse = _run_combine(counts, torch.randn(sum(counts), 24, generator=g), po, 4, False, per_step)
+    assert not out[0].isnan().any() and not lse[3].isnan().any()  # the same call with a good verdict
 
 
 @pytest.mark.gpu

@@ -625,6 +625,7 @@ def _decode_combine_kernel(
     programmatic dependent of the main kernel) the programs start while the main kernel runs and wait for
     its end (``griddepcontrol.wait``) before touching results.
     """
+    tl.static_assert((PIECES == 1) | (PIECES == 2) | (PIECES == 4), "PIECES: the step loads 1, 2 or 4 pieces")
     b = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -1005,8 +1006,9 @@ def launch_combine(out: torch.Tensor, lse: torch.Tensor, partials: torch.Tensor,
     (int32 [b + 1], cumulative) gives more than one into
     out [b, q_len, h, Dv] / lse [b, h, q_len] (natural log); requests with no piece get output 0 and LSE
     -inf; a verdict other than 1.0 or a length outside 0 .. ``capacity`` poisons the request (NaN);
-    ``pdl``: launched as the main kernel's programmatic dependent (sm_90+). ``block_r`` rows per program,
-    ``pieces`` (1, 2 or 4) pieces merged a step."""
+    ``pdl``: launched as the main kernel's programmatic dependent (sm_90+): it reads ``num_splits`` and
+    ``cache_seqlens`` before waiting, so the kernel before it must be a decode main kernel, which lets it start
+    only once those are written. ``block_r`` rows per program, ``pieces`` (1, 2 or 4) pieces merged a step."""
     if pieces not in (1, 2, 4):
         raise ValueError(f"pieces: 1, 2 or 4, got {pieces}")
     err = errors.error_word(out.device)
