@@ -155,7 +155,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _softmax_warpgroup(
-        q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, mx_smem, q_ready, q_free, kv_ready, kv_empty,
+        q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, kv_ready, kv_empty,
         p_ready, p_free, page_flags, PIECES, CAPACITY, seqlens_ptr, meta_ptr, splits_ptr, out_ptr,
         lse_ptr, partials_ptr, err_ptr, B, PARTS, H, Q_LEN, ROWS, qk_scale, stride_ob, stride_ot, stride_oh,
         kv_scale_ptr, q_scale_smem, CAUSAL: gl.constexpr, PAGE: gl.constexpr, META_W: gl.constexpr,
@@ -201,7 +201,7 @@ if HAVE_GLUON:
                     qk = qk * gl.abs(v_scale)
                 o, m_i, l_i, it, npm = mla.softmax_tiles(it, npm, tok_lo, tok_hi, first_masked, lim, seqlen, qk,
                                                          q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem,
-                                                         mx_smem, q_free, kv_ready, kv_empty, p_ready, p_free, s_layout,
+                                                         q_free, kv_ready, kv_empty, p_ready, p_free, s_layout,
                                                          o_layout, False, TRANSPOSED)
                 bits = bits | gl.where(mla.pages_ok(page_flags.index(nq % 2)), 0, BLOCK_TABLE)
                 report(err_ptr, bits)
@@ -254,10 +254,10 @@ if HAVE_GLUON:
             # One program per SM part, all resident at once: let the combine kernel's programs be scheduled
             # now, after the wait above (they read the schedule and the lengths before waiting for this grid).
             launch_dependents()
-        (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, mx_smem, q_ready, q_free, p_ready, p_free,
-         kv_ready, kv_empty, page_flags) = mla.mla_buffers(q_desc, q_pe_desc, q_desc.dtype, TRANSPOSED)
+        (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, p_ready, p_free, kv_ready,
+         kv_empty, page_flags) = mla.mla_buffers(q_desc, q_pe_desc, q_desc.dtype, TRANSPOSED)
         gl.warp_specialize(
-            [(_softmax_warpgroup, (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, mx_smem, q_ready, q_free,
+            [(_softmax_warpgroup, (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free,
                                    kv_ready, kv_empty, p_ready, p_free, page_flags, PIECES, CAPACITY,
                                    seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr, partials_ptr, err_ptr, B,
                                    PARTS, H, Q_LEN, ROWS, qk_scale, stride_ob, stride_ot, stride_oh, None, None,

@@ -299,8 +299,8 @@ if HAVE_GLUON:
         if PDL:
             launch_dependents()  # after the wait, as decode.py's kernel
         CW: gl.constexpr = _converter_warps(TRANSPOSED)
-        (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, mx_smem, q_ready, q_free, p_ready, p_free,
-         kv_ready, kv_empty, page_flags) = mla.mla_buffers(q_desc, q_pe_desc, gl.float16, TRANSPOSED)
+        (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, p_ready, p_free, kv_ready,
+         kv_empty, page_flags) = mla.mla_buffers(q_desc, q_pe_desc, gl.float16, TRANSPOSED)
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
         q_landed = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
         kv_landed = gl.allocate_shared_memory(gl.int64, [mla._STAGES, 1], bar_layout)
@@ -316,9 +316,9 @@ if HAVE_GLUON:
             [(hopper_decode._softmax_warpgroup,
               (q_smem._reinterpret(gl.float16, q_smem.shape, q_smem.layout),
                q_pe_smem._reinterpret(gl.float16, q_pe_smem.shape, q_pe_smem.layout), kv_ring, kv_pe_ring, p_smem,
-               scale_smem, mx_smem, q_ready, q_free, kv_ready, kv_empty, p_ready, p_free, page_flags, PIECES,
-               CAPACITY, seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr, partials_ptr, err_ptr, B, PARTS, H,
-               Q_LEN, ROWS, qk_scale, stride_ob, stride_ot, stride_oh, kv_scale_ptr, q_scale_smem, CAUSAL, PAGE, META_W,
+               scale_smem, q_ready, q_free, kv_ready, kv_empty, p_ready, p_free, page_flags, PIECES, CAPACITY,
+               seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr, partials_ptr, err_ptr, B, PARTS, H, Q_LEN, ROWS,
+               qk_scale, stride_ob, stride_ot, stride_oh, kv_scale_ptr, q_scale_smem, CAUSAL, PAGE, META_W,
                KV_FMT, TRANSPOSED)),
              (hopper_decode._value_warpgroup,
               (kv_ring, p_smem, scale_smem, kv_ready, kv_empty, p_ready, p_free, PIECES, CAPACITY, seqlens_ptr,

@@ -67,17 +67,6 @@ if HAVE_GLUON:  # the same values as compile-time constants for the kernels
         """The dimension of S (and O) that is not the query rows': per-row vectors are sliced along it."""
         return 0 if transposed else 1
 
-    @gluon.constexpr_function
-    def warp_partials_layout(rows_layout, warps):
-        """The layout of [warps, R] per-warp partial results whose rows lie as ``rows_layout`` (a linear layout
-        of [R]) says, every warp's partial of a row in each thread that holds the row: reduced over dimension 0
-        in registers, it gives ``rows_layout`` with no data movement."""
-        regs = [[1 << i, 0] for i in range(warps.bit_length() - 1)]
-        return gl.DistributedLinearLayout(reg_bases=regs + [[0, b[0]] for b in rows_layout.reg_bases],
-                                          lane_bases=[[0, b[0]] for b in rows_layout.lane_bases],
-                                          warp_bases=[[0, b[0]] for b in rows_layout.warp_bases],
-                                          block_bases=[], shape=[warps, rows_layout.shape[0]])
-
 
 def sm90_supported(q: torch.Tensor, k_cache: torch.Tensor, head_dim_v: int) -> bool:
     """Whether the Gluon MLA kernels can run this call (see the module docstring)."""
@@ -155,22 +144,10 @@ if HAVE_GLUON:
         return it
 
     @gluon.jit
-    def key_max(acc, mx_smem, s_layout: gl.constexpr):
-        """The maximum over the 64 keys of S^T [64, R] (16 keys in each of the warpgroup's four warps) with one
-        barrier: each warp reduces its keys with shuffles into its row of ``mx_smem`` [4, R], and every thread
-        reads the four partials of its rows (Triton's reduction along the warps takes two barriers and a second
-        round trip through shared memory)."""
-        R: gl.constexpr = acc.shape[1]
-        rows_l: gl.constexpr = gl.SliceLayout(0, s_layout)
-        mx_smem.store(gl.max(gl.reshape(acc, [4, _BN // 4, R]), axis=1))
-        both = mx_smem.load(warp_partials_layout(gl.to_linear_layout(rows_l, [R]), 4))
-        return gl.convert_layout(gl.max(both, axis=0), rows_l, assert_trivial=True)
-
-    @gluon.jit
     def softmax_tile(o, m_i, l_i, it, npm, n0, first_masked, lim, seqlen, release_q, qk_scale,
-                      q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, mx_smem, q_free, kv_ready,
-                      kv_empty, p_ready, p_free, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                      KEEP_LAST: gl.constexpr, TRANSPOSED: gl.constexpr = False):
+                      q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_free, kv_ready, kv_empty,
+                      p_ready, p_free, s_layout: gl.constexpr, o_layout: gl.constexpr, KEEP_LAST: gl.constexpr,
+                      TRANSPOSED: gl.constexpr = False):
         """Warpgroup 0's step over KV tokens n0 .. n0 + 63 (ring slot it, P message npm): S = Q K^T, the
         online softmax (scores of keys >= lim masked once the tile reaches first_masked), P and the rescale
         factor to shared memory for warpgroup 1, O[:, :256] += P V[:, :256]. ``release_q`` marks the last
@@ -192,19 +169,15 @@ if HAVE_GLUON:
             acc = warpgroup_mma(q_smem, kv.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             acc = warpgroup_mma(q_pe_smem, kv_pe.permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, q_smem, q_pe_smem, kv, kv_pe))[0]
+        if release_q:
+            mbarrier.arrive(q_free, count=1)
         if n0 + _BN > first_masked:
             keys = n0 + gl.arange(0, _BN, layout=gl.SliceLayout(1 - KD, s_layout))
             acc = gl.where(gl.expand_dims(keys, 1 - KD) < gl.expand_dims(lim, KD), acc, float("-inf"))
-        # The row max is kept unscaled (qk_scale > 0) so that the scale folds into one FMA per score. It comes
-        # before Q's release: an arrive ahead of ``key_max`` made Triton put a second barrier before its store.
-        if TRANSPOSED:
-            m_new = gl.maximum(m_i, key_max(acc, mx_smem, s_layout))
-        else:
-            m_new = gl.maximum(m_i, gl.max(acc, axis=KD))
-        if release_q:
-            mbarrier.arrive(q_free, count=1)
         if n0 + _BN > seqlen:
             zero_tail_rows(kv, 0, seqlen - n0, 4, 4)
+        # The row max is kept unscaled (qk_scale > 0) so that the scale folds into one FMA per score.
+        m_new = gl.maximum(m_i, gl.max(acc, axis=KD))
         # A row with no visible key yet keeps max -inf: subtract 0 instead so exp2 gives 0, not NaN.
         m_sc = gl.where(m_new == float("-inf"), 0.0, m_new * qk_scale)
         alpha = gl.exp2(m_i * qk_scale - m_sc)
@@ -235,7 +208,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def softmax_tiles(it, npm, lo, hi, first_masked, lim, seqlen, qk_scale, q_smem, q_pe_smem, kv_ring, kv_pe_ring,
-                      p_smem, scale_smem, mx_smem, q_free, kv_ready, kv_empty, p_ready, p_free, s_layout: gl.constexpr,
+                      p_smem, scale_smem, q_free, kv_ready, kv_empty, p_ready, p_free, s_layout: gl.constexpr,
                       o_layout: gl.constexpr, KEEP_LAST: gl.constexpr, TRANSPOSED: gl.constexpr = False):
         """Warpgroup 0's ``softmax_tile`` steps over one request's (tile's) KV tokens lo .. hi - 1 (Q loaded):
         ring slots from it, P messages from npm; the last S hands Q back to the loader; with ``KEEP_LAST`` the
@@ -252,9 +225,8 @@ if HAVE_GLUON:
             o = gl.zeros([R, 256], dtype=gl.float32, layout=o_layout)
         for n0 in range(lo, hi, _BN):
             o, m_i, l_i = softmax_tile(o, m_i, l_i, it, npm, n0, first_masked, lim, seqlen, n0 + _BN >= hi, qk_scale,
-                                       q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, mx_smem, q_free,
-                                       kv_ready, kv_empty, p_ready, p_free, s_layout, o_layout, KEEP_LAST,
-                                       TRANSPOSED)
+                                       q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_free, kv_ready,
+                                       kv_empty, p_ready, p_free, s_layout, o_layout, KEEP_LAST, TRANSPOSED)
             npm += 1
             it += 1
         if TRANSPOSED:
@@ -358,11 +330,6 @@ if HAVE_GLUON:
             p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R, _BN], dtype)
             p_smem = gl.allocate_shared_memory(dtype, [R, _BN], p_layout)
         scale_smem = gl.allocate_shared_memory(gl.float32, [R], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        if TRANSPOSED:
-            # ``key_max``'s per-warp row maxima.
-            mx_smem = gl.allocate_shared_memory(gl.float32, [4, R], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        else:
-            mx_smem = scale_smem  # unused: the row maxima of 64-row tiles lie within each warp
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
         q_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
         q_free = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
@@ -379,5 +346,5 @@ if HAVE_GLUON:
         for i in gl.static_range(_STAGES):
             mbarrier.init(kv_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=2)  # one arrive per warpgroup
-        return (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, mx_smem, q_ready, q_free, p_ready,
-                p_free, kv_ready, kv_empty, page_flags)
+        return (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, p_ready, p_free,
+                kv_ready, kv_empty, page_flags)

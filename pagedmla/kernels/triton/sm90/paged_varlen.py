@@ -208,8 +208,8 @@ if HAVE_GLUON:
                         nq += 1
                     o, m_i, l_i, it, npm = mla.softmax_tiles(it, npm, 0, end, first_masked, lim, kv_len, qk_scale,
                                                              q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem,
-                                                             scale_smem, None, q_free, kv_ready, kv_empty, p_ready,
-                                                             p_free, s_layout, o_layout, True)
+                                                             scale_smem, q_free, kv_ready, kv_empty, p_ready, p_free,
+                                                             s_layout, o_layout, True)
                     if end > 0:  # the loader's page check of this tile's keys (nq counted its Q load)
                         bits = bits | gl.where(mla.pages_ok(page_flags.index((nq - 1) % 2)), 0, BLOCK_TABLE)
                     if r0 == 0:
@@ -249,7 +249,7 @@ if HAVE_GLUON:
         T, H, batch, T_rows, qk_scale, stride_btb, max_pages, num_pages, kv_scale_ptr,
         CAUSAL: gl.constexpr, PAGE: gl.constexpr, SEARCH_STEPS: gl.constexpr, KV_SCALED: gl.constexpr,
     ):
-        (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, _, q_ready, q_free, p_ready, p_free, kv_ready,
+        (q_smem, q_pe_smem, kv_ring, kv_pe_ring, p_smem, scale_smem, q_ready, q_free, p_ready, p_free, kv_ready,
          kv_empty, page_flags) = mla.mla_buffers(q_desc, q_pe_desc, q_desc.dtype)
         tile_info = gl.allocate_shared_memory(gl.int32, [2, 8], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
