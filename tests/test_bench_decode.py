@@ -50,8 +50,8 @@ def test_ratio_lines_give_each_groups_geometric_mean_and_lowest_cell():
         "batch-128 cells, eager calls: geometric mean FlashMLA/pagedmla 1.000, min 0.800 (128x1x16x1024) over 3 cells",
         "memory-bound cells (heads x q_len <= 32), eager calls: geometric mean FlashMLA/pagedmla 0.800, min 0.800 "
         "(128x1x16x1024) over 1 cells",
-        "128-row batch-128 cells, eager calls: geometric mean FlashMLA/pagedmla 1.118, min 1.000 (128x2x64x1024) "
-        "over 2 cells",
+        "compute-bound batch-128 cells (heads x q_len >= 128), eager calls: geometric mean FlashMLA/pagedmla 1.118, "
+        "min 1.000 (128x2x64x1024) over 2 cells",
     ]
     unmeasured = [dict(r, ratio_flashmla="") for r in rows]  # a CPU run: no FlashMLA, no line
     assert decode.ratio_lines(unmeasured, "ratio_flashmla", "eager calls") == []
