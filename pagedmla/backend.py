@@ -126,6 +126,9 @@ class ForwardMetadata:
     max_q_len: int = 0
     num_tokens: int = 0
     prefix_chunks: list[PrefixChunk] = field(default_factory=list)
+    # An absorbed step over an FP8 cache: pages each request's host length spans (int32 [bs + 1]), and their sum.
+    kv_page_indptr: torch.Tensor | None = None
+    num_kv_pages: int | None = None
     dcp: DCPAttention | None = None  # decode context parallelism: the absorbed attention's per-row plan
 
     @property
@@ -276,7 +279,7 @@ class MLABackend:
             self._check_extend(seq_cpu, ext, pre)
             form = self._extend_form(ext, pre)
             meta = ForwardMetadata(mode=mode, bs=bs, form=form, seq_lens=seq_lens, block_table=block_table)
-            self._plan_varlen(meta, ext)
+            self._plan_varlen(meta, ext, seq_cpu)
             if form == "chunked":
                 meta.prefix_chunks = self._plan_prefix_chunks(block_table, pre)
             elif form == "absorbed":
@@ -285,7 +288,7 @@ class MLABackend:
             return
         ext = self._ragged_query_lens(batch, seq_cpu, verify_lens if ragged_verify else None)
         meta = ForwardMetadata(mode=mode, bs=bs, form="absorbed", seq_lens=seq_lens, block_table=block_table)
-        self._plan_varlen(meta, ext)
+        self._plan_varlen(meta, ext, seq_cpu)
         self._plan_dcp_ragged(meta)
         self.metadata = meta
 
@@ -432,13 +435,24 @@ class MLABackend:
         extending = [e for e in ext if e > 0] or [0]
         return "chunked" if sum(extending) / len(extending) >= self.config.chunked_prefix_min_extend else "absorbed"
 
-    def _plan_varlen(self, meta: ForwardMetadata, ext: list[int]) -> None:
+    def _plan_varlen(self, meta: ForwardMetadata, ext: list[int], seq_cpu: list[int]) -> None:
+        """qo_indptr of the step's query counts; for an absorbed step over an FP8 cache also the pages each
+        request's host length spans (``kv_page_indptr``: the dequantised workspace then holds those pages,
+        not batch x the longest request's), in the same host-to-device copy."""
         indptr = [0]
         for e in ext:
             indptr.append(indptr[-1] + e)
-        meta.qo_indptr = to_device(indptr, torch.int32, self.device)
         meta.max_q_len = max(ext) if ext else 0
         meta.num_tokens = indptr[-1]
+        if meta.form != "absorbed" or self.config.kv_format is None or self._dcp is not None:
+            meta.qo_indptr = to_device(indptr, torch.int32, self.device)
+            return
+        pages = [0]
+        for s in seq_cpu:
+            pages.append(pages[-1] + -(-s // self.config.page_size))
+        packed = to_device(indptr + pages, torch.int32, self.device)
+        meta.qo_indptr, meta.kv_page_indptr = packed[: len(indptr)], packed[len(indptr):]
+        meta.num_kv_pages = pages[-1]
 
     def _plan_prefix_chunks(self, block_table: torch.Tensor, pre: list[int]) -> list[PrefixChunk]:
         """Chunk lists of the cached prefixes: ``capacity // num_extends`` tokens per request per loop."""
@@ -595,7 +609,8 @@ class MLABackend:
                 return self._dcp.attend(q, cache.paged_view(lid), meta.dcp, cache.kv_format, cache.k_scale(lid))
             out, _ = self._varlen_paged_impl(q, cache.paged_view(lid), meta.block_table, meta.seq_lens,
                                              meta.qo_indptr, self.v_dim, self.scale, True, meta.max_q_len,
-                                             kv_format=cache.kv_format, k_scale=cache.k_scale(lid))
+                                             kv_format=cache.kv_format, k_scale=cache.k_scale(lid),
+                                             kv_page_indptr=meta.kv_page_indptr, num_kv_pages=meta.num_kv_pages)
             return out.reshape(meta.num_tokens, self.heads * self.v_dim)
         self._check_q(q, meta.num_tokens, self.config.qk_head_dim)
         self._check_q(k, meta.num_tokens, self.config.qk_head_dim, "k")

@@ -612,6 +612,12 @@ def test_every_mode_with_an_fp8_cache(kv_cache_dtype, provider, dtype):
     h.step(ForwardMode.TARGET_VERIFY, slots, [3] * 4)
     h.backend.config.extend_prefix_mode = "absorbed"
     assert h.step(ForwardMode.EXTEND, slots, [3, 1, 0, 5]) == "absorbed"
+    # The absorbed step over an FP8 cache planned the pages each request's host length spans (what sizes the
+    # Hopper path's dequantised workspace), packed after qo_indptr.
+    meta = h.backend.metadata
+    spans = [-(-h.hist[s].shape[0] // 16) for s in slots]
+    assert meta.kv_page_indptr.tolist() == [0, *torch.tensor(spans).cumsum(0).tolist()]
+    assert meta.num_kv_pages == sum(spans) and meta.qo_indptr.tolist() == [0, 3, 4, 4, 9]
     h.backend.config.extend_prefix_mode = "chunked"
     h.backend.config.chunked_prefix_capacity = 24
     assert h.step(ForwardMode.EXTEND, slots, [3, 1, 2, 5]) == "chunked"

@@ -6,6 +6,8 @@ dequantise-first path (``rows.dequantize_pages`` + the Hopper kernel) matches th
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from oracle import TOLERANCES, assert_attention_close, cos_diff, dense_paged, gen, make_paged_cache
@@ -244,6 +246,64 @@ def test_dequantize_pages_writes_each_referenced_page(kv_format, page):
                 torch.testing.assert_close(ws[want, :, 0].float(), ref.half().float(), rtol=0, atol=0, equal_nan=True)
 
 
+def _page_indptr(lens: list[int], page: int) -> list[int]:
+    """Prefix sums of the pages each length spans (the backend's ``kv_page_indptr``)."""
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + -(-n // page))
+    return out
+
+
+@pytest.mark.parametrize("kv_format", ["fp8_e4m3", "fp8_ds_mla"])
+def test_dequantize_pages_packs_the_pages_host_lengths_span(kv_format):
+    """With ``kv_page_indptr`` request b's page j lands in workspace page kv_page_indptr[b] + j and the workspace
+    holds the spanned pages only; a device length past its host span (request 1: one page more than the host
+    said), a span that runs past the workspace (request 4, a corrupt last entry) or a negative start name page -1
+    and the length error (``LENGTH_BEYOND_TABLE``), never a write outside the workspace; the others' pages are
+    the same values as without the layout."""
+    page = 16
+    lens = [2 * page + 1, page + 3, 0, 5, 40]
+    host = [2 * page + 1, page, 0, 5, 40]  # request 1's device length is one page past the host's
+    cache, _ = _cache(kv_format, lens, page, "dequant-compact")
+    table = cache.block_table
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    indptr = _page_indptr(host, page)
+    total = indptr[-1]
+    indptr[4], indptr[5] = total - 1, total + 5  # a corrupt end: request 4's span runs past the workspace
+    dev_indptr = torch.tensor(indptr, dtype=torch.int32)
+    errors.device_errors(table.device)
+    ws, ws_table = dequantize_pages(cache.k_cache, table, seqlens, kv_format, torch.float16, dev_indptr, total)
+    assert errors.device_errors(table.device) & errors.LENGTH_BEYOND_TABLE
+    full, full_table = dequantize_pages(cache.k_cache, table, seqlens, kv_format, torch.float16)
+    assert ws.shape == (total, page, 1, 576) and ws_table.shape == table.shape
+    for r in range(len(lens)):
+        for j in range(-(-lens[r] // page)):
+            inside = j < indptr[r + 1] - indptr[r] and indptr[r] + j < total
+            want = indptr[r] + j if inside else -1
+            assert ws_table[r, j].item() == want, (r, j)
+            if want >= 0:
+                torch.testing.assert_close(ws[want], full[full_table[r, j]], rtol=0, atol=0, equal_nan=True)
+    # Request 4's first page is the workspace's last; its second and third would lie past it.
+    assert ws_table[4, 0].item() == total - 1 and ws_table[4, 1].item() == ws_table[4, 2].item() == -1
+    bad = dev_indptr.clone()
+    bad[0], bad[1], bad[2] = -5, 2 ** 31 - 1, -(2 ** 31) + 2  # a negative start; one that would wrap past 2^31
+    _, bad_table = dequantize_pages(cache.k_cache, table, seqlens, kv_format, torch.float16, bad, total)
+    assert (bad_table[0, :3] == -1).all() and (bad_table[1, :2] == -1).all()
+
+
+def test_dequantize_pages_checks_the_layout_on_the_host():
+    cache, _ = _cache("fp8_ds_mla", [3], 16, "dequant-layout-args")
+    args = (cache.k_cache, cache.block_table, torch.tensor([3], dtype=torch.int32), "fp8_ds_mla", torch.float16)
+    with pytest.raises(ValueError, match="kv_page_indptr / num_kv_pages"):
+        dequantize_pages(*args, torch.tensor([0, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="kv_page_indptr: expected an int32 tensor \\[2\\]"):
+        dequantize_pages(*args, torch.tensor([0, 1, 2], dtype=torch.int32), 1)
+    with pytest.raises(ValueError, match="kv_page_indptr: expected an int32"):
+        dequantize_pages(*args, torch.tensor([0, 1]), 1)
+    with pytest.raises(ValueError, match="num_kv_pages: expected an int >= 0"):
+        dequantize_pages(*args, torch.tensor([0, 1], dtype=torch.int32), -1)
+
+
 def _paged_prefill_case(kv_format: str, key: str, lens: list[int], new: list[int], heads: int):
     # Enough poisoned pages beside the requests' that the workspace (a page per table entry) fits the cache's
     # page count (``dequantize_first``).
@@ -302,6 +362,44 @@ def test_dequantise_first_prefill_poisons_a_bad_page_only(kv_format):
     assert torch.equal(lse1[:lo], lse0[:lo]) and torch.equal(lse1[hi:], lse0[hi:])
     assert torch.isnan(out1[lo:hi]).all() and torch.isnan(lse1[lo:hi]).all()
     assert errors.device_errors(dev) & errors.BLOCK_TABLE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_format", ["fp8_e4m3", "fp8_ds_mla"])
+def test_dequantise_first_sizes_the_workspace_by_the_host_lengths(kv_format):
+    """One long request among short ones (the backend's skewed extend): a workspace page per table entry would
+    exceed the cache's pages, so without a page layout the portable kernel runs; with ``kv_page_indptr`` the
+    workspace holds the pages the lengths span and the Hopper kernel runs. Both against the float64 oracle (NaN
+    in every unused slot, permuted pages); then a device length one page past its host span (request 2) makes
+    that request's rows NaN and reports ``LENGTH_BEYOND_TABLE``, the others bit-identical to the clean run."""
+    lens, new = [2000, 3, 70, 1, 130], [16, 3, 5, 1, 64]
+    cache, kw = _cache(kv_format, lens, 64, "compact", extra_pages=2)
+    dev = torch.device("cuda")
+    g = gen("triton-fp8-compact-q", kv_format)
+    qo = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    q = (torch.randn(sum(new), 16, 576, generator=g) * 0.5).bfloat16().to(dev)
+    k_cache, table = cache.k_cache.to(dev), cache.block_table.to(dev)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    ks = kw.get("k_scale")
+    ks = None if ks is None else ks.to(dev)
+    pages = _page_indptr(lens, 64)
+    indptr = torch.tensor(pages, dtype=torch.int32, device=dev)
+    assert table.shape[0] * table.shape[1] > k_cache.shape[0] >= pages[-1]
+    assert not dequantize_first(q, k_cache, table, 512) and dequantize_first(q, k_cache, table, 512, pages[-1])
+    ref, ref_lse = dense_paged(q.cpu().double(), qo.tolist(), cache.rows, 576 ** -0.5, True, 512)
+    call = functools.partial(paged_varlen_attention, q, k_cache, table, seqlens, qo, 512, 576 ** -0.5, True,
+                             kv_format=kv_format, k_scale=ks)
+    compact = call(kv_page_indptr=indptr, num_kv_pages=pages[-1])
+    for name, (out, lse) in (("compact", compact), ("portable", call())):
+        assert_attention_close(out.cpu(), lse.cpu(), ref, ref_lse, TOLERANCES[torch.bfloat16], name)
+    short = _page_indptr([2000, 3, 64, 1, 130], 64)  # the host thinks request 2 spans one page
+    errors.device_errors(dev)
+    out1, lse1 = call(kv_page_indptr=torch.tensor(short, dtype=torch.int32, device=dev), num_kv_pages=short[-1])
+    assert errors.device_errors(dev) & errors.LENGTH_BEYOND_TABLE
+    lo, hi = new[0] + new[1], new[0] + new[1] + new[2]
+    assert torch.isnan(out1[lo:hi]).all() and torch.isnan(lse1[lo:hi]).all()
+    for a, b in ((out1, compact[0]), (lse1, compact[1])):
+        assert torch.equal(a[:lo], b[:lo]) and torch.equal(a[hi:], b[hi:])
 
 
 def _hopper_fp8_case(kv_format, lens, q_len, heads, key):

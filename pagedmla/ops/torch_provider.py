@@ -20,7 +20,8 @@ def paged_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_schedu
 
 
 def paged_varlen(q, k_cache, block_table, cache_seqlens, qo_indptr, head_dim_v, softmax_scale, causal, max_q_len,
-                 kv_format=None, k_scale=None):
+                 kv_format=None, k_scale=None, kv_page_indptr=None, num_kv_pages=None):
+    # The page layout hint sizes the triton provider's dequantised workspace; the reference reads the cache as is.
     out, lse = reference.paged_mla_attention(q, k_cache, block_table, cache_seqlens, qo_indptr, softmax_scale,
                                              causal, head_dim_v, k_cache.shape[1], kv_format, k_scale)
     return out.to(q.dtype), lse.to(reference.lse_dtype(q))

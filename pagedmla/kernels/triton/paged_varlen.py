@@ -36,7 +36,7 @@ from pagedmla.kernels.triton.common import (
     report,
     store_nan,
 )
-from pagedmla.kernels.triton.rows import DEQUANT_MAX_WIDTH, dequantize_pages
+from pagedmla.kernels.triton.rows import DEQUANT_MAX_WIDTH, checked_page_indptr, dequantize_pages
 from pagedmla.kernels.triton.sm90.mla import BLOCK_N as SM90_BLOCK_N
 from pagedmla.kernels.triton.sm90.mla import D_QK, D_V, sm90_supported
 from pagedmla.kernels.triton.sm90.paged_varlen import paged_varlen_sm90
@@ -169,21 +169,25 @@ def default_config(dtype: torch.dtype) -> PrefillConfig:
 DEQUANT_MAX_BYTES = 1 << 30
 
 
-def dequantize_first(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, head_dim_v: int) -> bool:
-    """Whether an FP8 call runs the Hopper kernel over its pages dequantised first (``rows.dequantize_pages``,
-    one workspace page per block-table entry) instead of the portable kernel: on sm_90 for bf16/fp16 q, head
-    dims 576 / 512 and pages a multiple of 64, when that workspace holds no more pages than the cache and at
-    most ``DEQUANT_MAX_BYTES``. Why: the absorbed prefill is compute bound (8 x 1024 tokens over 4096 at 128
-    heads: 10.5 TFLOP against 47 MB of bf16 pages, ~0.1% of its time to write and read them back), so the
-    Hopper bf16 kernel's rate over dequantised pages beats the portable kernel dequantising each tile as it
-    loads it (~0.3x: benchmarks/NOTES.md, FP8). A table much wider than its requests need (an engine's, over
-    the longest context) fails the size rule and runs the portable kernel."""
+def dequantize_first(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, head_dim_v: int,
+                     num_kv_pages: int | None = None) -> bool:
+    """Whether an FP8 call runs the Hopper kernel over its pages dequantised first (``rows.dequantize_pages``:
+    one workspace page per block-table entry, or with ``num_kv_pages`` from the host one per page the requests'
+    lengths span) instead of the portable kernel: on sm_90 for bf16/fp16 q, head dims 576 / 512 and pages a
+    multiple of 64, when that workspace holds no more pages than the cache and at most ``DEQUANT_MAX_BYTES``.
+    Why: the absorbed prefill is compute bound (8 x 1024 tokens over 4096 at 128 heads: 10.5 TFLOP against
+    47 MB of bf16 pages, ~0.1% of its time to write and read them back), so the Hopper bf16 kernel's rate over
+    dequantised pages beats the portable kernel dequantising each tile as it loads it (~0.3x:
+    benchmarks/NOTES.md, FP8). Without ``num_kv_pages`` a table much wider than most of its requests need (one
+    long request among short ones, or an engine's table over the longest context) can fail the size rules and
+    run the portable kernel."""
     b, width = block_table.shape
     page = k_cache.shape[1]
-    ws_bytes = b * width * page * D_QK * q.element_size()
+    ws_pages = b * width if num_kv_pages is None else num_kv_pages
+    ws_bytes = ws_pages * page * D_QK * q.element_size()
     return (sm90_available(q.device) and k_cache.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
             and q.shape[-1] == D_QK and head_dim_v == D_V and page % SM90_BLOCK_N == 0 and width <= DEQUANT_MAX_WIDTH
-            and b * width <= k_cache.shape[0] and ws_bytes <= DEQUANT_MAX_BYTES)
+            and ws_pages <= k_cache.shape[0] and ws_bytes <= DEQUANT_MAX_BYTES)
 
 
 def paged_varlen_attention(
@@ -200,6 +204,8 @@ def paged_varlen_attention(
     config: PrefillConfig | None = None,
     kv_format: str | None = None,
     k_scale: torch.Tensor | None = None,
+    kv_page_indptr: torch.Tensor | None = None,
+    num_kv_pages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA attention with per-request q lengths over a paged latent cache (``paged_varlen`` op).
 
@@ -212,7 +218,10 @@ def paged_varlen_attention(
     tile shape (benchmarks). FP8 caches (``kv_format`` "fp8_e4m3" with ``k_scale`` float32 [1], or
     "fp8_ds_mla" [num_pages, page_size, 1, 656] bytes; ``pagedmla.kv_format``) run the Hopper kernel over
     their pages dequantised first where ``dequantize_first`` holds, else the portable kernel, which dequantises
-    each tile as it loads it. Without ``config`` an sm_90 GPU runs the Hopper kernel (``sm90/paged_varlen.py``)
+    each tile as it loads it; ``kv_page_indptr`` (int32 [b + 1]: request b's length spans kv_page_indptr[b + 1] -
+    kv_page_indptr[b] pages) with ``num_kv_pages`` (its last value, on the host), where the caller knows the
+    lengths on the host, sizes that workspace by the pages the lengths span (``rows.dequantize_pages``); a
+    16-bit cache ignores them. Without ``config`` an sm_90 GPU runs the Hopper kernel (``sm90/paged_varlen.py``)
     where it applies (bf16/fp16, 576/512, pages a multiple of 64, contiguous cache); a ``PrefillConfig`` runs it
     when its ``use_sm90`` is set, else the portable kernel.
     Returns out [T, H, head_dim_v] q.dtype and lse [T, H] float32 (natural log; rows that see no key give 0
@@ -250,7 +259,9 @@ def paged_varlen_attention(
     block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
     # The kernel indexes these 1-D tensors as dense arrays (a no-op when they already are).
     cache_seqlens, qo_indptr = cache_seqlens.contiguous(), qo_indptr.contiguous()
-    dequant = kv_format is not None and dequantize_first(q, k_cache, block_table, head_dim_v)
+    if kv_page_indptr is not None or num_kv_pages is not None:
+        checked_page_indptr(kv_page_indptr, num_kv_pages, batch, q.device)
+    dequant = kv_format is not None and dequantize_first(q, k_cache, block_table, head_dim_v, num_kv_pages)
     if config is None:
         cfg = default_config(q.dtype)
         if kv_format is None:
@@ -263,7 +274,8 @@ def paged_varlen_attention(
         if not dequant:
             raise ValueError(f"config: use_sm90 over a {kv_format} cache needs its pages dequantised first, which "
                              "this call does not allow (see paged_varlen.dequantize_first)")
-        ws, ws_table = dequantize_pages(k_cache, block_table, cache_seqlens, kv_format, q.dtype)
+        ws, ws_table = dequantize_pages(k_cache, block_table, cache_seqlens, kv_format, q.dtype, kv_page_indptr,
+                                        num_kv_pages)
         paged_varlen_sm90(q, ws, ws_table, cache_seqlens, qo_indptr, softmax_scale, causal, out, lse,
                           kv_scale=k_scale if kv_format == "fp8_e4m3" else None)
         return out, lse

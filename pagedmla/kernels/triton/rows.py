@@ -24,6 +24,7 @@ from pagedmla.kernels.triton.common import (
     FP8_MAX,
     KV_FORMATS,
     LATENT_DIM,
+    LENGTH_BEYOND_TABLE,
     ROPE_DIM,
     checked_length,
     checked_page,
@@ -177,18 +178,31 @@ def _select_requests_kernel(table_ptr, index_ptr, lens_ptr, out_table_ptr, out_l
 
 
 @triton.jit
-def _dequantize_pages_kernel(kv_ptr, bt_ptr, lens_ptr, ws_ptr, ws_bt_ptr, width, num_pages, stride_btb, stride_page,
-                             stride_row, PAGE: tl.constexpr, ROWS: tl.constexpr, KV_FMT: tl.constexpr,
+def _dequantize_pages_kernel(kv_ptr, bt_ptr, lens_ptr, indptr_ptr, ws_ptr, ws_bt_ptr, err_ptr, width, num_pages,
+                             num_ws_pages, stride_btb, stride_page, stride_row, PAGE: tl.constexpr,
+                             ROWS: tl.constexpr, COMPACT: tl.constexpr, KV_FMT: tl.constexpr,
                              NAN_FIXUP: tl.constexpr):
-    # Program (b, j): page j of request b, into workspace page b * width + j.
+    # Program (b, j): page j of request b, into workspace page b * width + j, or with COMPACT page
+    # indptr[b] + j while j is below request b's span indptr[b + 1] - indptr[b].
     b = tl.program_id(0)
     j = tl.program_id(1)
-    dst = b * width + j
+    slot = b * width + j
     length, _ = checked_length(tl.load(lens_ptr + b), width * PAGE)
-    ws_page = dst
+    if COMPACT:
+        first = tl.load(indptr_ptr + b)
+        dst = first + j
+        # Bounded without forming first + j first: a corrupt entry near 2^31 cannot wrap into range.
+        inside = (j < tl.load(indptr_ptr + b + 1) - first) & (first >= 0) & (first < num_ws_pages - j)
+    else:
+        dst = slot
+        inside = slot >= 0
+    ws_page = tl.where(inside, dst, -1)
     if j * PAGE < length:
         page, bad = checked_page(tl.load(bt_ptr + b.to(tl.int64) * stride_btb + j), num_pages)
-        if bad:
+        if not inside:
+            # A device length past the pages the host said this request spans: no workspace page for it.
+            report(err_ptr, LENGTH_BEYOND_TABLE)
+        elif bad:
             ws_page = -1  # the attention kernel's own page check poisons the rows that read it and reports it
         else:
             cols = tl.arange(0, LATENT_DIM)[None, :]
@@ -201,8 +215,8 @@ def _dequantize_pages_kernel(kv_ptr, bt_ptr, lens_ptr, ws_ptr, ws_bt_ptr, width,
                 tl.store(out + cols, lat.to(ws_ptr.dtype.element_ty))
                 pe = fp8_cols(rows, LATENT_DIM, None, ROPE_DIM, KV_FMT, True, False, NAN_FIXUP)
                 tl.store(out + rope, pe.to(ws_ptr.dtype.element_ty))
-    # Pages past the length keep their workspace page (never read: the attention stops at the same length).
-    tl.store(ws_bt_ptr + dst, ws_page)
+    # Pages past the length keep their workspace page, or -1 (never read: the attention stops at the same length).
+    tl.store(ws_bt_ptr + slot, ws_page)
 
 
 _STORE = CachedKernel(_store_rows_kernel)
@@ -287,18 +301,24 @@ def select_requests(table: torch.Tensor, index: torch.Tensor, lens: torch.Tensor
 
 
 def dequantize_pages(k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor, fmt: str,
-                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                     dtype: torch.dtype, kv_page_indptr: torch.Tensor | None = None,
+                     num_kv_pages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The pages an FP8 cache's block table references, dequantised into a workspace of their own: (cache
-    ``dtype`` [b * width, page_size, 1, 576], block table int32 [b, width]) for k_cache uint8 / float8
+    ``dtype`` [ws_pages, page_size, 1, 576], block table int32 [b, width]) for k_cache uint8 / float8
     [num_pages, page_size, 1, row bytes] in format ``fmt`` (``pagedmla.kv_format``), block_table int32
     [b, width], cache_seqlens int32 [b] (read on the device).
 
-    Request b's page j (for j * page_size below its length) goes to workspace page b * width + j, which the
-    returned table names: fp8_ds_mla rows as their values (fp8 x the power-of-two tile scale, exact in
-    bf16), fp8_e4m3 rows as their fp8 values *without* k_scale (exact; the attention kernel folds the scale
-    in). A page id outside the cache names page -1 in the returned table, so that the attention kernel's
-    page check handles it as it would in the cache's own table; the workspace pages past a length are
-    left unwritten and never read. One launch, no host synchronisation."""
+    Request b's page j (for j * page_size below its length) goes to workspace page b * width + j (ws_pages =
+    b * width), or with ``kv_page_indptr`` (int32 [b + 1] on the cache's device: request b spans pages
+    kv_page_indptr[b] .. kv_page_indptr[b + 1] - 1) and ``num_kv_pages`` (its last value, known on the host)
+    to page kv_page_indptr[b] + j (ws_pages = num_kv_pages): a batch of one long request among short ones
+    then takes the pages its lengths span, not b x the longest. The returned table names each: fp8_ds_mla
+    rows as their values (fp8 x the power-of-two tile scale, exact in bf16), fp8_e4m3 rows as their fp8
+    values *without* k_scale (exact; the attention kernel folds the scale in). A page id outside the cache,
+    or a page past the span kv_page_indptr gives its request (a device length beyond the host's; it sets
+    ``errors.LENGTH_BEYOND_TABLE``), names page -1 in the returned table, so that the attention kernel's page
+    check handles it as it would in the cache's own table; the workspace pages past a length are left
+    unwritten and never read. One launch, no host synchronisation."""
     b, width = block_table.shape
     page = k_cache.shape[1]
     d = kv_format.ROW_DIM
@@ -307,13 +327,34 @@ def dequantize_pages(k_cache: torch.Tensor, block_table: torch.Tensor, cache_seq
                          f"{tuple(k_cache.shape)}")
     if width > DEQUANT_MAX_WIDTH:
         raise ValueError(f"block_table: at most {DEQUANT_MAX_WIDTH} pages per request, got {width}")
-    ws = torch.empty(b * width, page, 1, d, dtype=dtype, device=k_cache.device)
+    compact = kv_page_indptr is not None
+    ws_pages = checked_page_indptr(kv_page_indptr, num_kv_pages, b, k_cache.device) if compact else b * width
+    kv_page_indptr = kv_page_indptr.contiguous() if compact else cache_seqlens  # (the kernel skips it unless compact)
+    ws = torch.empty(ws_pages, page, 1, d, dtype=dtype, device=k_cache.device)
     ws_table = torch.empty(b, width, dtype=torch.int32, device=k_cache.device)
     if b and width:
         kv = k_cache.view(torch.uint8)
         kv = kv if kv.stride(3) == 1 else kv.contiguous()
-        _DEQUANT_PAGES.launch(k_cache.device, (b, width), kv, block_table, cache_seqlens, ws, ws_table, width,
-                              k_cache.shape[0], block_table.stride(0), kv.stride(0), kv.stride(1), PAGE=page,
-                              ROWS=min(page, _ROWS), KV_FMT=KV_FORMATS[fmt], NAN_FIXUP=fp8_nan_fixup(),
-                              num_warps=4)
+        _DEQUANT_PAGES.launch(k_cache.device, (b, width), kv, block_table, cache_seqlens,
+                              kv_page_indptr, ws, ws_table,
+                              errors.error_word(k_cache.device), width, k_cache.shape[0], ws_pages,
+                              block_table.stride(0), kv.stride(0), kv.stride(1), PAGE=page, ROWS=min(page, _ROWS),
+                              COMPACT=compact, KV_FMT=KV_FORMATS[fmt], NAN_FIXUP=fp8_nan_fixup(), num_warps=4)
     return ws, ws_table
+
+
+def checked_page_indptr(kv_page_indptr: torch.Tensor | None, num_kv_pages: int | None, batch: int,
+                        device: torch.device) -> int:
+    """``num_kv_pages`` after the host checks of a compact page layout (``dequantize_pages``): both given,
+    kv_page_indptr int32 [batch + 1] on ``device``, num_kv_pages an int >= 0 (its values stay on the device:
+    the kernel guards them)."""
+    if kv_page_indptr is None or num_kv_pages is None:
+        raise ValueError("kv_page_indptr / num_kv_pages: give both or neither")
+    if not isinstance(kv_page_indptr, torch.Tensor) or kv_page_indptr.dtype != torch.int32 \
+            or kv_page_indptr.shape != (batch + 1,) or kv_page_indptr.device != device:
+        raise ValueError(f"kv_page_indptr: expected an int32 tensor [{batch + 1}] on {device}, got "
+                         f"{getattr(kv_page_indptr, 'dtype', type(kv_page_indptr).__name__)} "
+                         f"{tuple(getattr(kv_page_indptr, 'shape', ()))}")
+    if isinstance(num_kv_pages, bool) or not isinstance(num_kv_pages, int) or num_kv_pages < 0:
+        raise ValueError(f"num_kv_pages: expected an int >= 0, got {num_kv_pages!r}")
+    return num_kv_pages
