@@ -13,6 +13,13 @@ Paged prefill: ``pagedmla.bench.prefill.PAGED_GRID`` (b requests of ``new`` toke
 ``flash_mla_varlen_with_kvcache`` eager on bf16 and both FP8 caches (milliseconds per call: the host path
 adds nothing measurable), ``bf16/fp8`` as above.
 
+Skewed paged prefill: one long request among short ones (``SKEWED_GRID``: b requests of ``new`` tokens, the
+first over ``long`` cached tokens, the rest over ``short``), where a dequantised workspace of one page per
+block-table entry (b x the longest request's pages) passes ``paged_varlen.DEQUANT_MAX_BYTES`` and the call
+runs the portable kernel; with the pages the host lengths span (``kv_page_indptr``, as ``MLABackend`` plans
+it) the Hopper kernel runs over a workspace of those pages. ``paged_varlen_attention`` eager on bf16 rows and
+on both FP8 caches, each with and without the layout; ``cos`` as above for every FP8 variant.
+
 Extend forms: one layer's EXTEND step over a cached prefix (``FORMS_B`` requests of ``FORMS_PREFIX`` cached
 tokens, each of ``FORMS_NEW`` new tokens, ``FORMS_HEADS`` heads) through ``MLABackend``, in the absorbed form
 (with the model's q absorption and output projection) and the chunked form (with the prefix's decompression),
@@ -23,7 +30,7 @@ format, against one decode call of 128 x 1 x 16 heads x 4096 on the same format 
 share of the attention work of a decode step, per layer (the whole step, with the model's matmuls, is
 larger, so the share of the step is smaller).
 
-    python3 benchmarks/bench_fp8.py [--quick] [--eager] [--only decode|prefill|store|forms] [--match SUBSTRING]
+    python3 benchmarks/bench_fp8.py [--quick] [--eager] [--only decode|prefill|skewed|store|forms] [--match SUBSTRING]
         [--csv fp8.csv]
 
 ``--match`` keeps the decode cells whose name (``b x q_len x heads x mean_seq``, e.g. ``128x1x16x4096``)
@@ -50,6 +57,7 @@ from pagedmla.bench import prefill as bprefill
 from pagedmla.bench.common import fp8_caches, wall_clock_us
 from pagedmla.cache import MLAKVCache
 from pagedmla.config import MLAConfig
+from pagedmla.kernels.triton.paged_varlen import paged_varlen_attention
 from pagedmla.ops.attention import flash_mla_varlen_with_kvcache, flash_mla_with_kvcache
 from pagedmla.ops.schedule import get_mla_metadata
 
@@ -61,6 +69,9 @@ STORE_CELL = bdecode.Cell(128, 1, 16, 4096)
 # The extend-forms part: requests, cached tokens, heads (a TP-sharded rank) and new tokens per request.
 FORMS_B, FORMS_PREFIX, FORMS_HEADS, FORMS_NEW = 8, 4096, 16, (16, 32, 64, 128, 256)
 CPU_PREFILL_GRID = [(2, 16, 48, 16)]
+# Skewed paged prefill: (requests, new tokens each, the first request's cached tokens, the others', heads).
+SKEWED_GRID = [(32, 16, 32768, 1024, 16), (32, 64, 32768, 1024, 128)]
+CPU_SKEWED_GRID = [(3, 4, 100, 20, 2)]
 
 
 def cuda() -> bool:
@@ -145,6 +156,43 @@ def prefill_cell(b: int, new: int, cached: int, h: int, dtype: torch.dtype) -> d
             ok &= good
             del ref
         row[f"{fmt}_eager_us"] = timed(fn)
+    row["ok"] = ok
+    return row
+
+
+def skewed_cell(b: int, new: int, long: int, short: int, h: int, dtype: torch.dtype) -> dict:
+    """One skewed paged prefill cell (``SKEWED_GRID``): µs per eager call of each cache format, FP8 with and
+    without ``kv_page_indptr``, and each FP8 output's cos diff to the torch reference on its cache."""
+    device = torch.device("cuda" if cuda() else "cpu")
+    g = torch.Generator(device=device).manual_seed(0)
+    lens = [long + new] + [short + new] * (b - 1)
+    spans = [triton.cdiv(n, PAGE) for n in lens]
+    width, total = max(spans), sum(spans)
+    cache = (torch.randn(total + 1, PAGE, 1, D, device=device, generator=g) / 10).to(dtype)
+    ids = (torch.randperm(total, device=device, generator=g) + 1).int().split(spans)
+    table = torch.zeros(b, width, dtype=torch.int32, device=device)  # past a request's pages: the reserved page
+    for r, pages in enumerate(ids):
+        table[r, : pages.numel()] = pages
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=device)
+    qo = torch.arange(0, b * new + 1, new, device=device, dtype=torch.int32)
+    q = (torch.randn(b * new, h, D, device=device, generator=g) / 10).to(dtype)
+    indptr = torch.tensor([0, *torch.tensor(spans).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    row = {"cell": f"{b}x{new} over {long} / {short} h{h}"}
+    ok = True
+    for fmt, (c, kw) in ({"bf16": (cache, {})} | fp8_caches(cache)).items():
+        call = functools.partial(paged_varlen_attention, q, c, table, seqlens, qo, DV, D ** -0.5, True,
+                                 kv_format=None if fmt == "bf16" else fmt, k_scale=kw.get("k_scale"))
+        variants = {"": {}} if fmt == "bf16" else {"_table": {}, "_spans": dict(kv_page_indptr=indptr,
+                                                                                  num_kv_pages=total)}
+        ref = None if fmt == "bf16" else flash_mla_varlen_with_kvcache(
+            q, c, table, seqlens, qo, DV, softmax_scale=D ** -0.5, causal=True, provider="torch", **kw)[0]
+        for name, extra in variants.items():
+            fn = functools.partial(call, **extra)
+            if ref is not None:
+                row[f"cos_{fmt}{name}"], good = cos_check(fn()[0], ref)
+                ok &= good
+            row[f"{fmt}{name}_eager_us"] = timed(fn)
+        del ref
     row["ok"] = ok
     return row
 
@@ -268,13 +316,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the decode grid's quick cells, two prefill cells")
     ap.add_argument("--eager", action="store_true", help="also time the eager decode calls")
-    ap.add_argument("--only", choices=("decode", "prefill", "store", "forms"), action="append",
+    ap.add_argument("--only", choices=("decode", "prefill", "skewed", "store", "forms"), action="append",
                     help="run only these parts")
     ap.add_argument("--match", action="append", metavar="SUBSTRING",
                     help="only the decode cells whose name holds one of these (repeatable)")
     ap.add_argument("--csv", metavar="PATH", help="write every row's figures to PATH")
     args = ap.parse_args(argv)
-    parts = args.only or ["decode", "prefill", "store", "forms"]
+    parts = args.only or ["decode", "prefill", "skewed", "store", "forms"]
     dtype = torch.bfloat16 if cuda() else torch.float16  # the interpreter's dot is wrong for bf16
     l2 = torch.cuda.get_device_properties(0).L2_cache_size if cuda() else 0
     where = torch.cuda.get_device_name() if cuda() else "CPU (smoke run: tiny cells, wall clock)"
@@ -295,6 +343,11 @@ def main(argv: list[str] | None = None) -> int:
         for b, new, cached, h in grid[:2] if args.quick else grid:
             prefill_rows.append(prefill_cell(b, new, cached, h, dtype))
             print(f"prefill {prefill_rows[-1]['cell']} done", flush=True)
+    skewed_rows = []
+    if "skewed" in parts:
+        for cell in SKEWED_GRID if cuda() else CPU_SKEWED_GRID:
+            skewed_rows.append(skewed_cell(*cell, dtype))
+            print(f"skewed {skewed_rows[-1]['cell']} done", flush=True)
     store_rows = store_rows_cost(dtype) if "store" in parts else []
     form_rows = extend_forms_cost(dtype) if "forms" in parts else []
     if decode_rows:
@@ -317,6 +370,17 @@ def main(argv: list[str] | None = None) -> int:
             bf, e4, ds = r["bf16_eager_us"], r["fp8_e4m3_eager_us"], r["fp8_ds_mla_eager_us"]
             print(f"| {r['cell']} | {bf:.1f} | {e4:.1f} | {ds:.1f} | {bf / e4:.3f} | {bf / ds:.3f} | "
                   f"{r['cos_fp8_e4m3']:.1e} / {r['cos_fp8_ds_mla']:.1e}{'' if r['ok'] else ' BAD'} |")
+    if skewed_rows:
+        print("\n### skewed paged prefill, eager (µs per call): FP8 with a workspace per table entry (table) or "
+              "per spanned page (spans)\n")
+        print("| cell | bf16 | e4m3 table | e4m3 spans | ds_mla table | ds_mla spans | bf16 / spans e4m3, ds_mla |")
+        print("|---|---|---|---|---|---|---|")
+        for r in skewed_rows:
+            bf = r["bf16_eager_us"]
+            e4, ds = r["fp8_e4m3_spans_eager_us"], r["fp8_ds_mla_spans_eager_us"]
+            print(f"| {r['cell']} | {bf:.1f} | {r['fp8_e4m3_table_eager_us']:.1f} | {e4:.1f} | "
+                  f"{r['fp8_ds_mla_table_eager_us']:.1f} | {ds:.1f} | {bf / e4:.3f}, {bf / ds:.3f}"
+                  f"{'' if r['ok'] else ' BAD'} |")
     if store_rows:
         print(f"\n### store of one step's rows vs one decode call ({store_rows[0]['decode_cell']}), per layer\n")
         print("| store | store µs | decode µs | store / decode |")
@@ -330,14 +394,14 @@ def main(argv: list[str] | None = None) -> int:
         for r in form_rows:
             print(f"| {r['cell']} | {r['absorbed_us']:.1f} | {r['chunked_us']:.1f} | "
                   f"{r['absorbed_us'] / r['chunked_us']:.3f} |")
-    rows = decode_rows + prefill_rows + store_rows + form_rows
+    rows = decode_rows + prefill_rows + skewed_rows + store_rows + form_rows
     if args.csv and rows:
         fields = list(dict.fromkeys(k for r in rows for k in r))
         with open(args.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=fields)
             w.writeheader()
             w.writerows(rows)
-    bad = [r["cell"] for r in decode_rows + prefill_rows if not r["ok"]]
+    bad = [r["cell"] for r in decode_rows + prefill_rows + skewed_rows if not r["ok"]]
     if bad:
         print(f"\nBAD: FP8 outputs off the reference in {bad}")
     return 1 if bad else 0

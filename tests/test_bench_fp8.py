@@ -17,14 +17,16 @@ def test_cpu_run_prints_every_part_and_writes_the_csv(tmp_path, capsys):
     for cell in ("2x1x16x128", "2x2x16x64"):
         assert re.search(rf"\| {cell} \| - \| [\d.]+ \| [\d.]+ \| [\d.]+ \| - \| - \| [\d.]+ \| [\d.]+ \| ", out), out
     assert re.search(r"\| 2x16 over 48 h16 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| ", out), out
+    assert re.search(r"\| 3x4 over 100 / 20 h2 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+, [\d.]+ \|",
+                     out), out
     for fmt in ("bf16", "fp8_e4m3", "fp8_ds_mla"):
         assert re.search(rf"\| store 128 rows, {fmt} \| [\d.]+ \| [\d.]+ \| [\d.]+% \|", out), out
         assert re.search(rf"\| {fmt} 2x4 over 40 h4 \| [\d.]+ \| [\d.]+ \| [\d.]+ \|", out), out
     assert "BAD" not in out
     with open(path) as f:
         rows = list(csv.DictReader(f))
-    assert [r["cell"] for r in rows][:3] == ["2x1x16x128", "2x2x16x64", "2x16 over 48 h16"]
-    assert all(r["ok"] == "True" for r in rows[:3])
+    assert [r["cell"] for r in rows][:4] == ["2x1x16x128", "2x2x16x64", "2x16 over 48 h16", "3x4 over 100 / 20 h2"]
+    assert all(r["ok"] == "True" for r in rows[:4])
 
 
 def test_an_output_off_the_reference_fails_the_run(capsys, monkeypatch):
