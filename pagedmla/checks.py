@@ -148,6 +148,43 @@ def paged_values(block_table: torch.Tensor, cache_seqlens: torch.Tensor, num_pag
                          f"the cache's 0..{num_pages - 1}")
 
 
+def page_layout(kv_page_indptr: torch.Tensor | None, num_kv_pages, batch: int, device: torch.device) -> None:
+    """The host half of a page layout (the pages each request's length spans, ``flash_mla_varlen_with_kvcache``):
+    ``kv_page_indptr`` and ``num_kv_pages`` both given or neither; kv_page_indptr int32 [batch + 1] on
+    ``device``, num_kv_pages an int >= 0 (its last entry, which the caller knows on the host)."""
+    if kv_page_indptr is None and num_kv_pages is None:
+        return
+    if kv_page_indptr is None or num_kv_pages is None:
+        raise ValueError("kv_page_indptr / num_kv_pages: give both or neither")
+    tensor(kv_page_indptr, "kv_page_indptr", ndim=1, dtypes=(torch.int32,))
+    if kv_page_indptr.shape[0] != batch + 1:
+        raise ValueError(f"kv_page_indptr: expected {batch + 1} entries (requests + 1), got {kv_page_indptr.shape[0]}")
+    if kv_page_indptr.device != device:
+        raise ValueError(f"kv_page_indptr: expected a tensor on {device}, got one on {kv_page_indptr.device}")
+    if isinstance(num_kv_pages, bool) or not isinstance(num_kv_pages, int) or num_kv_pages < 0:
+        raise ValueError(f"num_kv_pages: expected an int >= 0, got {num_kv_pages!r}")
+
+
+def page_layout_values(kv_page_indptr: torch.Tensor | None, num_kv_pages: int | None, cache_seqlens: torch.Tensor,
+                       page_size: int) -> None:
+    """The value half of ``page_layout`` (one synchronisation on CUDA), where ``host_value_checks`` says: an
+    indptr from 0 to ``num_kv_pages`` whose span for each request covers the pages its length reads."""
+    if kv_page_indptr is None or not host_value_checks(kv_page_indptr.device):
+        return
+    t = kv_page_indptr.to(torch.int64)
+    need = (cache_seqlens.to(torch.int64).clamp(min=0) + page_size - 1) // page_size
+    short = (t[1:] - t[:-1]) < need
+    first, last, decreasing, under = torch.stack([t[0], t[-1], (t[1:] < t[:-1]).any().to(torch.int64),
+                                                  short.any().to(torch.int64)]).tolist()
+    if first != 0 or last != num_kv_pages or decreasing:
+        raise ValueError(f"kv_page_indptr: must run non-decreasing from 0 to num_kv_pages = {num_kv_pages}, got "
+                         f"{first} .. {last}{' (decreasing)' if decreasing else ''}")
+    if under:
+        b = int(short.nonzero()[0])
+        raise ValueError(f"kv_page_indptr: request {b} spans {int(t[b + 1] - t[b])} pages, fewer than the "
+                         f"{int(need[b])} its cache_seqlens {int(cache_seqlens[b])} reads")
+
+
 def indptr(t: torch.Tensor, name: str, size: int, total: int | None) -> None:
     """An int32 [size] cumulative index starting at 0, non-decreasing, ending at ``total`` if given (the
     values checked where ``host_value_checks`` says)."""

@@ -294,11 +294,11 @@ def test_dequantize_pages_packs_the_pages_host_lengths_span(kv_format):
 def test_dequantize_pages_checks_the_layout_on_the_host():
     cache, _ = _cache("fp8_ds_mla", [3], 16, "dequant-layout-args")
     args = (cache.k_cache, cache.block_table, torch.tensor([3], dtype=torch.int32), "fp8_ds_mla", torch.float16)
-    with pytest.raises(ValueError, match="kv_page_indptr / num_kv_pages"):
+    with pytest.raises(ValueError, match="kv_page_indptr / num_kv_pages: give both or neither"):
         dequantize_pages(*args, torch.tensor([0, 1], dtype=torch.int32))
-    with pytest.raises(ValueError, match="kv_page_indptr: expected an int32 tensor \\[2\\]"):
+    with pytest.raises(ValueError, match="kv_page_indptr: expected 2 entries"):
         dequantize_pages(*args, torch.tensor([0, 1, 2], dtype=torch.int32), 1)
-    with pytest.raises(ValueError, match="kv_page_indptr: expected an int32"):
+    with pytest.raises(ValueError, match="kv_page_indptr: expected dtype in \\(int32\\)"):
         dequantize_pages(*args, torch.tensor([0, 1]), 1)
     with pytest.raises(ValueError, match="num_kv_pages: expected an int >= 0"):
         dequantize_pages(*args, torch.tensor([0, 1], dtype=torch.int32), -1)
@@ -369,9 +369,10 @@ def test_dequantise_first_prefill_poisons_a_bad_page_only(kv_format):
 def test_dequantise_first_sizes_the_workspace_by_the_host_lengths(kv_format):
     """One long request among short ones (the backend's skewed extend): a workspace page per table entry would
     exceed the cache's pages, so without a page layout the portable kernel runs; with ``kv_page_indptr`` the
-    workspace holds the pages the lengths span and the Hopper kernel runs. Both against the float64 oracle (NaN
-    in every unused slot, permuted pages); then a device length one page past its host span (request 2) makes
-    that request's rows NaN and reports ``LENGTH_BEYOND_TABLE``, the others bit-identical to the clean run."""
+    workspace holds the pages the lengths span and the Hopper kernel runs (the public call, which passes the
+    layout to the triton provider). Both against the float64 oracle (NaN in every unused slot, permuted
+    pages); then a device length one page past its host span (request 2) makes that request's rows NaN and
+    reports ``LENGTH_BEYOND_TABLE``, the others bit-identical to the clean run."""
     lens, new = [2000, 3, 70, 1, 130], [16, 3, 5, 1, 64]
     cache, kw = _cache(kv_format, lens, 64, "compact", extra_pages=2)
     dev = torch.device("cuda")
@@ -380,15 +381,14 @@ def test_dequantise_first_sizes_the_workspace_by_the_host_lengths(kv_format):
     q = (torch.randn(sum(new), 16, 576, generator=g) * 0.5).bfloat16().to(dev)
     k_cache, table = cache.k_cache.to(dev), cache.block_table.to(dev)
     seqlens = torch.tensor(lens, dtype=torch.int32, device=dev)
-    ks = kw.get("k_scale")
-    ks = None if ks is None else ks.to(dev)
     pages = _page_indptr(lens, 64)
     indptr = torch.tensor(pages, dtype=torch.int32, device=dev)
     assert table.shape[0] * table.shape[1] > k_cache.shape[0] >= pages[-1]
     assert not dequantize_first(q, k_cache, table, 512) and dequantize_first(q, k_cache, table, 512, pages[-1])
     ref, ref_lse = dense_paged(q.cpu().double(), qo.tolist(), cache.rows, 576 ** -0.5, True, 512)
-    call = functools.partial(paged_varlen_attention, q, k_cache, table, seqlens, qo, 512, 576 ** -0.5, True,
-                             kv_format=kv_format, k_scale=ks)
+    kw = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    call = functools.partial(pagedmla.flash_mla_varlen_with_kvcache, q, k_cache, table, seqlens, qo, 512,
+                             576 ** -0.5, True, provider="triton", **kw)
     compact = call(kv_page_indptr=indptr, num_kv_pages=pages[-1])
     for name, (out, lse) in (("compact", compact), ("portable", call())):
         assert_attention_close(out.cpu(), lse.cpu(), ref, ref_lse, TOLERANCES[torch.bfloat16], name)

@@ -306,6 +306,33 @@ def test_flash_mla_varlen_rejects_max_q_len_below_longest_request():
         call_varlen_paged(a, max_q_len=2)
 
 
+@pytest.mark.parametrize("kw,name", [
+    (dict(kv_page_indptr=t32([0, 2, 5])), "kv_page_indptr"),  # without num_kv_pages
+    (dict(num_kv_pages=5), "kv_page_indptr"),  # without kv_page_indptr
+    (dict(kv_page_indptr=t32([0, 2]), num_kv_pages=2), "kv_page_indptr"),  # one entry short
+    (dict(kv_page_indptr=t32([0, 2, 5]).long(), num_kv_pages=5), "kv_page_indptr"),
+    (dict(kv_page_indptr=t32([0, 2, 5]), num_kv_pages=-1), "num_kv_pages"),
+    (dict(kv_page_indptr=t32([0, 2, 5]), num_kv_pages=True), "num_kv_pages"),
+    (dict(kv_page_indptr=t32([0, 2, 5]), num_kv_pages=6), "kv_page_indptr"),  # last entry != num_kv_pages
+    (dict(kv_page_indptr=t32([1, 2, 5]), num_kv_pages=5), "kv_page_indptr"),  # not from 0
+    (dict(kv_page_indptr=t32([0, 1, 4]), num_kv_pages=4), "kv_page_indptr"),  # request 0 reads 2 pages
+])
+def test_flash_mla_varlen_rejects_bad_page_layout(kw, name):
+    """The page layout (FP8 caches' workspace on sm_90): both or neither, int32 [b + 1] on q's device, and on
+    the host (CPU tensors) values from 0 to num_kv_pages whose spans cover each request's pages."""
+    with pytest.raises(ValueError, match=names(name)):
+        call_varlen_paged(varlen_paged_args(), **kw)
+
+
+def test_flash_mla_varlen_accepts_a_page_layout():
+    """A layout covering the lengths (with room to spare) changes nothing where it does not apply."""
+    a = varlen_paged_args()
+    out, lse = call_varlen_paged(a)
+    got = call_varlen_paged(a, kv_page_indptr=t32([0, 2, 5]), num_kv_pages=5)
+    assert torch.equal(got[0], out) and torch.equal(got[1], lse)
+    call_varlen_paged(a, kv_page_indptr=t32([0, 3, 7]), num_kv_pages=7)
+
+
 def test_flash_mla_varlen_rejects_bad_softmax_scale():
     with pytest.raises(ValueError, match=names("softmax_scale")):
         call_varlen_paged(varlen_paged_args(), softmax_scale=-1.0)

@@ -148,6 +148,8 @@ def flash_mla_varlen_with_kvcache(
     k_scale: torch.Tensor | None = None,
     is_fp8_kvcache: bool = False,
     provider: str | None = None,
+    kv_page_indptr: torch.Tensor | None = None,
+    num_kv_pages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA attention with a different number of query tokens per request (prefill over a
     cached prefix, unequal verify batches, mixed prefill + decode).
@@ -157,15 +159,22 @@ def flash_mla_varlen_with_kvcache(
     k_cache (any cache format), k_scale, is_fp8_kvcache, block_table, cache_seqlens, head_dim_v as in
     ``flash_mla_with_kvcache``.
     max_q_len: the largest q length, when the caller knows it on the host (checked only with host value
-    checks: the kernels do not need it). Returns out [T, h_q, head_dim_v] (q's dtype) and lse [T, h_q]
-    float32. Bad values (``pagedmla.errors``): a request with a length outside 0 .. its block-table row's
-    capacity or a page id outside the cache gets NaN rows; a qo_indptr that is not a partition of the T rows
-    makes every row NaN.
+    checks: the kernels do not need it).
+    kv_page_indptr / num_kv_pages: where the caller knows the lengths on the host, the pages each request's
+    length spans, int32 [b + 1] on q's device (request b: kv_page_indptr[b + 1] - kv_page_indptr[b] >=
+    ceil(cache_seqlens[b] / page_size), from 0), and its last entry as a host int. Optional, for FP8 caches on
+    sm_90: the pages are dequantised into a workspace of num_kv_pages pages rather than one per block-table
+    entry, so that a table as wide as one long request among short ones keeps the Hopper path (16-bit caches
+    and other providers ignore it). A span shorter than its length gives that request NaN rows and
+    ``errors.LENGTH_BEYOND_TABLE`` (a ValueError with host value checks).
+    Returns out [T, h_q, head_dim_v] (q's dtype) and lse [T, h_q] float32. Bad values (``pagedmla.errors``): a
+    request with a length outside 0 .. its block-table row's capacity or a page id outside the cache gets NaN
+    rows; a qo_indptr that is not a partition of the T rows makes every row NaN.
     """
     if torch.compiler.is_dynamo_compiling():
         return torch.ops.pagedmla.flash_mla_varlen_with_kvcache(q, k_cache, block_table, cache_seqlens, qo_indptr,
                                                                 head_dim_v, softmax_scale, causal, max_q_len, provider,
-                                                                k_scale, is_fp8_kvcache)
+                                                                k_scale, is_fp8_kvcache, kv_page_indptr, num_kv_pages)
     if max_q_len is not None and (isinstance(max_q_len, bool) or not isinstance(max_q_len, int) or max_q_len < 0):
         raise ValueError(f"max_q_len: expected an int >= 0, got {max_q_len!r}")
     tensors = (q, k_cache, block_table, cache_seqlens, qo_indptr)
@@ -174,6 +183,7 @@ def flash_mla_varlen_with_kvcache(
         q, k_cache, block_table, cache_seqlens, qo_indptr, head_dim_v, softmax_scale, provider, k_scale,
         is_fp8_kvcache))
     impl, scale, fmt = entry
+    checks.page_layout(kv_page_indptr, num_kv_pages, qo_indptr.shape[0] - 1, q.device)
     if errors.host_value_checks(q.device):
         checks.indptr_values(qo_indptr, "qo_indptr", q.shape[0])
         if max_q_len is not None and qo_indptr.shape[0] > 1:
@@ -181,8 +191,9 @@ def flash_mla_varlen_with_kvcache(
             if longest > max_q_len:
                 raise ValueError(f"max_q_len: {max_q_len} is below the longest q length {longest}")
         checks.paged_values(block_table, cache_seqlens, k_cache.shape[0], k_cache.shape[1])
+        checks.page_layout_values(kv_page_indptr, num_kv_pages, cache_seqlens, k_cache.shape[1])
     return impl(q, k_cache, block_table, cache_seqlens, qo_indptr, head_dim_v, scale, bool(causal), max_q_len,
-                kv_format=fmt, k_scale=k_scale)
+                kv_format=fmt, k_scale=k_scale, kv_page_indptr=kv_page_indptr, num_kv_pages=num_kv_pages)
 
 
 _paged_varlen_signatures: dict[tuple, tuple] = {}

@@ -51,16 +51,18 @@ def flash_mla_varlen_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_
                                   softmax_scale: float | None = None, causal: bool = True,
                                   max_q_len: int | None = None,
                                   provider: str | None = None, k_scale: torch.Tensor | None = None,
-                                  is_fp8_kvcache: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                                  is_fp8_kvcache: bool = False, kv_page_indptr: torch.Tensor | None = None,
+                                  num_kv_pages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = attention.flash_mla_varlen_with_kvcache(q, k_cache, block_table, cache_seqlens, qo_indptr, head_dim_v,
                                                        softmax_scale, causal, max_q_len=max_q_len, k_scale=k_scale,
-                                                       is_fp8_kvcache=is_fp8_kvcache, provider=provider)
+                                                       is_fp8_kvcache=is_fp8_kvcache, provider=provider,
+                                                       kv_page_indptr=kv_page_indptr, num_kv_pages=num_kv_pages)
     return out, lse
 
 
 @flash_mla_varlen_with_kvcache.register_fake
 def _(q, k_cache, block_table, cache_seqlens, qo_indptr, head_dim_v, softmax_scale=None, causal=True, max_q_len=None,
-      provider=None, k_scale=None, is_fp8_kvcache=False):
+      provider=None, k_scale=None, is_fp8_kvcache=False, kv_page_indptr=None, num_kv_pages=None):
     t, h, _ = q.shape
     return q.new_empty(t, h, head_dim_v), q.new_empty(t, h, dtype=lse_dtype(q))
 

@@ -36,7 +36,7 @@ from pagedmla.kernels.triton.common import (
     report,
     store_nan,
 )
-from pagedmla.kernels.triton.rows import DEQUANT_MAX_WIDTH, checked_page_indptr, dequantize_pages
+from pagedmla.kernels.triton.rows import DEQUANT_MAX_WIDTH, dequantize_pages
 from pagedmla.kernels.triton.sm90.mla import BLOCK_N as SM90_BLOCK_N
 from pagedmla.kernels.triton.sm90.mla import D_QK, D_V, sm90_supported
 from pagedmla.kernels.triton.sm90.paged_varlen import paged_varlen_sm90
@@ -259,8 +259,7 @@ def paged_varlen_attention(
     block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
     # The kernel indexes these 1-D tensors as dense arrays (a no-op when they already are).
     cache_seqlens, qo_indptr = cache_seqlens.contiguous(), qo_indptr.contiguous()
-    if kv_page_indptr is not None or num_kv_pages is not None:
-        checked_page_indptr(kv_page_indptr, num_kv_pages, batch, q.device)
+    checks.page_layout(kv_page_indptr, num_kv_pages, batch, q.device)
     dequant = kv_format is not None and dequantize_first(q, k_cache, block_table, head_dim_v, num_kv_pages)
     if config is None:
         cfg = default_config(q.dtype)

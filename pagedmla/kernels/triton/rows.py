@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedmla import errors, kv_format
+from pagedmla import checks, errors, kv_format
 from pagedmla.kernels.triton.common import (
     DS_MIN_SCALE_INV,
     DS_ROPE_OFFSET,
@@ -328,7 +328,8 @@ def dequantize_pages(k_cache: torch.Tensor, block_table: torch.Tensor, cache_seq
     if width > DEQUANT_MAX_WIDTH:
         raise ValueError(f"block_table: at most {DEQUANT_MAX_WIDTH} pages per request, got {width}")
     compact = kv_page_indptr is not None
-    ws_pages = checked_page_indptr(kv_page_indptr, num_kv_pages, b, k_cache.device) if compact else b * width
+    checks.page_layout(kv_page_indptr, num_kv_pages, b, k_cache.device)
+    ws_pages = num_kv_pages if compact else b * width
     kv_page_indptr = kv_page_indptr.contiguous() if compact else cache_seqlens  # (the kernel skips it unless compact)
     ws = torch.empty(ws_pages, page, 1, d, dtype=dtype, device=k_cache.device)
     ws_table = torch.empty(b, width, dtype=torch.int32, device=k_cache.device)
@@ -342,19 +343,3 @@ def dequantize_pages(k_cache: torch.Tensor, block_table: torch.Tensor, cache_seq
                               COMPACT=compact, KV_FMT=KV_FORMATS[fmt], NAN_FIXUP=fp8_nan_fixup(), num_warps=4)
     return ws, ws_table
 
-
-def checked_page_indptr(kv_page_indptr: torch.Tensor | None, num_kv_pages: int | None, batch: int,
-                        device: torch.device) -> int:
-    """``num_kv_pages`` after the host checks of a compact page layout (``dequantize_pages``): both given,
-    kv_page_indptr int32 [batch + 1] on ``device``, num_kv_pages an int >= 0 (its values stay on the device:
-    the kernel guards them)."""
-    if kv_page_indptr is None or num_kv_pages is None:
-        raise ValueError("kv_page_indptr / num_kv_pages: give both or neither")
-    if not isinstance(kv_page_indptr, torch.Tensor) or kv_page_indptr.dtype != torch.int32 \
-            or kv_page_indptr.shape != (batch + 1,) or kv_page_indptr.device != device:
-        raise ValueError(f"kv_page_indptr: expected an int32 tensor [{batch + 1}] on {device}, got "
-                         f"{getattr(kv_page_indptr, 'dtype', type(kv_page_indptr).__name__)} "
-                         f"{tuple(getattr(kv_page_indptr, 'shape', ()))}")
-    if isinstance(num_kv_pages, bool) or not isinstance(num_kv_pages, int) or num_kv_pages < 0:
-        raise ValueError(f"num_kv_pages: expected an int >= 0, got {num_kv_pages!r}")
-    return num_kv_pages
