@@ -104,6 +104,25 @@ def test_every_backend_mode_never_synchronises(heads):
     assert errors.device_errors() == 0
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_ds_mla"])
+def test_fp8_absorbed_steps_never_synchronise(kv_cache_dtype):
+    """Absorbed EXTEND and MIXED steps over an FP8 cache, one long request among short ones: the pages each host
+    length spans are planned and staged with qo_indptr (a workspace of one page per table entry, 5 x 63 pages,
+    would exceed the cache's 120 and run the portable kernel), the Hopper kernel runs over them, and nothing
+    synchronises; each step against the oracle on the rows decoded from the cache."""
+    h = Harness(heads=16, page_size=64, num_pages=120, max_context=8192, seed=5, device="cuda",
+                dtype=torch.bfloat16, provider="triton", tol=BF16_TOL, kv_cache_dtype=kv_cache_dtype,
+                kv_cache_scale=6 / 448 if kv_cache_dtype == "fp8_e4m3" else None)
+    slots = [h.add() for _ in range(5)]
+    h.step(ForwardMode.EXTEND, slots, [3900, 20, 70, 1, 130])
+    h.backend.config.extend_prefix_mode = "absorbed"
+    for new in ([16, 3, 5, 1, 64], [2, 1, 1, 7, 9]):  # the first pass compiles and plans, the second runs warm
+        assert h.step(ForwardMode.EXTEND, slots, new, around=no_sync) == "absorbed"
+        assert h.backend.metadata.num_kv_pages < h.cache.num_pages < 5 * h.backend.metadata.block_table.shape[1]
+        h.step(ForwardMode.MIXED, slots, [9, 4, 1, 1, 1], num_extends=2, around=no_sync)
+    assert errors.device_errors() == 0
+
+
 @pytest.mark.parametrize("mode,q_len", [(ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, 3)])
 def test_graph_replay_planning_never_synchronises(mode, q_len):
     h = Harness(heads=16, page_size=64, num_pages=600, max_context=8192, num_draft_tokens=3, seed=q_len,
