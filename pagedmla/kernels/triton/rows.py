@@ -336,10 +336,8 @@ def dequantize_pages(k_cache: torch.Tensor, block_table: torch.Tensor, cache_seq
     if b and width:
         kv = k_cache.view(torch.uint8)
         kv = kv if kv.stride(3) == 1 else kv.contiguous()
-        _DEQUANT_PAGES.launch(k_cache.device, (b, width), kv, block_table, cache_seqlens,
-                              kv_page_indptr, ws, ws_table,
-                              errors.error_word(k_cache.device), width, k_cache.shape[0], ws_pages,
+        _DEQUANT_PAGES.launch(k_cache.device, (b, width), kv, block_table, cache_seqlens, kv_page_indptr, ws,
+                              ws_table, errors.error_word(k_cache.device), width, k_cache.shape[0], ws_pages,
                               block_table.stride(0), kv.stride(0), kv.stride(1), PAGE=page, ROWS=min(page, _ROWS),
                               COMPACT=compact, KV_FMT=KV_FORMATS[fmt], NAN_FIXUP=fp8_nan_fixup(), num_warps=4)
     return ws, ws_table
-
