@@ -405,6 +405,14 @@ class MLABackend:
         if lo < 0 or hi > width * per_page:
             raise ValueError(f"batch.seq_lens: lengths must lie in 0..{width * per_page} "
                              f"({width} pages x {per_page}), got range {lo}..{hi}")
+        if batch.seq_lens_cpu is not None:
+            # The host lengths size the plan (the pages an FP8 workspace holds among them): a device length past
+            # its host length would read beyond it.
+            over = lens > torch.as_tensor(list(batch.seq_lens_cpu), dtype=torch.int64, device=lens.device)
+            if bool(over.any()):
+                i = int(over.nonzero()[0])
+                raise ValueError(f"batch.seq_lens: request {i} has {int(lens[i])} tokens on the device, more than "
+                                 f"seq_lens_cpu's {batch.seq_lens_cpu[i]}")
 
     def _check_capacity(self, seq_cpu: list[int], max_pages: int) -> None:
         per_page = self.config.tokens_per_page

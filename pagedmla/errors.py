@@ -39,6 +39,7 @@ KEY_INDPTR = 1 << 5
 MAX_SEQLEN = 1 << 6
 CACHE_SLOT = 1 << 7
 REQUEST_SLOT = 1 << 8
+PAGE_LAYOUT = 1 << 9
 
 MESSAGES = {
     BLOCK_TABLE: "block_table: a page id among the pages a request reads is outside the cache's 0..num_pages-1",
@@ -51,6 +52,8 @@ MESSAGES = {
     MAX_SEQLEN: "max_seqlen_q/max_q_len: a query length exceeds it",
     CACHE_SLOT: "out_cache_loc/slots: a cache slot is outside 0..num_slots-1",
     REQUEST_SLOT: "req_pool_indices: a request slot is outside the block table's rows",
+    PAGE_LAYOUT: "kv_page_indptr/seq_lens: not a partition of the num_kv_pages pages (0 first, non-decreasing, "
+                 "num_kv_pages last), or a length reads past the pages its request spans",
 }
 
 VALIDATE_MODES = ("auto", "all", "shapes")

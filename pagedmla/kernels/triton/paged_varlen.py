@@ -174,20 +174,20 @@ def dequantize_first(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.
     """Whether an FP8 call runs the Hopper kernel over its pages dequantised first (``rows.dequantize_pages``:
     one workspace page per block-table entry, or with ``num_kv_pages`` from the host one per page the requests'
     lengths span) instead of the portable kernel: on sm_90 for bf16/fp16 q, head dims 576 / 512 and pages a
-    multiple of 64, when that workspace holds no more pages than the cache and at most ``DEQUANT_MAX_BYTES``.
-    Why: the absorbed prefill is compute bound (8 x 1024 tokens over 4096 at 128 heads: 10.5 TFLOP against
-    47 MB of bf16 pages, ~0.1% of its time to write and read them back), so the Hopper bf16 kernel's rate over
-    dequantised pages beats the portable kernel dequantising each tile as it loads it (~0.3x:
-    benchmarks/NOTES.md, FP8). Without ``num_kv_pages`` a table much wider than most of its requests need (one
-    long request among short ones, or an engine's table over the longest context) can fail the size rules and
-    run the portable kernel."""
+    multiple of 64, when that workspace holds at least one page (a TMA descriptor needs one), no more pages
+    than the cache and at most ``DEQUANT_MAX_BYTES``. Why: the absorbed prefill is compute bound (8 x 1024
+    tokens over 4096 at 128 heads: 10.5 TFLOP against 47 MB of bf16 pages, ~0.1% of its time to write and read
+    them back), so the Hopper bf16 kernel's rate over dequantised pages beats the portable kernel dequantising
+    each tile as it loads it (~0.3x: benchmarks/NOTES.md, FP8). Without ``num_kv_pages`` a table much wider
+    than most of its requests need (one long request among short ones, or an engine's table over the longest
+    context) can fail the size rules and run the portable kernel."""
     b, width = block_table.shape
     page = k_cache.shape[1]
     ws_pages = b * width if num_kv_pages is None else num_kv_pages
     ws_bytes = ws_pages * page * D_QK * q.element_size()
     return (sm90_available(q.device) and k_cache.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
             and q.shape[-1] == D_QK and head_dim_v == D_V and page % SM90_BLOCK_N == 0 and width <= DEQUANT_MAX_WIDTH
-            and ws_pages <= k_cache.shape[0] and ws_bytes <= DEQUANT_MAX_BYTES)
+            and 0 < ws_pages <= k_cache.shape[0] and ws_bytes <= DEQUANT_MAX_BYTES)
 
 
 def paged_varlen_attention(

@@ -24,12 +24,13 @@ from pagedmla.kernels.triton.common import (
     FP8_MAX,
     KV_FORMATS,
     LATENT_DIM,
-    LENGTH_BEYOND_TABLE,
+    PAGE_LAYOUT,
     ROPE_DIM,
     checked_length,
     checked_page,
     fp8_cols,
     fp8_nan_fixup,
+    indptr_is_partition,
     kv_format_width,
     report,
 )
@@ -178,7 +179,7 @@ def _select_requests_kernel(table_ptr, index_ptr, lens_ptr, out_table_ptr, out_l
 
 
 @triton.jit
-def _dequantize_pages_kernel(kv_ptr, bt_ptr, lens_ptr, indptr_ptr, ws_ptr, ws_bt_ptr, err_ptr, width, num_pages,
+def _dequantize_pages_kernel(kv_ptr, bt_ptr, lens_ptr, indptr_ptr, ws_ptr, ws_bt_ptr, err_ptr, batch, width, num_pages,
                              num_ws_pages, stride_btb, stride_page, stride_row, PAGE: tl.constexpr,
                              ROWS: tl.constexpr, COMPACT: tl.constexpr, KV_FMT: tl.constexpr,
                              NAN_FIXUP: tl.constexpr):
@@ -186,23 +187,23 @@ def _dequantize_pages_kernel(kv_ptr, bt_ptr, lens_ptr, indptr_ptr, ws_ptr, ws_bt
     # indptr[b] + j while j is below request b's span indptr[b + 1] - indptr[b].
     b = tl.program_id(0)
     j = tl.program_id(1)
-    slot = b * width + j
+    slot = b.to(tl.int64) * width + j
     length, _ = checked_length(tl.load(lens_ptr + b), width * PAGE)
+    ws_page = b * width + j
     if COMPACT:
+        # Only a partition of the workspace keeps requests' spans apart (and its entries within 0 ..
+        # num_ws_pages, so no sum below wraps); otherwise no request gets a page.
         first = tl.load(indptr_ptr + b)
-        dst = first + j
-        # Bounded without forming first + j first: a corrupt entry near 2^31 cannot wrap into range.
-        inside = (j < tl.load(indptr_ptr + b + 1) - first) & (first >= 0) & (first < num_ws_pages - j)
-    else:
-        dst = slot
-        inside = slot >= 0
-    ws_page = tl.where(inside, dst, -1)
+        layout_ok = indptr_is_partition(indptr_ptr, batch, num_ws_pages, tl.arange(0, 1024))
+        inside = layout_ok & (j < tl.load(indptr_ptr + b + 1) - first)
+        ws_page = tl.where(inside, first + j, -1)
     if j * PAGE < length:
         page, bad = checked_page(tl.load(bt_ptr + b.to(tl.int64) * stride_btb + j), num_pages)
-        if not inside:
-            # A device length past the pages the host said this request spans: no workspace page for it.
-            report(err_ptr, LENGTH_BEYOND_TABLE)
-        elif bad:
+        if COMPACT:
+            # A corrupt layout, or a device length past the pages the host said this request spans.
+            report(err_ptr, tl.where(inside, 0, PAGE_LAYOUT))
+            bad = bad | ~inside
+        if bad:
             ws_page = -1  # the attention kernel's own page check poisons the rows that read it and reports it
         else:
             cols = tl.arange(0, LATENT_DIM)[None, :]
@@ -210,7 +211,7 @@ def _dequantize_pages_kernel(kv_ptr, bt_ptr, lens_ptr, indptr_ptr, ws_ptr, ws_bt
             for r0 in tl.static_range(0, PAGE, ROWS):
                 r = r0 + tl.arange(0, ROWS)[:, None]
                 rows = kv_ptr + page.to(tl.int64) * stride_page + r * stride_row
-                out = ws_ptr + (dst.to(tl.int64) * PAGE + r) * (LATENT_DIM + ROPE_DIM)
+                out = ws_ptr + (ws_page.to(tl.int64) * PAGE + r) * (LATENT_DIM + ROPE_DIM)
                 lat = fp8_cols(rows, 0, None, LATENT_DIM, KV_FMT, False, False, NAN_FIXUP)
                 tl.store(out + cols, lat.to(ws_ptr.dtype.element_ty))
                 pe = fp8_cols(rows, LATENT_DIM, None, ROPE_DIM, KV_FMT, True, False, NAN_FIXUP)
@@ -315,10 +316,11 @@ def dequantize_pages(k_cache: torch.Tensor, block_table: torch.Tensor, cache_seq
     then takes the pages its lengths span, not b x the longest. The returned table names each: fp8_ds_mla
     rows as their values (fp8 x the power-of-two tile scale, exact in bf16), fp8_e4m3 rows as their fp8
     values *without* k_scale (exact; the attention kernel folds the scale in). A page id outside the cache,
-    or a page past the span kv_page_indptr gives its request (a device length beyond the host's; it sets
-    ``errors.LENGTH_BEYOND_TABLE``), names page -1 in the returned table, so that the attention kernel's page
-    check handles it as it would in the cache's own table; the workspace pages past a length are left
-    unwritten and never read. One launch, no host synchronisation."""
+    a page past the span kv_page_indptr gives its request (a device length beyond the host's), or any page
+    under a kv_page_indptr that is not a partition of the num_kv_pages pages (0 first, non-decreasing,
+    num_kv_pages last; the last two set ``errors.PAGE_LAYOUT``) names page -1 in the returned table, so that
+    the attention kernel's page check handles it as it would in the cache's own table; the workspace pages
+    past a length are left unwritten and never read. One launch, no host synchronisation."""
     b, width = block_table.shape
     page = k_cache.shape[1]
     d = kv_format.ROW_DIM
@@ -337,7 +339,7 @@ def dequantize_pages(k_cache: torch.Tensor, block_table: torch.Tensor, cache_seq
         kv = k_cache.view(torch.uint8)
         kv = kv if kv.stride(3) == 1 else kv.contiguous()
         _DEQUANT_PAGES.launch(k_cache.device, (b, width), kv, block_table, cache_seqlens, kv_page_indptr, ws,
-                              ws_table, errors.error_word(k_cache.device), width, k_cache.shape[0], ws_pages,
+                              ws_table, errors.error_word(k_cache.device), b, width, k_cache.shape[0], ws_pages,
                               block_table.stride(0), kv.stride(0), kv.stride(1), PAGE=page, ROWS=min(page, _ROWS),
                               COMPACT=compact, KV_FMT=KV_FORMATS[fmt], NAN_FIXUP=fp8_nan_fixup(), num_warps=4)
     return ws, ws_table
