@@ -17,7 +17,7 @@ Skewed paged prefill: one long request among short ones (``SKEWED_GRID``: b requ
 first over ``long`` cached tokens, the rest over ``short``), where a dequantised workspace of one page per
 block-table entry (b x the longest request's pages) passes ``paged_varlen.DEQUANT_MAX_BYTES`` and the call
 runs the portable kernel; with the pages the host lengths span (``kv_page_indptr``, as ``MLABackend`` plans
-it) the Hopper kernel runs over a workspace of those pages. ``paged_varlen_attention`` eager on bf16 rows and
+it) the Hopper kernel runs over a workspace of those pages. ``flash_mla_varlen_with_kvcache`` eager on bf16 rows and
 on both FP8 caches, each with and without the layout; ``cos`` as above for every FP8 variant.
 
 Extend forms: one layer's EXTEND step over a cached prefix (``FORMS_B`` requests of ``FORMS_PREFIX`` cached
@@ -57,7 +57,6 @@ from pagedmla.bench import prefill as bprefill
 from pagedmla.bench.common import fp8_caches, wall_clock_us
 from pagedmla.cache import MLAKVCache
 from pagedmla.config import MLAConfig
-from pagedmla.kernels.triton.paged_varlen import paged_varlen_attention
 from pagedmla.ops.attention import flash_mla_varlen_with_kvcache, flash_mla_with_kvcache
 from pagedmla.ops.schedule import get_mla_metadata
 
@@ -180,8 +179,8 @@ def skewed_cell(b: int, new: int, long: int, short: int, h: int, dtype: torch.dt
     row = {"cell": f"{b}x{new} over {long} / {short} h{h}"}
     ok = True
     for fmt, (c, kw) in ({"bf16": (cache, {})} | fp8_caches(cache)).items():
-        call = functools.partial(paged_varlen_attention, q, c, table, seqlens, qo, DV, D ** -0.5, True,
-                                 kv_format=None if fmt == "bf16" else fmt, k_scale=kw.get("k_scale"))
+        call = functools.partial(flash_mla_varlen_with_kvcache, q, c, table, seqlens, qo, DV, softmax_scale=D ** -0.5,
+                                 causal=True, max_q_len=new, **kw)
         variants = {"": {}} if fmt == "bf16" else {"_table": {}, "_spans": dict(kv_page_indptr=indptr,
                                                                                   num_kv_pages=total)}
         ref = None if fmt == "bf16" else flash_mla_varlen_with_kvcache(
