@@ -28,12 +28,13 @@ Absorbed steps run one of two kernels. Uniform steps (``ForwardMetadata.uniform`
 of ``num_draft_tokens`` per request, and every captured CUDA graph) run the split-KV decode kernel over
 q_len tokens per request, the last q_len positions of each request's KV (bottom-right causal). Ragged
 steps (DRAFT_EXTEND, MIXED, EXTEND, a TARGET_VERIFY given per-request token counts) run the varlen
-kernel over ``qo_indptr``. A graph of DRAFT_EXTEND runs ``num_draft_tokens`` rows per request with the
-real tokens last: the rows ahead of them are padding (their latent rows go to the reserved slot 0, their
-attention reads only earlier rows of the request, or none), so the real rows see exactly what the
-ragged step would. An IDLE graph runs ``bs`` padding rows (an engine with a fixed-shape step, such as a
-rank with no requests under data-parallel attention, still launches its kernels); eager IDLE steps run
-no tokens.
+kernel over ``qo_indptr``, except a MIXED step's decodes where ``MLAConfig.mixed_decode_kernel`` sends
+them to the decode kernel under their own schedule. A graph of DRAFT_EXTEND runs ``num_draft_tokens`` rows
+per request with the real tokens last: the rows ahead of them are padding (their latent rows go to the
+reserved slot 0, their attention reads only earlier rows of the request, or none), so the real rows see
+exactly what the ragged step would. An IDLE graph runs ``bs`` padding rows (an engine with a fixed-shape
+step, such as a rank with no requests under data-parallel attention, still launches its kernels); eager IDLE
+steps run no tokens.
 """
 
 from __future__ import annotations
@@ -50,12 +51,20 @@ from pagedmla import checks, errors
 from pagedmla.cache import MLAKVCache
 from pagedmla.config import MLAConfig
 from pagedmla.context_parallel import ContextParallel, DCPAttention
-from pagedmla.device import to_device
+from pagedmla.device import sm_count, to_device
 from pagedmla.ops import library
 from pagedmla.ops.attention import merge_state
 from pagedmla.ops.providers import available_providers, resolve
 from pagedmla.ops.schedule import get_mla_metadata, num_sm_parts_for, schedule_into
 from pagedmla.parallel import Group
+
+# ``MLAConfig.mixed_decode_kernel="auto"``: the varlen kernel's work tile is 64 query rows x 64 keys, one SM's
+# unit; a MIXED step's decodes run the decode kernel where the longest decode's key tiles are at least
+# MIXED_SPLIT_TAIL times the step's tiles per SM (the one varlen launch would end on that decode alone). Set from
+# nine cells measured eager (BENCHMARKS.md, "MIXED steps"): the split won 1.7x at a ratio of 11, lost at 5.5 and
+# 2.8; that run's split paid a host-bound launch path since fixed (``decode_plan``), so 8 is a cautious bound.
+VARLEN_TILE = 64
+MIXED_SPLIT_TAIL = 8
 
 
 class ForwardMode(enum.Enum):
@@ -130,6 +139,13 @@ class ForwardMetadata:
     kv_page_indptr: torch.Tensor | None = None
     num_kv_pages: int | None = None
     dcp: DCPAttention | None = None  # decode context parallelism: the absorbed attention's per-row plan
+    # A MIXED step whose decodes run the decode kernel (``MLAConfig.mixed_decode_kernel``): its last
+    # ``split_decodes`` requests (one token each), the others in the varlen kernel over ``qo_indptr`` (which
+    # then covers those only). ``decode_plan``: their block-table rows and lengths, copied (the rows from
+    # request n_ext on need not start at a 16-byte address, and the decode kernel's bound launch, its short
+    # host path, needs one), and ``get_mla_metadata``'s pair over those lengths.
+    split_decodes: int = 0
+    decode_plan: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def uniform(self) -> bool:
@@ -146,6 +162,16 @@ class _GraphState:
     tile_scheduler_metadata: torch.Tensor
     num_splits: torch.Tensor
     captured: dict = field(default_factory=dict)
+
+
+def decode_tail(ext: Sequence[int], seq_lens: Sequence[int], n_ext: int, heads: int, sms: int) -> bool:
+    """Whether one varlen launch of a MIXED step (request b: ``ext[b]`` query tokens over ``seq_lens[b]`` keys;
+    the requests from ``n_ext`` on decode) would end on its longest decode: that decode's key tiles (one SM
+    streams them all) are at least ``MIXED_SPLIT_TAIL`` times the step's tiles (64-row tiles x key tiles, every
+    request) per SM."""
+    tiles = sum(-(-e * heads // VARLEN_TILE) * -(-s // VARLEN_TILE) for e, s in zip(ext, seq_lens))
+    longest = -(-max(seq_lens[n_ext:], default=0) // VARLEN_TILE)
+    return longest * sms >= MIXED_SPLIT_TAIL * tiles > 0
 
 
 def _layer_id(layer) -> int:
@@ -288,7 +314,14 @@ class MLABackend:
             return
         ext = self._ragged_query_lens(batch, seq_cpu, verify_lens if ragged_verify else None)
         meta = ForwardMetadata(mode=mode, bs=bs, form="absorbed", seq_lens=seq_lens, block_table=block_table)
-        self._plan_varlen(meta, ext, seq_cpu)
+        if mode == ForwardMode.MIXED:
+            meta.split_decodes = self._split_decodes(ext, seq_cpu, self._mixed_extends(batch))
+        n_ext = bs - meta.split_decodes
+        self._plan_varlen(meta, ext[:n_ext], seq_cpu[:n_ext])
+        if meta.split_decodes:
+            meta.num_tokens += meta.split_decodes
+            table, lens = block_table[n_ext:].clone(), seq_lens[n_ext:].clone()
+            meta.decode_plan = (table, lens, *get_mla_metadata(lens, self.heads, 1, kv_format=self.config.kv_format))
         self._plan_dcp_ragged(meta)
         self.metadata = meta
 
@@ -336,9 +369,7 @@ class MLABackend:
         mode = batch.forward_mode
         bs = batch.batch_size
         if mode == ForwardMode.MIXED:
-            n_ext = self._num_extends_override if self._num_extends_override is not None else batch.num_extends
-            if not 0 <= n_ext <= bs:
-                raise ValueError(f"num_extends: expected 0..{bs}, got {n_ext}")
+            n_ext = self._mixed_extends(batch)
             ext = _host_lens(batch.extend_seq_lens_cpu, "extend_seq_lens_cpu", n_ext) + [1] * (bs - n_ext)
             pre = _host_lens(batch.extend_prefix_lens_cpu, "extend_prefix_lens_cpu", n_ext) + \
                 [s - 1 for s in seq_cpu[n_ext:]]
@@ -358,6 +389,28 @@ class MLABackend:
         else:
             raise ValueError(f"forward_mode: unsupported mode {mode!r}")
         return ext
+
+    def _mixed_extends(self, batch: ForwardBatch) -> int:
+        """The extending requests of a MIXED batch (its first ones; the rest decode one token each)."""
+        bs = batch.batch_size
+        n_ext = self._num_extends_override if self._num_extends_override is not None else batch.num_extends
+        if not 0 <= n_ext <= bs:
+            raise ValueError(f"num_extends: expected 0..{bs}, got {n_ext}")
+        return n_ext
+
+    def _split_decodes(self, ext: list[int], seq_cpu: list[int], n_ext: int) -> int:
+        """How many of a MIXED step's decodes (its last ``len(ext) - n_ext`` requests) run the decode kernel:
+        all or none, by ``MLAConfig.mixed_decode_kernel`` ("auto": on CUDA where ``decode_tail`` holds; a CPU
+        runs one varlen call)."""
+        n_dec = len(ext) - n_ext
+        kernel = self.config.mixed_decode_kernel
+        if not n_dec or kernel == "varlen" or self._dcp is not None:
+            return 0
+        if kernel == "decode":
+            return n_dec
+        if self.device.type != "cuda":
+            return 0
+        return n_dec if decode_tail(ext, seq_cpu, n_ext, self.heads, sm_count(self.device)) else 0
 
     def _plan_dcp_ragged(self, meta: ForwardMetadata) -> None:
         """Decode context parallelism: the per-row plan of an absorbed step with per-request query counts."""
@@ -615,11 +668,18 @@ class MLABackend:
             self._check_pages(meta, cache)
             if meta.dcp is not None:
                 return self._dcp.attend(q, cache.paged_view(lid), meta.dcp, cache.kv_format, cache.k_scale(lid))
-            out, _ = self._varlen_paged_impl(q, cache.paged_view(lid), meta.block_table, meta.seq_lens,
-                                             meta.qo_indptr, self.v_dim, self.scale, True, meta.max_q_len,
-                                             kv_format=cache.kv_format, k_scale=cache.k_scale(lid),
-                                             kv_page_indptr=meta.kv_page_indptr, num_kv_pages=meta.num_kv_pages)
-            return out.reshape(meta.num_tokens, self.heads * self.v_dim)
+            view, fmt, scale = cache.paged_view(lid), cache.kv_format, cache.k_scale(lid)
+
+            def varlen(q_ext, block_table, seq_lens):
+                return self._varlen_paged_impl(q_ext, view, block_table, seq_lens, meta.qo_indptr, self.v_dim,
+                                               self.scale, True, meta.max_q_len, kv_format=fmt, k_scale=scale,
+                                               kv_page_indptr=meta.kv_page_indptr, num_kv_pages=meta.num_kv_pages)[0]
+
+            def decode(q_dec, block_table, seq_lens, schedule):
+                return self._decode_impl(q_dec, view, block_table, seq_lens, self.v_dim, *schedule, self.scale,
+                                         True, kv_format=fmt, k_scale=scale)[0]
+
+            return self._absorbed_ragged(q, meta, varlen, decode)
         self._check_q(q, meta.num_tokens, self.config.qk_head_dim)
         self._check_q(k, meta.num_tokens, self.config.qk_head_dim, "k")
         self._check_q(v, meta.num_tokens, self.config.v_head_dim, "v")
@@ -646,6 +706,23 @@ class MLABackend:
                                                      max_kv_len=chunk.max_len, causal=False)
                 out, lse = self._merge_impl(out, lse, o2, l2, out, lse)
         return out.reshape(meta.num_tokens, -1)
+
+    def _absorbed_ragged(self, q: torch.Tensor, meta: ForwardMetadata, varlen: Callable,
+                         decode: Callable) -> torch.Tensor:
+        """Absorbed attention of a ragged step, [T, H * 512]: ``varlen(q, block_table, seq_lens)`` (the varlen
+        kernel over ``meta.qo_indptr``) over the requests it covers and, for a MIXED step's split decodes,
+        ``decode(q [n, 1, H, 576], block_table, seq_lens, schedule)`` over the last ``meta.split_decodes``."""
+        n_dec = meta.split_decodes
+        if not n_dec:
+            return varlen(q, meta.block_table, meta.seq_lens).reshape(meta.num_tokens, self.heads * self.v_dim)
+        n_ext, t_ext = meta.bs - n_dec, meta.num_tokens - n_dec
+        table, lens, *schedule = meta.decode_plan
+        out = decode(q[t_ext:].reshape(n_dec, 1, self.heads, self.kv_dim), table, lens,
+                     schedule).reshape(n_dec, self.heads * self.v_dim)
+        if not n_ext:
+            return out
+        ext = varlen(q[:t_ext], meta.block_table[:n_ext], meta.seq_lens[:n_ext])
+        return torch.cat((ext.reshape(t_ext, self.heads * self.v_dim), out))
 
     def forward_extend_chunked(self, q, k, v, scaling: float, *, cum_seq_lens_q: torch.Tensor,
                                cum_seq_lens_kv: torch.Tensor, max_q_len: int, max_kv_len: int, causal: bool,
@@ -704,10 +781,18 @@ class MLABackend:
         lid = _layer_id(layer)
         if meta.form == "absorbed":
             self._traced_save(k, layer, out_cache_loc, cache, save_kv_cache)
-            out, _ = library.flash_mla_varlen_with_kvcache(q, cache.paged_view(lid), meta.block_table, meta.seq_lens,
-                                                           meta.qo_indptr, self.v_dim, self.scale, True,
-                                                           meta.max_q_len, self._traced_provider("paged_varlen"))
-            return out.reshape(meta.num_tokens, self.heads * self.v_dim)
+            view = cache.paged_view(lid)
+
+            def varlen(q_ext, block_table, seq_lens):
+                return library.flash_mla_varlen_with_kvcache(q_ext, view, block_table, seq_lens, meta.qo_indptr,
+                                                             self.v_dim, self.scale, True, meta.max_q_len,
+                                                             self._traced_provider("paged_varlen"))[0]
+
+            def decode(q_dec, block_table, seq_lens, schedule):
+                return library.flash_mla_with_kvcache(q_dec, view, block_table, seq_lens, self.v_dim, *schedule,
+                                                      self.scale, True, self.provider)[0]
+
+            return self._absorbed_ragged(q, meta, varlen, decode)
         if save_kv_cache and latent is None:
             raise ValueError("latent: the MHA forms need the latent rows to store")
         self._traced_save(latent, layer, out_cache_loc, cache, save_kv_cache)

@@ -25,6 +25,7 @@ _FP8_NAMES = ("fp8", "fp8_e4m3", "float8_e4m3fn", "fp8_e5m2", "float8_e5m2")
 # float32 caches exist for the reference path and CPU tests; kernels take bf16/fp16.
 _CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 EXTEND_PREFIX_MODES = ("auto", "absorbed", "chunked")
+MIXED_DECODE_KERNELS = ("auto", "decode", "varlen")
 
 
 def resolve_dtype(value: Any, name: str) -> torch.dtype:
@@ -109,6 +110,12 @@ class MLAConfig:
     # new tokens (SGLang's ``mla_disable_ragged``): one attention form for every step, at the absorbed form's
     # cost per query (1088 MACs per key and head against 320 + the decompression).
     disable_ragged: bool = False
+    # The kernel of a MIXED step's decodes (one token each): "varlen" with the extends, one launch, where each
+    # request's rows stream its whole context on one SM, so a long decode beside a short chunk is the step's
+    # tail; "decode" the split-KV decode kernel, whose schedule spreads each context over several SMs, and the
+    # extends apart (a second launch, and the decodes' memory-bound tiles no longer overlap the extends'
+    # compute-bound ones); "auto" "decode" where the longest decode would be the tail (the backend's rule).
+    mixed_decode_kernel: str = "auto"
     # fp8_e4m3 caches: every layer's k_scale (value = fp8 x scale); None takes 1.0, the engines' default for a
     # checkpoint without calibrated scales.
     kv_cache_scale: float | None = None
@@ -137,6 +144,9 @@ class MLAConfig:
             raise ValueError("is_draft: a draft backend needs num_draft_tokens >= 1")
         if not isinstance(self.disable_ragged, bool):
             raise ValueError(f"disable_ragged: expected a bool, got {self.disable_ragged!r}")
+        if self.mixed_decode_kernel not in MIXED_DECODE_KERNELS:
+            raise ValueError(f"mixed_decode_kernel: expected one of {MIXED_DECODE_KERNELS}, "
+                             f"got {self.mixed_decode_kernel!r}")
         if self.extend_prefix_mode not in EXTEND_PREFIX_MODES:
             raise ValueError(f"extend_prefix_mode: expected one of {EXTEND_PREFIX_MODES}, "
                              f"got {self.extend_prefix_mode!r}")

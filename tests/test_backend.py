@@ -182,6 +182,49 @@ def test_each_mode_against_dense(heads, page_size):
     h.step(ForwardMode.MIXED, slots, [5, 2, 1, 1, 1], num_extends=2)
 
 
+@pytest.mark.parametrize("provider,dtype,tol", [("torch", torch.float32, 1e-5), ("triton", torch.float16, 5e-3)])
+@pytest.mark.parametrize("kernel", ["decode", "varlen", "auto"])
+def test_mixed_steps_split_their_decodes(provider, dtype, tol, kernel):
+    """MIXED steps with mixed_decode_kernel="decode": the trailing decodes run the decode kernel under their
+    own schedule and the extends the varlen kernel over qo_indptr of the extends alone; with no extend, or no
+    decode, one kernel runs. "varlen" (and "auto" on a CPU) runs one varlen launch for every request. Each
+    against the oracle, with the other requests' cache rows checked intact."""
+    h = Harness(heads=16, page_size=16, num_pages=200, seed=31, dtype=dtype, provider=provider, tol=tol)
+    h.backend.config.mixed_decode_kernel = kernel
+    split = kernel == "decode"
+    slots = [h.add() for _ in range(5)]
+    h.step(ForwardMode.EXTEND, slots, [40, 3, 17, 64, 1])
+    for new, n_ext in (([6, 2, 1, 1, 1], 2), ([1, 1, 1, 1, 1], 0), ([3, 5, 2, 4, 7], 5), ([9, 1, 1, 1, 1], 1)):
+        h.step(ForwardMode.MIXED, slots, new, num_extends=n_ext)
+        meta = h.backend.metadata
+        n_dec = len(slots) - n_ext if split else 0
+        assert meta.split_decodes == n_dec
+        assert (meta.decode_plan is not None) == (n_dec > 0)
+        if n_dec:  # the decodes' own rows and lengths, at addresses the decode kernel's bound launch takes
+            table, lens = meta.decode_plan[:2]
+            assert torch.equal(table, meta.block_table[-n_dec:]) and torch.equal(lens, meta.seq_lens[-n_dec:])
+            assert table.data_ptr() % 16 == 0 and lens.data_ptr() % 16 == 0
+        assert meta.num_tokens == sum(new)
+        assert meta.qo_indptr.tolist() == [sum(new[:i]) for i in range(len(slots) - n_dec + 1)]
+
+
+def test_decode_tail_rule():
+    """mixed_decode_kernel="auto"'s count: 8 decodes of 16384 keys (256 key tiles) beside a 512-token chunk at 16
+    heads (128 row tiles x 8 key tiles) are the tail on 132 SMs; 32 decodes of 4096 keys, or 128 of 1024 beside
+    a 2048-token chunk, are not; the factor MIXED_SPLIT_TAIL sits exactly at the boundary."""
+    from pagedmla.backend import MIXED_SPLIT_TAIL, decode_tail
+
+    assert decode_tail([512] + [1] * 8, [512] + [16384] * 8, 1, 16, 132)
+    assert not decode_tail([512] + [1] * 32, [512] + [4096] * 32, 1, 16, 132)
+    assert not decode_tail([2048] + [1] * 128, [2048] + [1024] * 128, 1, 16, 132)
+    tiles = 128 * 8 + 8 * 256  # the first step's tiles: the chunk's and the decodes'
+    sms = -(-MIXED_SPLIT_TAIL * tiles // 256)
+    assert decode_tail([512] + [1] * 8, [512] + [16384] * 8, 1, 16, sms)
+    assert not decode_tail([512] + [1] * 8, [512] + [16384] * 8, 1, 16, sms - 1)
+    assert not decode_tail([4], [4], 1, 16, 132)  # no decode
+    assert not decode_tail([1, 1], [0, 0], 0, 16, 132)  # nothing to attend
+
+
 @pytest.mark.parametrize("q_len", [2, 3, 4])
 def test_target_verify_uses_configured_draft_tokens(q_len):
     h = Harness(heads=16, num_draft_tokens=q_len, seed=q_len)

@@ -94,7 +94,11 @@ def test_every_backend_mode_never_synchronises(heads):
         h.backend.config.extend_prefix_mode = "chunked"
         h.backend.config.chunked_prefix_capacity = 1024
         h.step(ForwardMode.EXTEND, slots, [300, 2, 17, 1, 9], around=no_sync)
-        h.step(ForwardMode.MIXED, slots, [50, 7, 1, 1, 1], num_extends=2, around=no_sync)
+        for kernel in ("varlen", "decode"):  # the decodes in the varlen launch, then split off
+            h.backend.config.mixed_decode_kernel = kernel
+            h.step(ForwardMode.MIXED, slots, [50, 7, 1, 1, 1], num_extends=2, around=no_sync)
+            assert h.backend.metadata.split_decodes == (3 if kernel == "decode" else 0)
+        h.step(ForwardMode.MIXED, slots, [1] * len(slots), num_extends=0, around=no_sync)  # decodes alone
         h.backend.config.extend_prefix_mode = "auto"
         lens = [1] * len(slots)
     draft = Harness(heads=heads, page_size=64, num_pages=400, max_context=4096, num_draft_tokens=3, is_draft=True,
@@ -128,8 +132,12 @@ def test_fp8_absorbed_steps_never_synchronise(kv_cache_dtype, monkeypatch):
     for new in ([16, 3, 5, 1, 64], [2, 1, 1, 7, 9]):  # the first pass compiles and plans, the second runs warm
         assert h.step(ForwardMode.EXTEND, slots, new, around=no_sync) == "absorbed"
         assert h.backend.metadata.num_kv_pages < h.cache.num_pages < 5 * h.backend.metadata.block_table.shape[1]
+        h.backend.config.mixed_decode_kernel = "varlen"
         h.step(ForwardMode.MIXED, slots, [9, 4, 1, 1, 1], num_extends=2, around=no_sync)
-    assert len(layouts) == 4 and all(0 < n < h.cache.num_pages for n in layouts), layouts
+        h.backend.config.mixed_decode_kernel = "decode"  # the decodes read the FP8 cache in the decode kernel
+        h.step(ForwardMode.MIXED, slots, [9, 4, 1, 1, 1], num_extends=2, around=no_sync)
+        assert h.backend.metadata.num_kv_pages == sum(-(-h.hist[s].shape[0] // 64) for s in slots[:2])
+    assert len(layouts) == 6 and all(0 < n < h.cache.num_pages for n in layouts), layouts
     assert errors.device_errors() == 0
 
 
