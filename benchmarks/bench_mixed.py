@@ -22,7 +22,6 @@ cells (float16, Triton interpreter, wall clock).
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import sys
 from typing import NamedTuple
@@ -31,7 +30,7 @@ import torch
 
 from pagedmla.backend import ForwardBatch, ForwardMode, MLABackend, decode_tail
 from pagedmla.bench import decode as bdecode
-from pagedmla.bench.common import wall_clock_us
+from pagedmla.bench.common import wall_clock_us, write_csv
 from pagedmla.cache import MLAKVCache
 from pagedmla.config import MLAConfig
 from pagedmla.device import sm_count
@@ -130,10 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['cell']} | {r['split_us']:.1f} | {r['one_launch_us']:.1f} | {r['one_launch_over_split']:.3f} "
               f"| {r['auto']} | {r['cos']:.1e}{'' if r['ok'] else ' BAD'} |")
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+        write_csv(args.csv, rows)
     bad = [r["cell"] for r in rows if not r["ok"]]
     if bad:
         print(f"BAD: the two settings' outputs differ in {bad}")

@@ -16,12 +16,12 @@ A cell is ``BxLxH`` (B prompts of L tokens, H heads) or ``1xL+NxSxH`` (one promp
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 
 import torch
 import triton
 
+from pagedmla.bench.common import write_csv
 from pagedmla.kernels.triton.sm90 import varlen as sv
 
 DEFAULT_CELLS = ("512x64x128,256x128x128,128x256x128,96x384x128,64x512x128,512x64x16,256x128x16,128x256x16,"
@@ -123,10 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{cell:<22} {times}  same bits: {same}", flush=True)
         torch.cuda.empty_cache()
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+        write_csv(args.csv, rows)
 
 
 if __name__ == "__main__":

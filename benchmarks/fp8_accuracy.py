@@ -21,13 +21,13 @@ cpu --preset tiny --skip-tiny`` runs part 2 as a smoke test with the torch provi
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 
+from pagedmla.bench.common import write_csv
 from pagedmla.bench.engine import build_models
 from pagedmla.bench.options import PRESETS
 from pagedmla.cache import MLAKVCache
@@ -161,10 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{f}: decode relative error mean {sum(errs) / len(errs):.3e}, max {max(errs):.3e} over "
               f"{len(errs)} layers")
     if args.csv:
-        with open(args.csv, "w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+        write_csv(args.csv, rows)
     return 0
 
 

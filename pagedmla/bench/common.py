@@ -1,9 +1,10 @@
 """What the benchmark grids share: the CPU wall-clock timer, baseline detection, FP8 copies of a cache, the
-PNG plots and the command-line entry point whose bad flags end in one line."""
+CSV writer, the PNG plots and the command-line entry point whose bad flags end in one line."""
 
 from __future__ import annotations
 
 import argparse
+import csv
 import importlib.util
 import statistics
 import time
@@ -14,6 +15,14 @@ from pagedmla import kv_format
 # Timer labels printed with every table, so that CPU figures are never read as GPU ones.
 CUDA_TIMER = "triton.testing.do_bench median (CUDA events)"
 CPU_TIMER = "wall-clock median (CPU; Triton kernels under the interpreter: a smoke run, not a speed)"
+
+
+def write_csv(path: str, rows: list[dict]) -> None:
+    """``rows`` (dicts with the first row's keys) as a CSV file at ``path``, a header line first."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def installed(module: str) -> bool:

@@ -26,7 +26,6 @@ the path, labelled as such.
 from __future__ import annotations
 
 import argparse
-import csv
 import functools
 import sys
 import time
@@ -35,7 +34,7 @@ from collections import defaultdict
 import torch
 import triton
 
-from pagedmla.bench.common import CPU_TIMER, CUDA_TIMER, bar_plot, check_plotting, wall_clock_us
+from pagedmla.bench.common import CPU_TIMER, CUDA_TIMER, bar_plot, check_plotting, wall_clock_us, write_csv
 from pagedmla.bench.options import prefill_arguments
 from pagedmla.kernels.triton import merge as tmerge
 from pagedmla.kernels.triton import paged_varlen as tpaged
@@ -362,10 +361,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     if "skewed" in parts:
         bench_skewed(workspace)
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(args.csv, rows)
     ratios = summary()
     if args.plot:
         labels = list(dict.fromkeys(c for per in ratios.values() for c in per))
