@@ -174,6 +174,12 @@ def decode_tail(ext: Sequence[int], seq_lens: Sequence[int], n_ext: int, heads: 
     return longest * sms >= MIXED_SPLIT_TAIL * tiles > 0
 
 
+def auto_sms(device: torch.device) -> int:
+    """The SMs ``decode_tail`` counts for "auto": the CUDA device's; 0 elsewhere, where a CPU runs one varlen
+    call (its providers have no SMs to leave idle)."""
+    return sm_count(device) if device.type == "cuda" else 0
+
+
 def _layer_id(layer) -> int:
     lid = layer if isinstance(layer, int) else getattr(layer, "layer_id", None)
     if isinstance(lid, bool) or not isinstance(lid, int):
@@ -400,17 +406,15 @@ class MLABackend:
 
     def _split_decodes(self, ext: list[int], seq_cpu: list[int], n_ext: int) -> int:
         """How many of a MIXED step's decodes (its last ``len(ext) - n_ext`` requests) run the decode kernel:
-        all or none, by ``MLAConfig.mixed_decode_kernel`` ("auto": on CUDA where ``decode_tail`` holds; a CPU
-        runs one varlen call)."""
+        all or none, by ``MLAConfig.mixed_decode_kernel`` ("auto": where ``decode_tail`` holds over
+        ``auto_sms``); none under decode context parallelism, whose plan covers the whole step."""
         n_dec = len(ext) - n_ext
         kernel = self.config.mixed_decode_kernel
         if not n_dec or kernel == "varlen" or self._dcp is not None:
             return 0
         if kernel == "decode":
             return n_dec
-        if self.device.type != "cuda":
-            return 0
-        return n_dec if decode_tail(ext, seq_cpu, n_ext, self.heads, sm_count(self.device)) else 0
+        return n_dec if decode_tail(ext, seq_cpu, n_ext, self.heads, auto_sms(self.device)) else 0
 
     def _plan_dcp_ragged(self, meta: ForwardMetadata) -> None:
         """Decode context parallelism: the per-row plan of an absorbed step with per-request query counts."""

@@ -182,14 +182,18 @@ def test_each_mode_against_dense(heads, page_size):
     h.step(ForwardMode.MIXED, slots, [5, 2, 1, 1, 1], num_extends=2)
 
 
-@pytest.mark.parametrize("provider,dtype,tol", [("torch", torch.float32, 1e-5), ("triton", torch.float16, 5e-3)])
+@pytest.mark.parametrize("provider,dtype,tol,kv_cache_dtype", [
+    ("torch", torch.float32, 1e-5, None), ("triton", torch.float16, 5e-3, None),
+    ("torch", torch.float32, 1e-5, "fp8_e4m3"), ("triton", torch.float16, 5e-3, "fp8_ds_mla")])
 @pytest.mark.parametrize("kernel", ["decode", "varlen", "auto"])
-def test_mixed_steps_split_their_decodes(provider, dtype, tol, kernel):
+def test_mixed_steps_split_their_decodes(provider, dtype, tol, kv_cache_dtype, kernel):
     """MIXED steps with mixed_decode_kernel="decode": the trailing decodes run the decode kernel under their
     own schedule and the extends the varlen kernel over qo_indptr of the extends alone; with no extend, or no
     decode, one kernel runs. "varlen" (and "auto" on a CPU) runs one varlen launch for every request. Each
-    against the oracle, with the other requests' cache rows checked intact."""
-    h = Harness(heads=16, page_size=16, num_pages=200, seed=31, dtype=dtype, provider=provider, tol=tol)
+    against the oracle (an FP8 cache: on the rows decoded from its bytes), with the other requests' cache rows
+    checked intact."""
+    h = Harness(heads=16, page_size=16, num_pages=200, seed=31, dtype=dtype, provider=provider, tol=tol,
+                kv_cache_dtype=kv_cache_dtype, kv_cache_scale=6 / 448 if kv_cache_dtype == "fp8_e4m3" else None)
     h.backend.config.mixed_decode_kernel = kernel
     split = kernel == "decode"
     slots = [h.add() for _ in range(5)]
@@ -223,6 +227,19 @@ def test_decode_tail_rule():
     assert not decode_tail([512] + [1] * 8, [512] + [16384] * 8, 1, 16, sms - 1)
     assert not decode_tail([4], [4], 1, 16, 132)  # no decode
     assert not decode_tail([1, 1], [0, 0], 0, 16, 132)  # nothing to attend
+
+
+def test_auto_splits_where_a_decode_is_the_tail(monkeypatch):
+    """mixed_decode_kernel="auto" as on a GPU of 132 SMs (``auto_sms``): a 4-token extend beside two decodes of
+    640 keys (10 key tiles each, 21 tiles in all: 10 x 132 >= 8 x 21) splits; the next step on 2 SMs (11 x 2 <
+    8 x 23) does not; both against the oracle."""
+    h = Harness(heads=16, page_size=16, num_pages=120, max_context=1024, seed=37)
+    slots = [h.add() for _ in range(3)]
+    h.step(ForwardMode.EXTEND, slots, [1, 639, 639])
+    for sms, split in ((132, 2), (2, 0)):
+        monkeypatch.setattr(pagedmla.backend, "auto_sms", lambda device, sms=sms: sms)
+        h.step(ForwardMode.MIXED, slots, [4 if split else 1, 1, 1], num_extends=1)
+        assert h.backend.metadata.split_decodes == split
 
 
 @pytest.mark.parametrize("q_len", [2, 3, 4])

@@ -81,7 +81,9 @@ def test_public_ops_compile_fullgraph(device, dtype, provider, backend, page, to
 
 @pytest.mark.parametrize("device, dtype, provider, backend, page, tol", SETUPS)
 def test_backend_block_compiles_fullgraph_and_matches_eager(device, dtype, provider, backend, page, tol):
-    cfg = MLAConfig(num_heads=HEADS, page_size=page, dtype=dtype, max_context_len=16 * page, max_batch_size=4)
+    # The MIXED step below runs its decode in the decode kernel and its extend in the varlen kernel.
+    cfg = MLAConfig(num_heads=HEADS, page_size=page, dtype=dtype, max_context_len=16 * page, max_batch_size=4,
+                    mixed_decode_kernel="decode")
     table = torch.zeros(4, 16, dtype=torch.int32)
     table[0, :4] = torch.tensor([5, 2, 9, 1])
     table[1, :4] = torch.tensor([3, 7, 4, 8])
@@ -111,11 +113,20 @@ def test_backend_block_compiles_fullgraph_and_matches_eager(device, dtype, provi
                            device=device)
         with torch.no_grad():
             decode = fn(torch.randn(2, 32, generator=torch.Generator().manual_seed(3)).to(device, dtype), loc, True)
-        runs[mode] = (prefill, decode, cache.buffers[0].clone())
+        # A MIXED step: request 0 extends by 2 tokens (positions 6, 7), request 1 decodes one (position 5).
+        be.init_forward_metadata(ForwardBatch(ForwardMode.MIXED, torch.tensor([0, 1], device=device),
+                                              torch.tensor([8, 6], dtype=torch.int32, device=device), table,
+                                              [8, 6], [2], [6], num_extends=1))
+        assert be.metadata.split_decodes == 1
+        loc = torch.tensor([int(t0[p // page]) * page + p % page for p in (6, 7)]
+                           + [int(t1[5 // page]) * page + 5 % page], device=device)
+        with torch.no_grad():
+            mixed = fn(torch.randn(3, 32, generator=torch.Generator().manual_seed(4)).to(device, dtype), loc, True)
+        runs[mode] = (prefill, decode, mixed, cache.buffers[0].clone())
     for a, b in zip(runs["eager"], runs["compiled"]):
         assert torch.allclose(a.float(), b.float(), atol=tol), (a.float() - b.float()).abs().max()
     # The compiled run wrote the cache (declared mutation): the decode step's new row is there.
-    assert runs["compiled"][2].abs().sum() > 0 and torch.equal(runs["compiled"][2] != 0, runs["eager"][2] != 0)
+    assert runs["compiled"][3].abs().sum() > 0 and torch.equal(runs["compiled"][3] != 0, runs["eager"][3] != 0)
 
 
 def test_eager_calls_do_not_enter_the_dispatcher(monkeypatch):
