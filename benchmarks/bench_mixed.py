@@ -9,8 +9,8 @@ one tile that streams its whole context on one SM; ``"auto"`` (the default) pick
 (``backend.forward``, the step planned once and not timed, as an engine plans a step for all its layers),
 eager, ``do_bench`` median with L2 flushed, both settings in one process on the same cache and queries,
 alternating ``--rounds`` times (each setting's best kept). ``cos`` compares the two outputs (they compute
-the same attention in another summation order: ~1e-6 and below; a failed check prints ``BAD`` and makes the
-exit status 1).
+the same attention in another summation order: ~1e-6 and below); a cell whose outputs differ by more, or whose
+plan under a setting did not split off (or keep) its decodes, prints ``BAD`` and makes the exit status 1.
 
 Cells ``GRID``: heads, extends (requests x new tokens over cached tokens), decodes (requests x context), bf16
 (``--kv-format`` adds an FP8 cache's rows). On a machine without CUDA the same runs as a smoke test on tiny
@@ -81,13 +81,14 @@ def run_cell(cell: Cell, fmt: str, rounds: int) -> dict:
                          extend_seq_lens_cpu=new[:cell.extends],
                          extend_prefix_lens_cpu=[cell.cached] * cell.extends, num_extends=cell.extends)
     q = (torch.randn(sum(new), cell.heads, D, device=device, generator=g) / 10).to(dtype)
-    steps, outs = {}, {}
+    steps, outs, planned = {}, {}, {}
     for split in (True, False):
         cfg = MLAConfig(num_heads=cell.heads, page_size=PAGE, dtype=dtype, num_layers=1, max_batch_size=b,
                         kv_cache_dtype=None if fmt == "bf16" else fmt, max_context_len=width * PAGE,
                         mixed_decode_kernel="decode" if split else "varlen")
         backend = MLABackend(cfg, device=device, provider="triton")
         backend.init_forward_metadata(batch)
+        planned[split] = backend.metadata.split_decodes
 
         def step(backend=backend):
             return backend.forward(q, None, None, 0, None, cache, save_kv_cache=False)
@@ -100,11 +101,13 @@ def run_cell(cell: Cell, fmt: str, rounds: int) -> dict:
             us = bdecode.bench(steps[split]) if cuda() else wall_clock_us(steps[split], reps=1)
             best[split] = min(best[split], us)
     diff = bdecode.cos_diff(outs[True], outs[False])
+    # Each setting must have planned what it names (else both rows would time one path).
+    as_named = planned == {True: cell.decodes, False: 0}
     auto = decode_tail(new, lens, cell.extends, cell.heads, sm_count(device) if cuda() else 1)
     return {"cell": f"{fmt} {cell}", "split_us": best[True], "one_launch_us": best[False],
             "auto": "decode" if auto else "varlen",
             "one_launch_over_split": best[False] / best[True], "cos": diff,
-            "ok": math.isfinite(diff) and diff < COS_LIMIT}
+            "ok": as_named and math.isfinite(diff) and diff < COS_LIMIT}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         write_csv(args.csv, rows)
     bad = [r["cell"] for r in rows if not r["ok"]]
     if bad:
-        print(f"BAD: the two settings' outputs differ in {bad}")
+        print(f"BAD: the two settings' outputs differ, or a setting did not plan its kernels, in {bad}")
         return 1
     return 0
 

@@ -8,6 +8,8 @@ import re
 
 from benchmark_script import load
 
+import pagedmla.backend
+
 
 def test_cpu_run_prints_the_table_and_writes_the_csv(tmp_path, capsys):
     bench = load("bench_mixed")
@@ -24,8 +26,19 @@ def test_cpu_run_prints_the_table_and_writes_the_csv(tmp_path, capsys):
     assert all(r["ok"] == "True" for r in rows)
 
 
+BAD = "BAD: the two settings' outputs differ, or a setting did not plan its kernels, in"
+
+
 def test_settings_that_disagree_fail_the_run(capsys, monkeypatch):
     bench = load("bench_mixed")
     monkeypatch.setattr(bench, "COS_LIMIT", -1.0)  # no cos diff passes: the check must report it
     assert bench.main(["--rounds", "1"]) == 1
-    assert "BAD: the two settings' outputs differ in ['bf16 h2 1x5 over 3 + 3 decodes x 40']" in capsys.readouterr().out
+    assert f"{BAD} ['bf16 h2 1x5 over 3 + 3 decodes x 40']" in capsys.readouterr().out
+
+
+def test_a_setting_the_backend_ignores_fails_the_run(capsys, monkeypatch):
+    """Were "decode" planned as one launch, both rows would time the same path: the run must say so."""
+    bench = load("bench_mixed")
+    monkeypatch.setattr(pagedmla.backend.MLABackend, "_split_decodes", lambda self, ext, seq, n_ext: 0)
+    assert bench.main(["--rounds", "1"]) == 1
+    assert f"{BAD} ['bf16 h2 1x5 over 3 + 3 decodes x 40']" in capsys.readouterr().out
