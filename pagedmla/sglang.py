@@ -23,6 +23,7 @@ cached prefix run the MHA form (SGLang's DeepSeek writes the latent rows itself 
 v 128, ``save_kv_cache=False``); extends with a prefix, MIXED, decode and verify run the absorbed form (q
 576, or ``q`` 512 + ``q_rope`` 64, concatenated: one copy). The backend's config must therefore say
 ``extend_prefix_mode="absorbed"`` (the chunked form needs a decompression callback SGLang does not pass).
+A MIXED batch's trailing one-token requests (SGLang's running decodes) are declared decodes (``mixed_extends``).
 KV rows are written through the pool's own ``set_kv_buffer`` / ``set_mla_kv_buffer``, as SGLang's MLA
 backends do. Returns ``[tokens, heads * 512]`` (absorbed) or ``[tokens, heads * 128]`` (MHA).
 """
@@ -32,6 +33,15 @@ from __future__ import annotations
 import torch
 
 from pagedmla.backend import ForwardBatch, ForwardMode, MLABackend
+
+
+def mixed_extends(extend_seq_lens) -> int:
+    """The extending requests of an SGLang MIXED batch: those before its trailing run of one-token requests
+    (SGLang's running decodes; a one-token extend attends exactly as a decode does)."""
+    n = len(extend_seq_lens)
+    while n and int(extend_seq_lens[n - 1]) == 1:
+        n -= 1
+    return n
 
 
 class _PoolCache:
@@ -109,10 +119,18 @@ class SGLangMLABackend:
         seq_lens, seq_cpu = self._step_lens(mode, forward_batch.seq_lens[:bs], forward_batch.seq_lens_cpu)
         ext = getattr(forward_batch, "extend_seq_lens_cpu", None)
         pre = getattr(forward_batch, "extend_prefix_lens_cpu", None)
+        num_extends = 0
+        if mode == ForwardMode.MIXED and ext is not None and pre is not None:
+            # SGLang appends the running decodes (one new token each) after the prefill chunks: declared as
+            # decodes, the backend may run them in the decode kernel (MLAConfig.mixed_decode_kernel).
+            num_extends = mixed_extends(ext)
+            ext, pre = ext[:num_extends], pre[:num_extends]
+        elif mode == ForwardMode.MIXED:
+            num_extends = bs  # the backend names what is missing
         self.backend.init_forward_metadata(ForwardBatch(
             forward_mode=mode, req_pool_indices=torch.arange(bs, device=rpi.device), seq_lens=seq_lens,
             block_table=self._block_table(rpi), seq_lens_cpu=seq_cpu, extend_seq_lens_cpu=ext,
-            extend_prefix_lens_cpu=pre, num_extends=bs if mode == ForwardMode.MIXED else 0))
+            extend_prefix_lens_cpu=pre, num_extends=num_extends))
 
     # ------------------------------------------------------------------ running
     def _cache(self, forward_batch) -> _PoolCache:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagedmla import ForwardBatch, ForwardMode, MLABackend, MLAConfig, MLAKVCache
-from pagedmla.sglang import SGLangMLABackend
+from pagedmla.sglang import SGLangMLABackend, mixed_extends
 
 HEADS, PS, LORA, ROPE = 4, 4, 512, 64
 D = LORA + ROPE
@@ -123,9 +123,11 @@ class World:
         sg = SgBatch(mode, 2, self.rpi, torch.tensor(sg_seq, dtype=torch.int32), torch.tensor(sg_seq),
                      self.locs(new), self.pool, list(new), prefix)
         native_mode = {SgMode.EXTEND: ForwardMode.EXTEND, SgMode.DECODE: ForwardMode.DECODE,
-                       SgMode.TARGET_VERIFY: ForwardMode.TARGET_VERIFY}[mode]
+                       SgMode.TARGET_VERIFY: ForwardMode.TARGET_VERIFY, SgMode.MIXED: ForwardMode.MIXED}[mode]
+        # A native MIXED batch declares its extends (here the requests before the one-token ones).
+        n_ext = sum(1 for n in new if n != 1) if mode == SgMode.MIXED else len(new)
         nb = ForwardBatch(native_mode, self.rpi, torch.tensor(seq, dtype=torch.int32), self.block_table, seq,
-                          list(new), prefix)
+                          list(new)[:n_ext], None if prefix is None else list(prefix)[:n_ext], num_extends=n_ext)
         return sg, nb, seq
 
 
@@ -166,6 +168,20 @@ def test_sglang_call_sequence_matches_mla_backend():
     assert torch.allclose(got, want, atol=1e-6)
     w.lens = seq
 
+    # 3b. MIXED: request 1's chunk of 3 tokens, request 3's decode after it; the adapter declares the trailing
+    #     one-token request a decode, which runs in the decode kernel here.
+    w.cfg.mixed_decode_kernel = "decode"
+    sg, nb, seq = w.batch(SgMode.MIXED, [3, 1], list(w.lens))
+    w.adapter.init_forward_metadata(sg)
+    w.native.init_forward_metadata(nb)
+    assert w.adapter.backend.metadata.split_decodes == 1 and w.native.metadata.split_decodes == 1
+    q, lat = w.rand(4, HEADS, D), w.rand(4, 1, D)
+    got = w.adapter.forward(q, lat, lat[..., :LORA], layer, sg)
+    want = w.native.forward(q, lat, None, 0, sg.out_cache_loc, w.cache)
+    assert torch.allclose(got, want, atol=1e-6)
+    w.cfg.mixed_decode_kernel = "auto"
+    w.lens = seq
+
     # 4. Verify: SGLang's seq_lens exclude the drafts; SGLang routes verify through forward_extend.
     sg, nb, seq = w.batch(SgMode.TARGET_VERIFY, [DRAFT, DRAFT])
     w.adapter.init_forward_metadata(sg)
@@ -199,6 +215,11 @@ def test_sglang_call_sequence_matches_mla_backend():
     # Both caches hold the same rows wherever a live request has one.
     live = torch.cat([w.req_to_token[r, :L].long() for r, L in zip([1, 3], seq)])
     assert torch.equal(w.pool.buf[0][live], w.cache.buffers[0][live])
+
+
+def test_mixed_batches_declare_their_trailing_decodes():
+    assert [mixed_extends(x) for x in ([5, 2, 1, 1], [1, 1], [4, 1, 3], [7], [])] == [2, 0, 3, 1, 0]
+    assert mixed_extends(torch.tensor([9, 1])) == 1
 
 
 def test_adapter_rejects_what_sglang_cannot_drive():
