@@ -28,12 +28,11 @@ from typing import NamedTuple
 
 import torch
 
-from pagedmla.backend import ForwardBatch, ForwardMode, MLABackend, decode_tail
+from pagedmla.backend import ForwardBatch, ForwardMode, MLABackend, auto_sms, decode_tail
 from pagedmla.bench import decode as bdecode
 from pagedmla.bench.common import wall_clock_us, write_csv
 from pagedmla.cache import MLAKVCache
 from pagedmla.config import MLAConfig
-from pagedmla.device import sm_count
 
 D, DV, PAGE = bdecode.D, bdecode.DV, bdecode.PAGE
 COS_LIMIT = 1e-5
@@ -103,7 +102,7 @@ def run_cell(cell: Cell, fmt: str, rounds: int) -> dict:
     diff = bdecode.cos_diff(outs[True], outs[False])
     # Each setting must have planned what it names (else both rows would time one path).
     as_named = planned == {True: cell.decodes, False: 0}
-    auto = decode_tail(new, lens, cell.extends, cell.heads, sm_count(device) if cuda() else 1)
+    auto = decode_tail(new, lens, cell.extends, cell.heads, auto_sms(device))
     return {"cell": f"{fmt} {cell}", "split_us": best[True], "one_launch_us": best[False],
             "auto": "decode" if auto else "varlen",
             "one_launch_over_split": best[False] / best[True], "cos": diff,
