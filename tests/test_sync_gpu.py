@@ -1,7 +1,7 @@
 """No host synchronisation on any CUDA path (the contract in pagedmla.errors and the README): every public op and every
 backend mode, eager and as CUDA graphs, inside ``torch.cuda.set_sync_debug_mode("error")``; the compiled
 kernels' value guards in bf16 (the CPU file test_guards.py runs them under the interpreter); the lean
-decode launch (second call of a shape) equal to the first, JIT-launched call."""
+decode and paged prefill launches (second call of a shape) equal to the full path."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from pagedmla.backend import ForwardBatch, ForwardMode
 from pagedmla.kernels.triton import paged_varlen
 from pagedmla.kernels.triton.decode import paged_decode_triton
 from pagedmla.kernels.triton.rows import dequantize_pages
+from pagedmla.kernels.triton.sm90.paged_varlen import launch_bound_paged_varlen_sm90 as paged_varlen_sm90_bound
 
 pytestmark = pytest.mark.gpu
 BF16_TOL = 2e-2
@@ -188,6 +189,39 @@ def test_bound_launch_equals_first_call(heads):
                                 splits.clone(), 576 ** -0.5, True)
     for a, b_, c in zip(first, second, third):
         assert torch.equal(a, b_) and torch.equal(a, c)
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+def test_bound_paged_prefill_equals_full_path(heads, monkeypatch):
+    """A 16-bit paged prefill call shaped like an earlier one launches through BoundLaunch: on other tensors
+    (other values, other addresses) exactly what the full path gives on them; an unaligned lengths slice
+    falls back to the full path."""
+    kv_lens, q_lens = [400, 900, 130, 1], [100, 37, 64, 1]
+    qo = torch.tensor([0, 100, 137, 201, 202], dtype=torch.int32).cuda()
+
+    def inputs(seed):
+        g = gen("bound paged prefill", heads, seed)
+        c = make_paged_cache(kv_lens, 64, 576, torch.bfloat16, generator=g, extra_pages=2)
+        q = (torch.randn(sum(q_lens), heads, 576, generator=g) / 4).bfloat16().cuda()
+        return q, c.k_cache.cuda(), c.block_table.cuda(), torch.tensor(kv_lens, dtype=torch.int32).cuda()
+
+    paged_varlen._sm90_bound.clear()
+    launched = []
+    monkeypatch.setattr(paged_varlen, "launch_bound_paged_varlen_sm90",
+                        lambda *a: launched.append(1) or paged_varlen_sm90_bound(*a))
+    first = pagedmla.flash_mla_varlen_with_kvcache(*inputs(0)[:4], qo, 512, causal=True)
+    if not paged_varlen._sm90_bound:
+        pytest.skip("the Hopper paged prefill kernel does not run here")
+    q, k_cache, table, lens = inputs(1)
+    bound = pagedmla.flash_mla_varlen_with_kvcache(q, k_cache, table, lens, qo, 512, causal=True)
+    assert launched == [1]
+    paged_varlen._sm90_bound.clear()
+    full = pagedmla.flash_mla_varlen_with_kvcache(q, k_cache, table, lens, qo, 512, causal=True)
+    assert not torch.equal(first[0], full[0])
+    assert torch.equal(bound[0], full[0]) and torch.equal(bound[1], full[1])
+    padded = torch.cat([lens.new_zeros(1), lens])
+    shifted = pagedmla.flash_mla_varlen_with_kvcache(q, k_cache, table, padded[1:], qo, 512, causal=True)
+    assert launched == [1] and torch.equal(shifted[0], full[0])
 
 
 @pytest.mark.parametrize("heads", [16, 128])

@@ -39,7 +39,11 @@ from pagedmla.kernels.triton.common import (
 from pagedmla.kernels.triton.rows import DEQUANT_MAX_WIDTH, dequantize_pages
 from pagedmla.kernels.triton.sm90.mla import BLOCK_N as SM90_BLOCK_N
 from pagedmla.kernels.triton.sm90.mla import D_QK, D_V, sm90_supported
-from pagedmla.kernels.triton.sm90.paged_varlen import paged_varlen_sm90
+from pagedmla.kernels.triton.sm90.paged_varlen import (
+    bind_paged_varlen_sm90,
+    launch_bound_paged_varlen_sm90,
+    paged_varlen_sm90,
+)
 from pagedmla.kernels.triton.steps import key_scores, load_split, paged_tile, softmax_step, store_rows
 from pagedmla.kernels.triton.varlen import check_dtype, last_dim_contiguous, split_head_dim
 
@@ -190,6 +194,23 @@ def dequantize_first(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.
             and 0 < ws_pages <= k_cache.shape[0] and ws_bytes <= DEQUANT_MAX_BYTES)
 
 
+# Bound Hopper launches of 16-bit calls by call shape (None where binding does not apply).
+_sm90_bound: dict[tuple, tuple | None] = {}
+
+
+def _launch_bound(bound: tuple, q, k_cache, block_table, cache_seqlens, qo_indptr, head_dim_v: int):
+    """(out, lse) of a bound launch, or None when an address is not 16-byte aligned as its kernel was compiled
+    for (the caller then takes the full path)."""
+    if (q.data_ptr() | k_cache.data_ptr() | block_table.data_ptr() | cache_seqlens.data_ptr()
+            | qo_indptr.data_ptr()) & 15:
+        return None
+    t, h, _ = q.shape
+    out = torch.empty(t, h, head_dim_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(t, h, dtype=torch.float32, device=q.device)
+    launch_bound_paged_varlen_sm90(bound, q, k_cache, block_table, cache_seqlens, qo_indptr, out, lse)
+    return out, lse
+
+
 def paged_varlen_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -225,8 +246,25 @@ def paged_varlen_attention(
     where it applies (bf16/fp16, 576/512, pages a multiple of 64, contiguous cache); a ``PrefillConfig`` runs it
     when its ``use_sm90`` is set, else the portable kernel.
     Returns out [T, H, head_dim_v] q.dtype and lse [T, H] float32 (natural log; rows that see no key give 0
-    and -inf). Long for its checks, one per argument with its own message, ahead of the dispatch.
+    and -inf). A 16-bit call shaped like an earlier one that ran the Hopper kernel on its own tensors goes
+    straight to that kernel's bound launch (``sm90/paged_varlen.py``: no checks, descriptors or specialisation
+    key on the host), unless an address is not 16-byte aligned. Long for its checks, one per argument with its
+    own message, and that fast path ahead of the dispatch.
     """
+    # A 16-bit call shaped like an earlier one that bound the Hopper launch (every tensor's shape, strides, dtype
+    # and device in the key: what the checks below and the launch depend on) skips straight to it.
+    key = None if config is not None or kv_format is not None else (
+        q.shape, q.stride(), q.dtype, q.get_device(), k_cache.shape, k_cache.stride(), k_cache.dtype,
+        k_cache.get_device(), block_table.shape, block_table.stride(), block_table.dtype, block_table.get_device(),
+        cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.get_device(),
+        qo_indptr.shape, qo_indptr.stride(), qo_indptr.dtype, qo_indptr.get_device(), head_dim_v, softmax_scale,
+        causal)
+    bound = _sm90_bound.get(key) if key is not None else None
+    if bound is not None:
+        checks.page_layout(kv_page_indptr, num_kv_pages, qo_indptr.shape[0] - 1, q.device)
+        result = _launch_bound(bound, q, k_cache, block_table, cache_seqlens, qo_indptr, head_dim_v)
+        if result is not None:
+            return result
     softmax_scale = checks.positive_scale(softmax_scale)
     config = PrefillConfig.checked(config)
     check_dtype(q, "q")
@@ -255,10 +293,12 @@ def paged_varlen_attention(
     lse = torch.empty(t, h, dtype=torch.float32, device=q.device)
     if t == 0 or h == 0 or batch <= 0:
         return out, lse
+    given = (q, block_table, cache_seqlens, qo_indptr)
     q = last_dim_contiguous(q)
     block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
     # The kernel indexes these 1-D tensors as dense arrays (a no-op when they already are).
     cache_seqlens, qo_indptr = cache_seqlens.contiguous(), qo_indptr.contiguous()
+    own = all(a is b for a, b in zip(given, (q, block_table, cache_seqlens, qo_indptr)))
     checks.page_layout(kv_page_indptr, num_kv_pages, batch, q.device)
     dequant = kv_format is not None and dequantize_first(q, k_cache, block_table, head_dim_v, num_kv_pages)
     if config is None:
@@ -283,6 +323,13 @@ def paged_varlen_attention(
             raise ValueError(f"config: use_sm90 needs head dims 576 / 512, got {d} / head_dim_v {head_dim_v}")
         paged_varlen_sm90(q, k_cache, block_table, cache_seqlens, qo_indptr, softmax_scale, causal,
                            out, lse)
+        # Bind once the launch has passed its own checks, from a call that ran on the caller's tensors (not on
+        # copies made above: later calls' addresses stand for the bound call's).
+        if key is not None and key not in _sm90_bound and q.is_cuda and own:
+            if len(_sm90_bound) > 1024:  # shapes vary with the batch: keep the table bounded
+                _sm90_bound.clear()
+            _sm90_bound[key] = bind_paged_varlen_sm90(q, k_cache, block_table, cache_seqlens, qo_indptr,
+                                                      softmax_scale, causal, out, lse)
         return out, lse
     # The portable kernel reads the cache as flat rows (a copy only for a cache whose pages are not dense).
     kv, scale_arg, fmt_id = kv_format_args(last_dim_contiguous(k_cache.reshape(-1, width)), kv_format, k_scale)

@@ -35,7 +35,7 @@ from pagedmla.kernels.triton.common import (
     indptr_is_partition,
     report,
 )
-from pagedmla.kernels.triton.launch import CachedKernel
+from pagedmla.kernels.triton.launch import CachedKernel, current_stream
 from pagedmla.kernels.triton.sm90 import mla
 from pagedmla.kernels.triton.sm90.mla import BLOCK_M, D_V, mla_descriptors, sm90_supported
 from pagedmla.kernels.triton.sm90.pipeline import HAVE_GLUON, MAX_TILES, tma_rows
@@ -278,6 +278,23 @@ if HAVE_GLUON:
     _MAIN = CachedKernel(_paged_varlen_sm90_kernel)
 
 
+def _main_args(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+               qo_indptr: torch.Tensor, softmax_scale: float, causal: bool, out: torch.Tensor, lse: torch.Tensor,
+               counter: torch.Tensor, programs: int | None, kv_scale: torch.Tensor | None) -> tuple:
+    """(grid, args, options) of the kernel's launch, for ``_MAIN.launch`` or ``_MAIN.bind``."""
+    t, h, d = q.shape
+    batch = qo_indptr.shape[0] - 1
+    tiles = (t * h) // BLOCK_M + batch
+    grid = (min(tiles, sm_count(q.device), programs or tiles),)
+    args = (*mla_descriptors(tma_rows(q.reshape(t * h, d)), k_cache.view(-1, d)),
+            block_table, cache_seqlens, qo_indptr, out, lse, counter, errors.error_word(q.device),
+            tiles, h, batch, t, softmax_scale * LOG2E, block_table.stride(0), block_table.shape[1], k_cache.shape[0],
+            kv_scale)
+    options = dict(KV_SCALED=kv_scale is not None, CAUSAL=bool(causal), PAGE=k_cache.shape[1],
+                   SEARCH_STEPS=max(1, batch.bit_length()), num_warps=4)
+    return grid, args, options
+
+
 def paged_varlen_sm90(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
                        cache_seqlens: torch.Tensor, qo_indptr: torch.Tensor, softmax_scale: float, causal: bool,
                        out: torch.Tensor, lse: torch.Tensor, programs: int | None = None,
@@ -300,13 +317,37 @@ def paged_varlen_sm90(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch
                          "has no such limit)")
     if programs is not None and programs < 1:
         raise ValueError(f"programs: expected at least 1, got {programs}")
-    q_flat = tma_rows(q.reshape(t * h, d))
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
-    _MAIN.launch(
-        q.device, (min(tiles, sm_count(q.device), programs or tiles),),
-        *mla_descriptors(q_flat, k_cache.view(-1, d)),
-        block_table, cache_seqlens, qo_indptr, out, lse, counter, errors.error_word(q.device),
-        tiles, h, batch, t, softmax_scale * LOG2E, block_table.stride(0), block_table.shape[1], k_cache.shape[0],
-        kv_scale, KV_SCALED=kv_scale is not None, CAUSAL=bool(causal), PAGE=k_cache.shape[1],
-        SEARCH_STEPS=max(1, batch.bit_length()), num_warps=4,
-    )
+    grid, args, options = _main_args(q, k_cache, block_table, cache_seqlens, qo_indptr, softmax_scale, causal, out,
+                                     lse, counter, programs, kv_scale)
+    _MAIN.launch(q.device, grid, *args, **options)
+
+
+def bind_paged_varlen_sm90(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
+                           cache_seqlens: torch.Tensor, qo_indptr: torch.Tensor, softmax_scale: float, causal: bool,
+                           out: torch.Tensor, lse: torch.Tensor) -> tuple | None:
+    """``paged_varlen_sm90``'s launch (16-bit cache, all SMs) bound for calls shaped like this one, whose
+    checks it has passed: (BoundLaunch, grid), for ``launch_bound_paged_varlen_sm90``; None where binding does
+    not apply (q rows that ``tma_rows`` would copy, off CUDA, another Triton)."""
+    if not q.is_contiguous() or q.data_ptr() % 16:
+        return None
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+    grid, args, options = _main_args(q, k_cache, block_table, cache_seqlens, qo_indptr, softmax_scale, causal, out,
+                                     lse, counter, None, None)
+    bound = _MAIN.bind(q.device, grid, *args, **options)
+    return None if bound is None else (bound, (*grid, 1, 1))
+
+
+def launch_bound_paged_varlen_sm90(bound: tuple, q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
+                                   cache_seqlens: torch.Tensor, qo_indptr: torch.Tensor, out: torch.Tensor,
+                                   lse: torch.Tensor) -> None:
+    """Launch a ``bind_paged_varlen_sm90`` result on tensors shaped, strided and typed as the bound call's,
+    with 16-byte aligned addresses (what its kernel was compiled for; the caller checks): the launch with
+    addresses as integers and cached tensor maps, no descriptor objects or specialisation key."""
+    launch, grid = bound
+    dev = q.device
+    counter = torch.zeros(1, dtype=torch.int32, device=dev)
+    qp, kp = q.data_ptr(), k_cache.data_ptr()
+    ptrs = (block_table.data_ptr(), cache_seqlens.data_ptr(), qo_indptr.data_ptr(), out.data_ptr(), lse.data_ptr(),
+            counter.data_ptr(), errors.error_word(dev).data_ptr())
+    launch.launch(grid, current_stream(dev.index), ptrs, (qp, qp, kp, kp))
