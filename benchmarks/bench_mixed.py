@@ -4,8 +4,9 @@ A MIXED step (an engine's chunked prefill sharing a step with the running decode
 decodes (one token each) after them. With ``MLAConfig.mixed_decode_kernel="decode"`` the backend runs the
 decodes through the split-KV decode kernel, whose schedule spreads each long context over several SMs, and
 the extends through the varlen kernel; with ``"varlen"`` one varlen launch runs every request, each decode as
-one tile that streams its whole context on one SM; ``"auto"`` (the default) picks by
-``pagedmla.backend.decode_tail`` (the ``auto`` column). Each cell is one layer's absorbed attention of such a step
+one tile that streams its whole context on one SM; ``"auto"`` (the default) picks by the backend's rule
+(``pagedmla.backend.decode_tail``, and ``dequant_split`` over an FP8 cache on sm_90): the ``auto`` column is
+what an "auto" backend plans for the cell on this device. Each cell is one layer's absorbed attention of such a step
 (``backend.forward``, the step planned once and not timed, as an engine plans a step for all its layers),
 eager, ``do_bench`` median with L2 flushed, both settings in one process on the same cache and queries,
 alternating ``--rounds`` times (each setting's best kept). ``cos`` compares the two outputs (they compute
@@ -28,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from pagedmla.backend import ForwardBatch, ForwardMode, MLABackend, auto_sms, decode_tail
+from pagedmla.backend import ForwardBatch, ForwardMode, MLABackend
 from pagedmla.bench import decode as bdecode
 from pagedmla.bench.common import wall_clock_us, write_csv
 from pagedmla.cache import MLAKVCache
@@ -81,13 +82,16 @@ def run_cell(cell: Cell, fmt: str, rounds: int) -> dict:
                          extend_prefix_lens_cpu=[cell.cached] * cell.extends, num_extends=cell.extends)
     q = (torch.randn(sum(new), cell.heads, D, device=device, generator=g) / 10).to(dtype)
     steps, outs, planned = {}, {}, {}
-    for split in (True, False):
+    for split in (True, False, "auto"):
+        kernel = "auto" if split == "auto" else "decode" if split else "varlen"
         cfg = MLAConfig(num_heads=cell.heads, page_size=PAGE, dtype=dtype, num_layers=1, max_batch_size=b,
                         kv_cache_dtype=None if fmt == "bf16" else fmt, max_context_len=width * PAGE,
-                        mixed_decode_kernel="decode" if split else "varlen")
+                        mixed_decode_kernel=kernel)
         backend = MLABackend(cfg, device=device, provider="triton")
         backend.init_forward_metadata(batch)
         planned[split] = backend.metadata.split_decodes
+        if split == "auto":
+            break
 
         def step(backend=backend):
             return backend.forward(q, None, None, 0, None, cache, save_kv_cache=False)
@@ -101,10 +105,9 @@ def run_cell(cell: Cell, fmt: str, rounds: int) -> dict:
             best[split] = min(best[split], us)
     diff = bdecode.cos_diff(outs[True], outs[False])
     # Each setting must have planned what it names (else both rows would time one path).
-    as_named = planned == {True: cell.decodes, False: 0}
-    auto = decode_tail(new, lens, cell.extends, cell.heads, auto_sms(device))
+    as_named = (planned[True], planned[False]) == (cell.decodes, 0)
     return {"cell": f"{fmt} {cell}", "split_us": best[True], "one_launch_us": best[False],
-            "auto": "decode" if auto else "varlen",
+            "auto": "decode" if planned["auto"] else "varlen",
             "one_launch_over_split": best[False] / best[True], "cos": diff,
             "ok": as_named and math.isfinite(diff) and diff < COS_LIMIT}
 

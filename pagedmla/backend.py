@@ -51,7 +51,7 @@ from pagedmla import checks, errors
 from pagedmla.cache import MLAKVCache
 from pagedmla.config import MLAConfig
 from pagedmla.context_parallel import ContextParallel, DCPAttention
-from pagedmla.device import sm_count, to_device
+from pagedmla.device import sm90_available, sm_count, to_device
 from pagedmla.ops import library
 from pagedmla.ops.attention import merge_state
 from pagedmla.ops.providers import available_providers, resolve
@@ -61,10 +61,18 @@ from pagedmla.parallel import Group
 # ``MLAConfig.mixed_decode_kernel="auto"``: the varlen kernel's work tile is 64 query rows x 64 keys, one SM's
 # unit; a MIXED step's decodes run the decode kernel where the longest decode's key tiles are at least
 # MIXED_SPLIT_TAIL times the step's tiles per SM (the one varlen launch would end on that decode alone). Set from
-# nine cells measured eager (BENCHMARKS.md, "MIXED steps"): the split won 1.7x at a ratio of 11, lost at 5.5 and
-# 2.8; that run's split paid a host-bound launch path since fixed (``decode_plan``), so 8 is a cautious bound.
+# nine cells measured eager on an H100 (BENCHMARKS.md, "MIXED steps"): the split won 1.17x at a ratio of 2.75,
+# 3.1x at 5.5 and 4.2x at 11, lost at 0.69 (0.69x) and below; the split's own host and launch cost is what a low
+# ratio does not pay back.
 VARLEN_TILE = 64
-MIXED_SPLIT_TAIL = 8
+MIXED_SPLIT_TAIL = 2
+# Over an FP8 cache on sm_90 the one varlen launch dequantises every page of the step first
+# (``paged_varlen.dequantize_first``), the decodes' included, which the decode kernel reads as FP8: decodes of
+# at most MIXED_DEQUANT_ROWS query rows (memory bound) split off from MIXED_DEQUANT_TOKENS cached tokens across
+# them. Measured (H100, eager, fp8_e4m3): 1.32-1.44x at 131072 tokens of 16-row decodes, 0.50x at 8192; 128-row
+# decodes lost at 65536-131072 (0.89-0.93x) unless they are the tail.
+MIXED_DEQUANT_ROWS = 32
+MIXED_DEQUANT_TOKENS = 65536
 
 
 class ForwardMode(enum.Enum):
@@ -172,6 +180,14 @@ def decode_tail(ext: Sequence[int], seq_lens: Sequence[int], n_ext: int, heads: 
     tiles = sum(-(-e * heads // VARLEN_TILE) * -(-s // VARLEN_TILE) for e, s in zip(ext, seq_lens))
     longest = -(-max(seq_lens[n_ext:], default=0) // VARLEN_TILE)
     return longest * sms >= MIXED_SPLIT_TAIL * tiles > 0
+
+
+def dequant_split(seq_lens: Sequence[int], n_ext: int, heads: int) -> bool:
+    """Whether a MIXED step over an FP8 cache whose extends dequantise their pages first should run its decodes
+    (the requests from ``n_ext`` on, ``heads`` query rows each) in the decode kernel, which reads them as FP8:
+    memory-bound decodes (at most ``MIXED_DEQUANT_ROWS`` rows) over at least ``MIXED_DEQUANT_TOKENS`` cached
+    tokens in all, whose dequantisation outweighs the split's own cost."""
+    return heads <= MIXED_DEQUANT_ROWS and sum(seq_lens[n_ext:]) >= MIXED_DEQUANT_TOKENS
 
 
 def auto_sms(device: torch.device) -> int:
@@ -407,12 +423,16 @@ class MLABackend:
     def _split_decodes(self, ext: list[int], seq_cpu: list[int], n_ext: int) -> int:
         """How many of a MIXED step's decodes (its last ``len(ext) - n_ext`` requests) run the decode kernel:
         all or none, by ``MLAConfig.mixed_decode_kernel`` ("auto": where ``decode_tail`` holds over
-        ``auto_sms``); none under decode context parallelism, whose plan covers the whole step."""
+        ``auto_sms``, or over an FP8 cache on sm_90 where ``dequant_split`` does); none under decode context
+        parallelism, whose plan covers the whole step."""
         n_dec = len(ext) - n_ext
         kernel = self.config.mixed_decode_kernel
         if not n_dec or kernel == "varlen" or self._dcp is not None:
             return 0
         if kernel == "decode":
+            return n_dec
+        if self.config.kv_format is not None and sm90_available(self.device) and dequant_split(seq_cpu, n_ext,
+                                                                                               self.heads):
             return n_dec
         return n_dec if decode_tail(ext, seq_cpu, n_ext, self.heads, auto_sms(self.device)) else 0
 

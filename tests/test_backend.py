@@ -213,13 +213,15 @@ def test_mixed_steps_split_their_decodes(provider, dtype, tol, kv_cache_dtype, k
 
 
 def test_decode_tail_rule():
-    """mixed_decode_kernel="auto"'s count: 8 decodes of 16384 keys (256 key tiles) beside a 512-token chunk at 16
-    heads (128 row tiles x 8 key tiles) are the tail on 132 SMs; 32 decodes of 4096 keys, or 128 of 1024 beside
-    a 2048-token chunk, are not; the factor MIXED_SPLIT_TAIL sits exactly at the boundary."""
+    """mixed_decode_kernel="auto"'s count: 8 decodes of 16384 keys (256 key tiles) or 32 of 4096 (64 key tiles, 2.75
+    times the step's 3072 tiles per SM) beside a 512-token chunk at 16 heads (128 row tiles x 8 key tiles) are the
+    tail on 132 SMs; 128 of 1024 beside a 2048-token chunk, or 32 of 4096 at 128 heads, are not; the factor
+    MIXED_SPLIT_TAIL sits exactly at the boundary."""
     from pagedmla.backend import MIXED_SPLIT_TAIL, decode_tail
 
     assert decode_tail([512] + [1] * 8, [512] + [16384] * 8, 1, 16, 132)
-    assert not decode_tail([512] + [1] * 32, [512] + [4096] * 32, 1, 16, 132)
+    assert decode_tail([512] + [1] * 32, [512] + [4096] * 32, 1, 16, 132)
+    assert not decode_tail([512] + [1] * 32, [512] + [4096] * 32, 1, 128, 132)
     assert not decode_tail([2048] + [1] * 128, [2048] + [1024] * 128, 1, 16, 132)
     tiles = 128 * 8 + 8 * 256  # the first step's tiles: the chunk's and the decodes'
     sms = -(-MIXED_SPLIT_TAIL * tiles // 256)
@@ -229,10 +231,23 @@ def test_decode_tail_rule():
     assert not decode_tail([1, 1], [0, 0], 0, 16, 132)  # nothing to attend
 
 
+def test_dequant_split_rule():
+    """Over an FP8 cache on sm_90: memory-bound decodes (16 or 32 rows) split off from MIXED_DEQUANT_TOKENS cached
+    tokens across them, not below it, and compute-bound ones (64-128 rows) never by this rule."""
+    from pagedmla.backend import MIXED_DEQUANT_TOKENS, dequant_split
+
+    half = MIXED_DEQUANT_TOKENS // 2
+    assert dequant_split([600, half, half], 1, 16)
+    assert dequant_split([600, half, half], 1, 32)
+    assert not dequant_split([600, half, half - 1], 1, 16)
+    assert not dequant_split([half, half, 1], 1, 16)  # the extend's own tokens do not count
+    assert not dequant_split([600, 4 * half, 4 * half], 1, 64)
+
+
 def test_auto_splits_where_a_decode_is_the_tail(monkeypatch):
     """mixed_decode_kernel="auto" as on a GPU of 132 SMs (``auto_sms``): a 4-token extend beside two decodes of
-    640 keys (10 key tiles each, 21 tiles in all: 10 x 132 >= 8 x 21) splits; the next step on 2 SMs (11 x 2 <
-    8 x 23) does not; both against the oracle."""
+    640 keys (10 key tiles each, 21 tiles in all: 10 x 132 >= 2 x 21) splits; the next step on 2 SMs (11 x 2 <
+    2 x 23) does not; both against the oracle."""
     h = Harness(heads=16, page_size=16, num_pages=120, max_context=1024, seed=37)
     slots = [h.add() for _ in range(3)]
     h.step(ForwardMode.EXTEND, slots, [1, 639, 639])
