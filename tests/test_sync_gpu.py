@@ -209,10 +209,12 @@ def test_bound_paged_prefill_equals_full_path(heads, monkeypatch):
     launched = []
     monkeypatch.setattr(paged_varlen, "launch_bound_paged_varlen_sm90",
                         lambda *a: launched.append(1) or paged_varlen_sm90_bound(*a))
-    first = pagedmla.flash_mla_varlen_with_kvcache(*inputs(0)[:4], qo, 512, causal=True)
+    kept = inputs(0)  # alive, so that the second call's tensors live at other addresses
+    first = pagedmla.flash_mla_varlen_with_kvcache(*kept, qo, 512, causal=True)
     if not paged_varlen._sm90_bound:
         pytest.skip("the Hopper paged prefill kernel does not run here")
     q, k_cache, table, lens = inputs(1)
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(kept, (q, k_cache, table, lens)))
     bound = pagedmla.flash_mla_varlen_with_kvcache(q, k_cache, table, lens, qo, 512, causal=True)
     assert launched == [1]
     paged_varlen._sm90_bound.clear()

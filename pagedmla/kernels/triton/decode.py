@@ -847,7 +847,8 @@ class _DecodePlan:
         partials = torch.empty(self.partials_numel, dtype=torch.float32, device=dev)
         err = errors.error_word(dev)
         bound = self.bound
-        if bound is not None:
+        # The bound launch does not switch devices: tensors off the current device take the full path.
+        if bound is not None and dev.index == torch.cuda.current_device():
             qp, kp, bp = q.data_ptr(), k_cache.data_ptr(), block_table.data_ptr()
             sp, mp, np_ = cache_seqlens.data_ptr(), metadata.data_ptr(), num_splits.data_ptr()
             op, lp = out.data_ptr(), lse.data_ptr()

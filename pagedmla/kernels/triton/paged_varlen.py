@@ -200,9 +200,10 @@ _sm90_bound: dict[tuple, tuple | None] = {}
 
 def _launch_bound(bound: tuple, q, k_cache, block_table, cache_seqlens, qo_indptr, head_dim_v: int):
     """(out, lse) of a bound launch, or None when an address is not 16-byte aligned as its kernel was compiled
-    for (the caller then takes the full path)."""
+    for, or the tensors' device is not the current one (the bound launch does not switch devices): the caller
+    then takes the full path."""
     if (q.data_ptr() | k_cache.data_ptr() | block_table.data_ptr() | cache_seqlens.data_ptr()
-            | qo_indptr.data_ptr()) & 15:
+            | qo_indptr.data_ptr()) & 15 or q.get_device() != torch.cuda.current_device():
         return None
     t, h, _ = q.shape
     out = torch.empty(t, h, head_dim_v, dtype=q.dtype, device=q.device)
@@ -257,8 +258,9 @@ def paged_varlen_attention(
         q.shape, q.stride(), q.dtype, q.get_device(), k_cache.shape, k_cache.stride(), k_cache.dtype,
         k_cache.get_device(), block_table.shape, block_table.stride(), block_table.dtype, block_table.get_device(),
         cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.get_device(),
-        qo_indptr.shape, qo_indptr.stride(), qo_indptr.dtype, qo_indptr.get_device(), head_dim_v, softmax_scale,
-        causal)
+        qo_indptr.shape, qo_indptr.stride(), qo_indptr.dtype, qo_indptr.get_device(),
+        # With their types: 512 == 512.0 and 1.0 == True must not share a valid call's launch.
+        head_dim_v.__class__, head_dim_v, softmax_scale.__class__, softmax_scale, causal.__class__, causal)
     bound = _sm90_bound.get(key) if key is not None else None
     if bound is not None:
         checks.page_layout(kv_page_indptr, num_kv_pages, qo_indptr.shape[0] - 1, q.device)

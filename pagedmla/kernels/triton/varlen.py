@@ -242,13 +242,14 @@ def _bind_sm90(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale,
 
 def _launch_bound(bound, q, k, v, cu_seqlens_q, cu_seqlens_k, out):
     """(out, lse) of a bound launch, or None when an address is not 16-byte aligned as the kernel was compiled
-    for (the caller then takes the full path)."""
+    for, or q's device is not the current one (the bound launch does not switch devices): the caller then takes
+    the full path."""
     launch, grid, (tq, h, dv) = bound
     qp, kp, vp, cqp, ckp = q.data_ptr(), k.data_ptr(), v.data_ptr(), cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
     op = 0 if out is None else out.data_ptr()
-    if (qp | kp | vp | cqp | ckp | op) & 15:
-        return None
     dev = q.device
+    if (qp | kp | vp | cqp | ckp | op) & 15 or dev.index != torch.cuda.current_device():
+        return None
     if out is None:
         out = torch.empty(tq, h, dv, dtype=q.dtype, device=dev)
     lse = torch.empty(tq, h, dtype=torch.float32, device=dev)
