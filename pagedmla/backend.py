@@ -259,9 +259,16 @@ class MLABackend:
         self.scale = float(config.softmax_scale)
         self.provider, self._decode_impl = resolve("paged_decode", self.device, provider)
         # A provider that only has a decode kernel (flashmla) runs the other ops on the default one.
-        self._varlen_paged_impl = self._resolve_or_default("paged_varlen", provider)
-        self._varlen_impl = self._resolve_or_default("varlen", provider)
-        self._merge_impl = self._resolve_or_default("merge", provider)
+        paged_varlen_provider, self._varlen_paged_impl = self._resolve_or_default("paged_varlen", provider)
+        self._varlen_impl = self._resolve_or_default("varlen", provider)[1]
+        self._merge_impl = self._resolve_or_default("merge", provider)[1]
+        # Where the triton provider's absorbed steps over an FP8 cache run the Hopper kernel over pages dequantised
+        # first (paged_varlen.dequantize_first: sm_90, 16-bit queries, 512 + 64 columns, pages a multiple of the
+        # 64-key tile); ``dequant_split`` applies only there.
+        self._dequantises_first = (config.kv_format is not None and paged_varlen_provider == "triton"
+                                   and sm90_available(self.device) and config.dtype in (torch.bfloat16, torch.float16)
+                                   and (config.kv_lora_rank, config.qk_rope_head_dim) == (512, 64)
+                                   and config.page_size % VARLEN_TILE == 0)
         if self.provider != "torch" and config.kv_cache_dtype == torch.float32:
             raise ValueError(f"kv_cache_dtype: the {self.provider!r} provider runs bfloat16/float16 caches; "
                              "float32 caches need provider='torch'")
@@ -282,10 +289,10 @@ class MLABackend:
                              f"dcp_rank={cfg.dcp_rank} of dcp_size={cfg.dcp_size}")
         return ContextParallel(cfg, group, self.device, self._decode_impl, self._merge_impl)
 
-    def _resolve_or_default(self, op: str, provider: str | None) -> Callable:
+    def _resolve_or_default(self, op: str, provider: str | None) -> tuple[str, Callable]:
         if provider is not None and provider not in available_providers(op):
             provider = None
-        return resolve(op, self.device, provider)[1]
+        return resolve(op, self.device, provider)
 
     # ------------------------------------------------------------------ planning
     @property
@@ -423,16 +430,15 @@ class MLABackend:
     def _split_decodes(self, ext: list[int], seq_cpu: list[int], n_ext: int) -> int:
         """How many of a MIXED step's decodes (its last ``len(ext) - n_ext`` requests) run the decode kernel:
         all or none, by ``MLAConfig.mixed_decode_kernel`` ("auto": where ``decode_tail`` holds over
-        ``auto_sms``, or over an FP8 cache on sm_90 where ``dequant_split`` does); none under decode context
-        parallelism, whose plan covers the whole step."""
+        ``auto_sms``, or where ``dequant_split`` does over an FP8 cache whose extends dequantise their pages first);
+        none under decode context parallelism, whose plan covers the whole step."""
         n_dec = len(ext) - n_ext
         kernel = self.config.mixed_decode_kernel
         if not n_dec or kernel == "varlen" or self._dcp is not None:
             return 0
         if kernel == "decode":
             return n_dec
-        if self.config.kv_format is not None and sm90_available(self.device) and dequant_split(seq_cpu, n_ext,
-                                                                                               self.heads):
+        if self._dequantises_first and dequant_split(seq_cpu, n_ext, self.heads):
             return n_dec
         return n_dec if decode_tail(ext, seq_cpu, n_ext, self.heads, auto_sms(self.device)) else 0
 

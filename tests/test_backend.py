@@ -244,6 +244,20 @@ def test_dequant_split_rule():
     assert not dequant_split([600, 4 * half, 4 * half], 1, 64)
 
 
+@pytest.mark.parametrize("provider,page,kv_cache_dtype,splits", [
+    ("triton", 64, "fp8_e4m3", True), ("triton", 128, "fp8_ds_mla", True), ("triton", 16, "fp8_e4m3", False),
+    ("torch", 64, "fp8_e4m3", False), ("triton", 64, None, False)])
+def test_dequant_split_only_where_extends_dequantise_first(monkeypatch, provider, page, kv_cache_dtype, splits):
+    """"auto" applies dequant_split only where the one varlen launch would dequantise the step's pages first (the
+    triton provider on sm_90, an FP8 cache, pages a multiple of 64 keys): as if on sm_90, 16-row decodes over
+    80000 cached tokens split there and nowhere else (no decode is the tail: auto_sms is 0 off CUDA)."""
+    monkeypatch.setattr(pagedmla.backend, "sm90_available", lambda device: True)
+    cfg = MLAConfig(num_heads=16, page_size=page, dtype=torch.float16, kv_cache_dtype=kv_cache_dtype, num_layers=1,
+                    max_batch_size=4, max_context_len=65536)
+    backend = MLABackend(cfg, device="cpu", provider=provider)
+    assert backend._split_decodes([600, 1, 1], [600, 40000, 40000], 1) == (2 if splits else 0)
+
+
 def test_auto_splits_where_a_decode_is_the_tail(monkeypatch):
     """mixed_decode_kernel="auto" as on a GPU of 132 SMs (``auto_sms``): a 4-token extend beside two decodes of
     640 keys (10 key tiles each, 21 tiles in all: 10 x 132 >= 2 x 21) splits; the next step on 2 SMs (11 x 2 <
