@@ -1,5 +1,7 @@
 """Host cost of eager calls on the GPU: pagedmla's public calls and backend steps beside FlashMLA's C++ call.
 
+Calls: ``flash_mla_with_kvcache`` on four decode cells (FlashMLA's beside it), ``get_mla_metadata``,
+``flash_attn_varlen_func`` on two ragged cells and ``flash_mla_varlen_with_kvcache`` on one paged prefill cell.
 Host µs per call: wall time of ``n`` back-to-back calls issued without waiting (few enough that CUDA's launch
 queue never fills, so the host is never held up by the GPU), divided by ``n``; best of five rounds (the host
 is shared and noisy). GPU µs: the same calls captured in a CUDA graph and replayed (no host in the way),
@@ -111,13 +113,26 @@ def _varlen_row(b: int, length: int, heads: int) -> dict:
             "gpu_us": gpu_us(fn, reps=2)}
 
 
+def _paged_row(b: int, new: int, heads: int, mean: int) -> dict:
+    """The paged (absorbed) prefill: ``new`` tokens of each of ``b`` requests over a cache of mean length ``mean``."""
+    q, cache, table, lens = decode_inputs(b, new, heads, mean)
+    q = q.view(b * new, heads, D)
+    qo = torch.arange(0, b * new + 1, new, dtype=torch.int32, device="cuda")
+
+    def fn():
+        return pagedmla.flash_mla_varlen_with_kvcache(q, cache, table, lens, qo, DV, causal=True)
+
+    return {"call": f"flash_mla_varlen_with_kvcache {b}x{new}x{heads}x{mean}", "host_us": host_us(fn, n=50),
+            "gpu_us": gpu_us(fn, reps=2)}
+
+
 def public_calls(use_flashmla: bool) -> list[dict]:
     rows = [_decode_row(*cell, use_flashmla) for cell in ((1, 1, 128, 4096), (8, 1, 128, 4096), (128, 1, 16, 1024),
                                                           (64, 4, 16, 4096))]
     lens = torch.randint(1, 8192, (64,), dtype=torch.int32, device="cuda")
     rows.append({"call": "get_mla_metadata 64x16", "host_us": host_us(lambda: pagedmla.get_mla_metadata(lens, 16, 1)),
                  "gpu_us": gpu_us(lambda: pagedmla.get_mla_metadata(lens, 16, 1))})
-    return rows + [_varlen_row(8, 4096, 16), _varlen_row(256, 128, 16)]
+    return rows + [_varlen_row(8, 4096, 16), _varlen_row(256, 128, 16), _paged_row(8, 128, 16, 4096)]
 
 
 def step_costs(profile: bool) -> list[dict]:
