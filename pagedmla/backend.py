@@ -61,16 +61,16 @@ from pagedmla.parallel import Group
 # ``MLAConfig.mixed_decode_kernel="auto"``: the varlen kernel's work tile is 64 query rows x 64 keys, one SM's
 # unit; a MIXED step's decodes run the decode kernel where the longest decode's key tiles are at least
 # MIXED_SPLIT_TAIL times the step's tiles per SM (the one varlen launch would end on that decode alone). Set from
-# nine cells measured eager on an H100 (BENCHMARKS.md, "MIXED steps"): the split won 1.17x at a ratio of 2.75,
-# 3.1x at 5.5 and 4.2x at 11, lost at 0.69 (0.69x) and below; the split's own host and launch cost is what a low
+# nine cells measured eager on an H100 (BENCHMARKS.md, "MIXED steps"): the split won 1.24x at a ratio of 2.75,
+# 3.1x at 5.5 and 4.2x at 11, lost at 0.69 (0.70x) and below; the split's own host and launch cost is what a low
 # ratio does not pay back.
 VARLEN_TILE = 64
 MIXED_SPLIT_TAIL = 2
 # Over an FP8 cache on sm_90 the one varlen launch dequantises every page of the step first
 # (``paged_varlen.dequantize_first``), the decodes' included, which the decode kernel reads as FP8: decodes of
 # at most MIXED_DEQUANT_ROWS query rows (memory bound) split off from MIXED_DEQUANT_TOKENS cached tokens across
-# them. Measured (H100, eager, fp8_e4m3): 1.32-1.44x at 131072 tokens of 16-row decodes, 0.50x at 8192; 128-row
-# decodes lost at 65536-131072 (0.89-0.93x) unless they are the tail.
+# them. Measured (H100, eager, fp8_e4m3): 1.32-1.45x at 131072 tokens of 16-row decodes, 0.43x at 8192; 128-row
+# decodes lost at 8192-131072 (0.72-0.92x) unless they are the tail.
 MIXED_DEQUANT_ROWS = 32
 MIXED_DEQUANT_TOKENS = 65536
 
