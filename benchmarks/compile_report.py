@@ -275,18 +275,18 @@ def _compile_jit(fn, values: dict, constants: dict, arch: int, num_warps: int, n
 
 def compile_combine(arch: int = 90, heads: int = 64):
     """The decode combine kernel as the plan launches it after a Hopper main kernel at batch 128, q_len 1:
-    float32 partials, 16-row tiles of 128 columns, ``COMBINE_PIECES`` pieces a step, as a programmatic
-    dependent."""
+    float32 partials, 16-row tiles of 128 columns, ``COMBINE_PIECES_MANY`` pieces a step (many requests), as
+    a programmatic dependent."""
     from triton.runtime.jit import MockTensor
 
-    from pagedmla.kernels.triton.decode import COMBINE_PIECES, _decode_combine_kernel
+    from pagedmla.kernels.triton.decode import COMBINE_PIECES_MANY, _decode_combine_kernel
 
     bf16, i32, f32 = torch.bfloat16, torch.int32, torch.float32
     values = dict(out_ptr=MockTensor(bf16), lse_ptr=MockTensor(f32), part_ptr=MockTensor(f32),
                   splits_ptr=MockTensor(i32), seqlens_ptr=MockTensor(i32), err_ptr=MockTensor(i32), B=128, H=heads,
                   Q_LEN=1, ROWS=heads, PARTS=132, CAPACITY=4096, stride_ob=heads * DV, stride_ot=heads * DV,
                   stride_oh=DV)
-    constants = dict(DV=DV, BLOCK_R=16, BLOCK_D=128, PIECES=COMBINE_PIECES, PDL=True, OUT_TYPED=False)
+    constants = dict(DV=DV, BLOCK_R=16, BLOCK_D=128, PIECES=COMBINE_PIECES_MANY, PDL=True, OUT_TYPED=False)
     return _compile_jit(_decode_combine_kernel, values, constants, arch, 4, 3)
 
 

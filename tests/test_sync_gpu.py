@@ -227,10 +227,12 @@ def test_bound_paged_prefill_equals_full_path(heads, monkeypatch):
 
 
 @pytest.mark.parametrize("heads", [16, 128])
-@pytest.mark.parametrize("bad", ["page", "negative", "beyond", "schedule"])
+@pytest.mark.parametrize("bad", ["page", "negative", "beyond", "schedule", "schedule_two_parts"])
 def test_compiled_decode_guards(heads, bad):
     """The guards compiled (bf16, portable and Hopper kernels): the bad request NaN, the others exact, the
-    bit set, no device assert (the context stays usable)."""
+    bit set, no device assert (the context stays usable). ``schedule_two_parts``: a bad schedule of two
+    parts, so that requests past the first are in one piece and the combine runs as the main kernel's
+    programmatic dependent, whose one-piece programs leave before its wait (request 0's write their NaN)."""
     lens = [300, 1000, 70, 2000]
     q, k_cache, table, seqlens = _decode_inputs(4, 1, heads, lens, 11)
     meta, splits = pagedmla.get_mla_metadata(seqlens, heads, 1)
@@ -240,6 +242,9 @@ def test_compiled_decode_guards(heads, bad):
         table[1, 3] = 10 ** 6
     elif bad == "schedule":
         meta, splits = pagedmla.get_mla_metadata(seqlens.flip(0), heads, 1)
+    elif bad == "schedule_two_parts":
+        meta, splits = pagedmla.get_mla_metadata(seqlens.flip(0), heads, 1, num_sm_parts=2)
+        assert (splits.diff() == 1).sum() >= 2  # one-piece requests past request 0
     if bad in ("negative", "beyond"):
         bad_lens = seqlens.clone()
         bad_lens[1] = -5 if bad == "negative" else 10 ** 9
@@ -252,7 +257,7 @@ def test_compiled_decode_guards(heads, bad):
         out, lse = pagedmla.flash_mla_with_kvcache(q, k_cache, table, seqlens, 512, meta, splits, causal=True)
     torch.cuda.synchronize()
     bits = errors.device_errors()
-    if bad == "schedule":
+    if bad.startswith("schedule"):
         assert out.isnan().all() and lse.isnan().all() and bits & errors.SCHEDULE
         return
     assert out[1].isnan().all() and lse[1].isnan().all()

@@ -623,7 +623,12 @@ def _decode_combine_kernel(
     by the main kernel, unless the main kernel found the schedule was made for other lengths: then every
     request's rows are NaN (and a negative length's request with no pieces too). With PDL (launched as a
     programmatic dependent of the main kernel) the programs start while the main kernel runs and wait for
-    its end (``griddepcontrol.wait``) before touching results.
+    its end (``griddepcontrol.wait``) before touching results; the programs of a one-piece request other
+    than request 0 have nothing to do unless the schedule is bad, and leave before that wait (the grid
+    would otherwise hold them after the main kernel: at 128-256 rows per request most programs are such,
+    and the tail after the main kernel grew with them, benchmarks/NOTES.md decode v37); request 0's
+    programs always wait, so the grid ends after the main kernel, and under a bad schedule write the NaN
+    rows of every request.
     """
     tl.static_assert((PIECES == 1) | (PIECES == 2) | (PIECES == 4), "PIECES: the step loads 1, 2 or 4 pieces")
     b = tl.program_id(0)
@@ -638,12 +643,26 @@ def _decode_combine_kernel(
     s_lo = tl.load(splits_ptr + b)
     s_hi = tl.load(splits_ptr + b + 1)
     _, bits = checked_length(tl.load(seqlens_ptr + b), CAPACITY)
+    t = rows // H
+    h = rows % H
     if PDL:
-        # Every program waits, also those with nothing to merge: the next kernel in the stream is ordered
-        # after this grid only, so this grid must not finish before the main kernel has (when no request is
-        # split, no program would otherwise wait and a reader of ``out`` could overtake the main kernel).
+        if (s_hi - s_lo == 1) & (b != 0):
+            return
+        # Request 0's programs wait whatever its pieces: the next kernel in the stream is ordered after this
+        # grid only, so the grid must not finish before the main kernel has (a reader of ``out`` could
+        # otherwise overtake it when no request is split).
         gdc_wait()
     bad_schedule = tl.load(verdict_ptr) != 1.0
+    if PDL:
+        if (b == 0) & bad_schedule:
+            # The one-piece requests' programs left above: this program's tile of every request is NaN.
+            nan = float("nan")
+            for b2 in range(1, B):
+                o_ptrs = (out_ptr + tl.cast(b2, tl.int64) * stride_ob
+                          + (t.to(tl.int64) * stride_ot + h * stride_oh)[:, None] + cols[None, :])
+                tl.store(o_ptrs, tl.full([BLOCK_R, BLOCK_D], nan, out_ptr.dtype.element_ty), mask=row_ok[:, None])
+                tl.store(lse_ptr + tl.cast(b2, tl.int64) * ROWS + h * Q_LEN + t, tl.full([BLOCK_R], nan, tl.float32),
+                         mask=row_ok & (tl.program_id(2) == 0))
     # A one-piece request was written by the main kernel; this program writes it only under a bad schedule.
     # Nothing branches on the verdict before the pieces' loads are issued: it is used when storing.
     merge = s_hi - s_lo != 1
@@ -681,8 +700,6 @@ def _decode_combine_kernel(
         m = m_new
     inv_l, lse2 = finish_rows(l, m, bad_schedule | (bits != 0))
     write = row_ok & (merge | bad_schedule)
-    t = rows // H
-    h = rows % H
     o_ptrs = (out_ptr + tl.cast(b, tl.int64) * stride_ob + (t.to(tl.int64) * stride_ot + h * stride_oh)[:, None]
               + cols[None, :])
     tl.store(o_ptrs, (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=write[:, None])
@@ -779,8 +796,12 @@ def fp8_pairs(cfg: DecodeConfig, kv_fmt: str | None) -> bool:
     return kv_fmt is not None and cfg.chunks == 4 and cfg.block_m <= 32
 
 
-# Pieces of a split request the combine kernel loads in one step (its ``PIECES``).
+# Pieces of a split request the combine kernel loads in one step (its ``PIECES``): four where few requests
+# have tens of pieces each (one round trip per four), two where many requests (``_DecodePlan``'s 16-row
+# tiles) have two or three, whose programs then take 72 registers a thread instead of 115, so that 7 fit an
+# SM instead of 4 (1.5-2.5% on 128-256-row cells at 1024 tokens, 6% slower at batch 1; decode v37).
 COMBINE_PIECES = 4
+COMBINE_PIECES_MANY = 2
 
 
 def _combine_args(out, lse, partials, num_splits, cache_seqlens, err, parts, capacity, pdl, block_r, out_typed,
@@ -825,14 +846,16 @@ class _DecodePlan:
         # From a request per four SMs (a few pieces each) the combine overlaps the main kernel's end (PDL,
         # after either main kernel: batch 128 in v11 / v21, batch 64 at 64 rows 1% in v30); below, the
         # early-scheduled combine only waits beside the main grid (on every call: batch 1 / 8 3-14% slower, v30).
-        # Many requests (one per two SMs) also merge 16 rows per program from 32 rows; fewer have ~parts / b
-        # pieces each, which small tiles spread over more programs.
+        # Many requests (one per four SMs, at most ~4 pieces each) also merge 16 rows per program from 32 rows,
+        # two pieces a step (at 64 x 4 x 16 x 4096, one per two SMs, 1% faster than 4-row tiles; decode v37);
+        # fewer have ~parts / b pieces each, which small tiles spread over more programs.
         per_sm = 1 if self.cfg.use_sm90 else tile_plan(self.rows)[1]  # the portable small tiles: two per SM
         self.pdl = 4 * b * per_sm >= self.parts and pdl_available(q.device)
         self.wait_prior = pdl_available(q.device)
         sms = sm_count(q.device) if q.is_cuda else 8
-        many = 2 * b >= self.parts and self.rows >= 32
+        many = 4 * b >= self.parts and self.rows >= 32
         self.block_r = 16 if many else few_requests_block_r(b, self.rows, head_dim_v, sms)
+        self.pieces = COMBINE_PIECES_MANY if many else COMBINE_PIECES
         self.bound: tuple | None = None  # (main, grid, combine, combine grid) once bound
         self.tried_bind = False
 
@@ -896,7 +919,7 @@ class _DecodePlan:
                                                               self.out_typed, self.wait_prior)
             own_q = q is q_in
         cgrid, cargs, coptions = _combine_args(out, lse, partials, num_splits, cache_seqlens, err, self.parts,
-                                               self.capacity, self.pdl, self.block_r, self.out_typed)
+                                               self.capacity, self.pdl, self.block_r, self.out_typed, self.pieces)
         if not self.tried_bind and dev.type == "cuda" and own_q:
             # Bind once, from a call whose tensors the later calls' addresses stand for.
             self.tried_bind = True
