@@ -2,13 +2,15 @@
 
 Compiles ``_decode_split_kernel`` ahead of time for sm_90a (``triton.compile`` with the argument
 specialisation a real launch gets: 16-divisible pointers and strides, ``Q_LEN`` 1 as a constant, tensor
-descriptors where the config uses TMA), or the Hopper Gluon kernel for configs ending in ``h``, and
+descriptors where the config uses TMA), or the Hopper Gluon kernel for configs ending in ``h`` (the Hopper
+decode kernels with the same specialisation, ``_decode_launch_source``), and
 reports, from the compiled artefacts: shared memory, registers and spills (the Triton wheel's ``ptxas
 -v``), the MMA instructions and their shapes, the wgmma wait depths, the KV buffers of the key loop (their
 leading dimension is the number of pipeline buffers), the ``cp.async`` wait depths and the register
 budgets (``setmaxnreg``) of warp-specialised kernels, the wgmma waits ptxas injects, the L2 hints of loads
-and stores, and the SASS's instruction count and its ``R2UR`` moves (the wheel's ``nvdisasm``: values ptxas
-cannot prove warp-uniform reach the uniform datapath through them, NOTES Prefill v14). The Hopper decode
+and stores, the stores' widths, and the SASS's instruction count and its ``R2UR`` moves (the wheel's
+``nvdisasm``: values ptxas cannot prove warp-uniform reach the uniform datapath through them, NOTES Prefill
+v14). The Hopper decode
 kernels are compiled as their launcher compiles them: again from their PTX with every TMA load at L2 evict-first
 (``sm90.pipeline.tma_loads_evict_first``). Triton-internal APIs (3.6); the numbers describe code, not speed.
 
@@ -125,11 +127,32 @@ def compile_varlen_sm90(arch: int = 90, dk: int = 192, dv: int = 128, per_seq: b
     return _compile_as_launched(src, arch, _MAIN, num_warps=8 if cta else 4)
 
 
-def _compile_hopper_decode(kernel, cached, descs: dict[str, str], arch: int, **extra):
-    """One of the two Hopper decode kernels (the same arguments, ``descs`` their descriptor types; ``cached``
-    its launcher's ``CachedKernel``) for bf16, page 64, causal; ``extra``: more constexpr arguments."""
+def _decode_launch_source(kernel, signature: dict[str, str], constexprs: dict, rows: int):
+    """The Gluon source of a Hopper decode kernel specialised as a launch at batch 128, q_len 1, ``rows`` query
+    rows (= heads), 4096-token requests and page 64 specialises it (the JIT's rules): every pointer 16-byte
+    aligned (torch's allocations), integer arguments divisible by 16 marked so (the strides and the batch;
+    not the part count or the pieces), q_len 1 a constant. Without them the partial and output stores compile
+    to 4- and 2-byte stores where the launched kernel's are 8 and 4 bytes."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    pages = 4096 // PAGE + 3  # the benchmark's widest table row at mean 4096
+    parts = 132 // max(1, rows // 64)
+    ints = dict(B=128, PARTS=parts, H=rows, Q_LEN=1, ROWS=rows, stride_btb=pages, PIECES=128 + parts,
+                CAPACITY=pages * PAGE, num_pages=128 * pages + 1, stride_ob=rows * DV, stride_ot=rows * DV,
+                stride_oh=DV)
+    signature, constexprs = dict(signature), dict(constexprs)
+    signature["Q_LEN"], constexprs["Q_LEN"] = "constexpr", ints["Q_LEN"]
+    backend = CUDABackend(GPUTarget("cuda", 90, 32))
+    aligned = [name for name, ty in signature.items() if ty.startswith("*")]
+    aligned += [name for name, value in ints.items() if signature.get(name) == "i32" and value % 16 == 0]
+    attrs = {(kernel.arg_names.index(name),): backend.parse_attr("D") for name in aligned}
+    return GluonASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
+
+
+def _compile_hopper_decode(kernel, cached, descs: dict[str, str], arch: int, rows: int, **extra):
+    """One of the two Hopper decode kernels (the same arguments, ``descs`` their descriptor types; ``cached``
+    its launcher's ``CachedKernel``) for bf16, page 64, causal, ``rows`` query rows, as launched
+    (``_decode_launch_source``); ``extra``: more constexpr arguments."""
     signature = dict(descs)
     signature.update({name: "*i32" for name in ("bt_ptr", "seqlens_ptr", "meta_ptr", "splits_ptr")})
     signature.update(out_ptr="*bf16", lse_ptr="*fp32", partials_ptr="*fp32", err_ptr="*i32")
@@ -138,7 +161,7 @@ def _compile_hopper_decode(kernel, cached, descs: dict[str, str], arch: int, **e
                                                 "stride_ot", "stride_oh")})
     constexprs = dict(CAUSAL=True, PAGE=PAGE, META_W=METADATA_WIDTH, PDL=True, WAIT_PRIOR=True, **extra)
     signature.update({name: "constexpr" for name in constexprs})
-    return _compile_as_launched(GluonASTSource(kernel, signature, constexprs=constexprs), arch, cached)
+    return _compile_as_launched(_decode_launch_source(kernel, signature, constexprs, rows), arch, cached)
 
 
 def compile_sm90(arch: int = 90, rows: int = 64):
@@ -146,7 +169,7 @@ def compile_sm90(arch: int = 90, rows: int = 64):
     the transposed form's 16 / 32)."""
     from pagedmla.kernels.triton.sm90.decode import _MAIN, _decode_sm90_kernel
 
-    return _compile_hopper_decode(_decode_sm90_kernel, _MAIN, _gluon_descs(rows), arch, TRANSPOSED=rows < 64)
+    return _compile_hopper_decode(_decode_sm90_kernel, _MAIN, _gluon_descs(rows), arch, rows, TRANSPOSED=rows < 64)
 
 
 def compile_seesaw(arch: int = 90):
@@ -155,15 +178,13 @@ def compile_seesaw(arch: int = 90):
 
     descs = {"q_desc": _gluon_desc(DV // 2), "q_pe_desc": _gluon_desc(D - DV), "kv_desc": _gluon_desc(DV // 2),
              "kv_pe_desc": _gluon_desc(D - DV)}
-    return _compile_hopper_decode(_decode_seesaw_kernel, _SEESAW, descs, arch)
+    return _compile_hopper_decode(_decode_seesaw_kernel, _SEESAW, descs, arch, 128)
 
 
 def compile_sm90_fp8(kv_format: str, arch: int = 90, rows: int = 64):
     """The Hopper Gluon FP8-cache decode kernel (``sm90/decode_fp8.py``) for bf16 q, page 64, causal, over a
     ``kv_format`` cache, as its launcher compiles it: Q tiles of ``rows`` rows (64, or the narrow form's 16 /
     32)."""
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from pagedmla.kernels.triton.sm90.decode_fp8 import (
         _FORMAT_IDS,
         _MAIN,
@@ -190,7 +211,8 @@ def compile_sm90_fp8(kv_format: str, arch: int = 90, rows: int = 64):
                       KV_FMT=_FORMAT_IDS[kv_format], TRANSPOSED=rows < 64)
     signature.update({name: "constexpr" for name in constexprs})
     constexprs.update({"sc_desc": None} if e4m3 else {"kv_scale_ptr": None})
-    return _compile_as_launched(GluonASTSource(_decode_sm90_fp8_kernel, signature, constexprs=constexprs), arch, _MAIN)
+    src = _decode_launch_source(_decode_sm90_fp8_kernel, signature, constexprs, rows)
+    return _compile_as_launched(src, arch, _MAIN)
 
 
 @contextlib.contextmanager
@@ -335,6 +357,9 @@ def report(kernel, arch: int = 90) -> dict:
     # Global stores kept in L2 ahead of the streamed rows (``common.PARTIALS_EVICTION``: the split-KV partials).
     out["evict_last_stores"] = len(re.findall(r"st\.global\.L1::evict_last\.L2::cache_hint", ptx))
     out["global_stores"] = len(re.findall(r"\bst\.global\.", ptx))
+    # Of those, stores of 2 or 4 elements per thread (8 or 16 bytes of fp32, 4 or 8 of bf16): the MMA layout's
+    # pairs of adjacent columns, which a store of one element each would leave as half sectors.
+    out["vector_global_stores"] = len(re.findall(r"\bst\.global(?:\.[\w:]+)*\.v[24]\.", ptx))
     # A main kernel launched as its predecessor's programmatic dependent reads nothing before its
     # ``griddepcontrol.wait`` (``common.wait_prior_options``): the global accesses the PTX has ahead of it.
     first_wait = ptx.find("griddepcontrol.wait")

@@ -96,9 +96,17 @@ def test_hopper_kernel_structure():
     assert rep["spill_store_load_bytes"] == [0, 0], rep
     assert rep["shared_bytes"] <= 227 * 1024 and 32 in rep["setmaxnreg"], rep
     assert 0 < rep["evict_last_stores"] < rep["global_stores"], rep  # the partials only (PARTIALS_EVICTION)
+    _partials_stored_in_pairs(rep)
     assert rep["evict_first_tma_loads"] == rep["tma_loads"], rep  # the launcher's PTX pass hints every load
     assert rep["ptxas_injected_waits"] == 0, rep
     _waits_for_the_prior_kernel(rep)
+
+
+def _partials_stored_in_pairs(rep: dict) -> None:
+    """Compiled as a launch specialises it (16-byte aligned pointers and strides), every partial value store
+    of a Hopper kernel writes a thread's two adjacent fp32 columns at once (so four lanes fill a 32-byte
+    sector); the two one-element ones are the LSEs'."""
+    assert rep["vector_global_stores"] == rep["evict_last_stores"] - 2, rep
 
 
 def test_hopper_seesaw_kernel_structure():
@@ -117,6 +125,7 @@ def test_hopper_seesaw_kernel_structure():
     assert rep["spill_store_load_bytes"][0] <= 8 and rep["spill_store_load_bytes"][1] <= 8, rep
     assert rep["shared_bytes"] <= 227 * 1024 and {32, 232} <= set(rep["setmaxnreg"]), rep
     assert 0 < rep["evict_last_stores"] < rep["global_stores"], rep
+    _partials_stored_in_pairs(rep)
     assert rep["evict_first_tma_loads"] == rep["tma_loads"], rep
     assert rep["ptxas_injected_waits"] == 0, rep
     _waits_for_the_prior_kernel(rep)
