@@ -653,16 +653,6 @@ def _decode_combine_kernel(
         # otherwise overtake it when no request is split).
         gdc_wait()
     bad_schedule = tl.load(verdict_ptr) != 1.0
-    if PDL:
-        if (b == 0) & bad_schedule:
-            # The one-piece requests' programs left above: this program's tile of every request is NaN.
-            nan = float("nan")
-            for b2 in range(1, B):
-                o_ptrs = (out_ptr + tl.cast(b2, tl.int64) * stride_ob
-                          + (t.to(tl.int64) * stride_ot + h * stride_oh)[:, None] + cols[None, :])
-                tl.store(o_ptrs, tl.full([BLOCK_R, BLOCK_D], nan, out_ptr.dtype.element_ty), mask=row_ok[:, None])
-                tl.store(lse_ptr + tl.cast(b2, tl.int64) * ROWS + h * Q_LEN + t, tl.full([BLOCK_R], nan, tl.float32),
-                         mask=row_ok & (tl.program_id(2) == 0))
     # A one-piece request was written by the main kernel; this program writes it only under a bad schedule.
     # Nothing branches on the verdict before the pieces' loads are issued: it is used when storing.
     merge = s_hi - s_lo != 1
@@ -705,6 +695,17 @@ def _decode_combine_kernel(
     tl.store(o_ptrs, (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=write[:, None])
     if tl.program_id(2) == 0:
         tl.store(lse_ptr + tl.cast(b, tl.int64) * ROWS + h * Q_LEN + t, lse2 * _LN2, mask=write)
+    if PDL:
+        # After this program's own stores, so that no branch on the verdict precedes the pieces' loads.
+        if (b == 0) & bad_schedule:
+            # The one-piece requests' programs left above: this program's tile of every request is NaN.
+            nan = float("nan")
+            for b2 in range(1, B):
+                o_ptrs = (out_ptr + tl.cast(b2, tl.int64) * stride_ob
+                          + (t.to(tl.int64) * stride_ot + h * stride_oh)[:, None] + cols[None, :])
+                tl.store(o_ptrs, tl.full([BLOCK_R, BLOCK_D], nan, out_ptr.dtype.element_ty), mask=row_ok[:, None])
+                tl.store(lse_ptr + tl.cast(b2, tl.int64) * ROWS + h * Q_LEN + t, tl.full([BLOCK_R], nan, tl.float32),
+                         mask=row_ok & (tl.program_id(2) == 0))
 
 
 _SPLIT = CachedKernel(_decode_split_kernel)
