@@ -10,9 +10,9 @@ leading dimension is the number of pipeline buffers), the ``cp.async`` wait dept
 budgets (``setmaxnreg``) of warp-specialised kernels, the wgmma waits ptxas injects, the L2 hints of loads
 and stores, the stores' widths, and the SASS's instruction count and its ``R2UR`` moves (the wheel's
 ``nvdisasm``: values ptxas cannot prove warp-uniform reach the uniform datapath through them, NOTES Prefill
-v14). The Hopper decode
-kernels are compiled as their launcher compiles them: again from their PTX with every TMA load at L2 evict-first
-(``sm90.pipeline.tma_loads_evict_first``). Triton-internal APIs (3.6); the numbers describe code, not speed.
+v14). The Hopper decode kernels are compiled as their launcher compiles them: again from their PTX with every
+TMA load at L2 evict-first (``sm90.pipeline.tma_loads_evict_first``). Triton-internal APIs (3.6); the numbers
+describe code, not speed.
 
     python benchmarks/compile_report.py                          # the default configs for 16, 32, 128 rows
     python benchmarks/compile_report.py --config m16n32w4s3c4p   # one config (bench_decode's spec syntax)

@@ -800,7 +800,7 @@ def fp8_pairs(cfg: DecodeConfig, kv_fmt: str | None) -> bool:
 # Pieces of a split request the combine kernel loads in one step (its ``PIECES``): four where few requests
 # have tens of pieces each (one round trip per four), two where many requests (``_DecodePlan``'s 16-row
 # tiles) have two or three, whose programs then take 72 registers a thread instead of 115, so that 7 fit an
-# SM instead of 4 (1.5-2.5% on 128-256-row cells at 1024 tokens, 6% slower at batch 1; decode v37).
+# SM instead of 4 (1.5-1.7% on 128-256-row cells at 1024 tokens, 5.9% slower at batch 1; decode v37).
 COMBINE_PIECES = 4
 COMBINE_PIECES_MANY = 2
 
