@@ -52,9 +52,14 @@ RAGGED_VARIANTS = {
 }
 # (long prompt, short prompts, their length, heads): causal, 192/128
 SKEWED_GRID = [(4096, 63, 64, 128), (16384, 127, 128, 16)]
-# (requests, new tokens, cached tokens, heads)
-PAGED_GRID = [(8, 1024, 4096, 128), (8, 1024, 4096, 16), (64, 512, 1024, 128), (64, 512, 1024, 16),
-              (256, 128, 1024, 128), (256, 128, 1024, 16)]
+# (requests, new tokens, cached tokens, heads). The 128-head cells at 64 x 512 and 256 x 128 tokens hold 2^31 query
+# elements, where FlashInfer 0.6.18's MLA output is wrong (NaN on these inputs, relative error 0.71 on another
+# draw: benchmarks/NOTES.md, Prefill - paged); the same shapes at half the batch are where it is right.
+PAGED_GRID = [(8, 1024, 4096, 128), (8, 1024, 4096, 16), (64, 512, 1024, 128), (32, 512, 1024, 128),
+              (64, 512, 1024, 16), (256, 128, 1024, 128), (128, 128, 1024, 128), (256, 128, 1024, 16)]
+# A baseline whose output is this far from pagedmla's (relative error; bf16 rounding gives ~3e-3) computed
+# something else: the summary shows its time but no ratio.
+WRONG_OUTPUT = 0.05
 PAGED_VARIANTS = {
     "m64n64w8s2": PrefillConfig(block_m=64, block_n=64, num_warps=8, num_stages=2),
     "m64n32w8s3": PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=3),
@@ -104,8 +109,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def record(section: str, cell: str, impl: str, ms: float | None, value: float | None, unit: str, note: str = ""):
-    rows.append({"section": section, "cell": cell, "impl": impl, "ms": ms, "value": value, "unit": unit, "note": note})
+def record(section: str, cell: str, impl: str, ms: float | None, value: float | None, unit: str, note: str = "",
+           err: float | None = None):
+    rows.append({"section": section, "cell": cell, "impl": impl, "ms": ms, "value": value, "unit": unit, "note": note,
+                 "err": err})
     shown = "failed" if ms is None else f"{ms:8.3f} ms {value:7.1f} {unit}"
     print(f"  {impl:<22} {shown} {note}", flush=True)
 
@@ -115,7 +122,7 @@ def try_variant(section, cell, name, fn, flops, check):
         out = fn()
         err = check(out)
         ms = timed(fn)
-        record(section, cell, name, ms, flops / ms / 1e9, "TFLOP/s", f"rel_err={err:.1e}")
+        record(section, cell, name, ms, flops / ms / 1e9, "TFLOP/s", f"rel_err={err:.1e}", err)
         return ms
     except Exception as exc:  # a variant that does not compile (shared memory) or fails is reported, not fatal
         record(section, cell, name, None, None, "TFLOP/s", f"{type(exc).__name__}: {str(exc)[:100]}")
@@ -318,9 +325,13 @@ def summary() -> dict[str, dict[str, float]]:
         best = next((r for r in mine if r["impl"] == "triton"), mine[0])
         parts = [f"{section:<6} {cell:<22} {best['impl']} {best['value']:7.1f} {best['unit']}"]
         for r in sel:
-            if r not in mine and r["impl"] != "torch_copy":
-                parts.append(f"{r['impl']} {r['value']:.1f} -> x{best['value'] / r['value']:.2f}")
-                ratios[r["impl"]][f"{section} {cell}"] = best["value"] / r["value"]
+            if r in mine or r["impl"] == "torch_copy":
+                continue
+            if r["err"] is not None and not r["err"] <= WRONG_OUTPUT:  # NaN included
+                parts.append(f"{r['impl']} {r['value']:.1f} (output wrong, rel err {r['err']:.2g}: no ratio)")
+                continue
+            parts.append(f"{r['impl']} {r['value']:.1f} -> x{best['value'] / r['value']:.2f}")
+            ratios[r["impl"]][f"{section} {cell}"] = best["value"] / r["value"]
         print(" | ".join(parts))
     return ratios
 
