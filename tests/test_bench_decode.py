@@ -6,6 +6,7 @@ import argparse
 import csv
 
 from pagedmla.bench import decode
+from pagedmla.bench.common import best_of_rounds
 from pagedmla.bench.options import decode_arguments
 
 
@@ -19,9 +20,9 @@ def test_best_of_rounds_alternates_and_keeps_each_best():
             return next(figures[name])
         return time
 
-    assert decode.best_of_rounds([timer("pm"), timer("fm")], 3) == [3.0, 1.0]
+    assert best_of_rounds([timer("pm"), timer("fm")], 3) == [3.0, 1.0]
     assert calls == ["pm", "fm"] * 3
-    assert decode.best_of_rounds([lambda: 7.0], 0) == [7.0]  # at least one pass
+    assert best_of_rounds([lambda: 7.0], 0) == [7.0]  # at least one pass
 
 
 def test_quick_cpu_grid_with_rounds(tmp_path):

@@ -36,7 +36,14 @@ from collections.abc import Callable
 import torch
 import triton
 
-from pagedmla.bench.common import CPU_TIMER, CUDA_TIMER, bar_plot, check_plotting, wall_clock_us
+from pagedmla.bench.common import (
+    CPU_TIMER,
+    CUDA_TIMER,
+    bar_plot,
+    best_of_rounds,
+    check_plotting,
+    wall_clock_us,
+)
 from pagedmla.bench.options import decode_arguments
 from pagedmla.kernels.triton.decode import DecodeConfig, default_config, paged_decode_triton, select_config
 from pagedmla.kernels.triton.sm90.mla import sm90_supported
@@ -451,18 +458,6 @@ def run(args: argparse.Namespace, compact: bool = False) -> list[dict]:
     if args.plot:
         _plot(rows, args.plot, CUDA_TIMER if cuda else CPU_TIMER)
     return rows
-
-
-def best_of_rounds(timers: list[Callable[[], float]], rounds: int) -> list[float]:
-    """Each timer's least figure over ``rounds`` passes that run the timers in turn: the GPU's clocks fall
-    under a long stretch of load (on the H200 from 1980 to ~1400 MHz within a CUDA-graph measurement), so a
-    library timed right after another would pay for the other's heat; alternating and keeping each one's
-    best gives both the same conditions."""
-    best = [math.inf] * len(timers)
-    for _ in range(max(1, rounds)):
-        for i, timer in enumerate(timers):
-            best[i] = min(best[i], timer())
-    return best
 
 
 def _guarded(name: str, make: Callable, inp: Inputs):

@@ -55,6 +55,9 @@ def prefill_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of the ratios to PATH")
     parser.add_argument("--only", choices=("ragged", "skewed", "paged", "merge"), action="append",
                         help="run only these parts")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time each cell's implementations in turn this many times, keeping each one's best "
+                             "(the GPU's clocks fall under sustained load)")
 
 
 def engine_arguments(parser: argparse.ArgumentParser) -> None:

@@ -15,9 +15,10 @@ qo_indptr; ``triton`` (the public call with its defaults) and ``triton_portable`
 FLOPs = 2·H·Σ_rows(visible keys)·(576+512).
 merge_state: GB/s (bytes read + written) against a device-to-device copy measured in the same run.
 
-Timing: ``triton.testing.do_bench`` median on random data (randn/10 clamped). Every input set is several
-times the 60 MB L2. Usage: python benchmarks/bench_prefill.py [--flashinfer] [--variants] [--quick]
-[--csv PATH], or ``pagedmla bench prefill`` from an installed package (with a plot).
+Timing: ``triton.testing.do_bench`` median on random data (randn/10 clamped); with ``--rounds N`` each cell's
+implementations are timed in turn N times and each keeps its best. Every input set is several times the 60 MB
+L2. Usage: python benchmarks/bench_prefill.py [--flashinfer] [--variants] [--quick] [--rounds N] [--csv PATH],
+or ``pagedmla bench prefill`` from an installed package (with a plot).
 On CPU the grids are a few tiny float32 cells, the Triton kernels run under the interpreter, the paged
 cells also time the torch reference provider, and a wall-clock median times every call: a smoke run of
 the path, labelled as such.
@@ -30,11 +31,20 @@ import functools
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 import triton
 
-from pagedmla.bench.common import CPU_TIMER, CUDA_TIMER, bar_plot, check_plotting, wall_clock_us, write_csv
+from pagedmla.bench.common import (
+    CPU_TIMER,
+    CUDA_TIMER,
+    bar_plot,
+    best_of_rounds,
+    check_plotting,
+    wall_clock_us,
+    write_csv,
+)
 from pagedmla.bench.options import prefill_arguments
 from pagedmla.kernels.triton import merge as tmerge
 from pagedmla.kernels.triton import paged_varlen as tpaged
@@ -73,6 +83,8 @@ CPU_MERGE_GRID = [(256, 4, 64)]
 PAGE = 64
 
 rows: list[dict] = []
+# Timing passes per cell (``--rounds``), set by ``run``.
+rounds = 1
 # The run's device and data type: CUDA and bf16 as the script runs; ``run`` picks CPU / float32 without CUDA.
 device = torch.device("cuda")
 dtype = torch.bfloat16
@@ -117,16 +129,32 @@ def record(section: str, cell: str, impl: str, ms: float | None, value: float | 
     print(f"  {impl:<22} {shown} {note}", flush=True)
 
 
-def try_variant(section, cell, name, fn, flops, check):
-    try:
-        out = fn()
-        err = check(out)
-        ms = timed(fn)
-        record(section, cell, name, ms, flops / ms / 1e9, "TFLOP/s", f"rel_err={err:.1e}", err)
-        return ms
-    except Exception as exc:  # a variant that does not compile (shared memory) or fails is reported, not fatal
-        record(section, cell, name, None, None, "TFLOP/s", f"{type(exc).__name__}: {str(exc)[:100]}")
-        return None
+class CellTimer:
+    """One cell's implementations: each run and checked once when added, then all timed in turn ``rounds``
+    times (``run``), each keeping its best (``common.best_of_rounds``): the GPU's clock falls under sustained
+    load, and runs that timed each implementation once moved single cells by up to 19% between runs of the same
+    tree (benchmarks/NOTES.md, Prefill - paged)."""
+
+    def __init__(self, section: str, cell: str, flops: float):
+        self.section, self.cell, self.flops = section, cell, flops
+        self.entries: list[tuple[str, Callable[[], object], str, float | None]] = []
+
+    def add(self, name: str, fn: Callable[[], object], check: Callable[[object], float] | None = None,
+            note: str = "") -> None:
+        """``fn`` as implementation ``name``; ``check(output)`` gives its relative error (shown, and in the
+        row's ``err``). One that fails or does not compile (shared memory) is reported, not fatal."""
+        try:
+            out = fn()
+            err = check(out) if check is not None else None
+        except Exception as exc:
+            record(self.section, self.cell, name, None, None, "TFLOP/s", f"{type(exc).__name__}: {str(exc)[:100]}")
+            return
+        self.entries.append((name, fn, note if err is None else f"rel_err={err:.1e}", err))
+
+    def run(self) -> None:
+        best = best_of_rounds([functools.partial(timed, fn) for _, fn, _, _ in self.entries], rounds)
+        for (name, _, note, err), ms in zip(self.entries, best):
+            record(self.section, self.cell, name, ms, self.flops / ms / 1e9, "TFLOP/s", note, err)
 
 
 def sdpa_backend_name(q, k, v) -> str:
@@ -178,12 +206,13 @@ def ragged_cell(b, seqlen, h, variants, fi_workspace):
         ref = sdpa(vs)[..., :128]
         note = "v padded to 192"
     ref = ref.transpose(1, 2).reshape(t, h, 128)
-    ms = timed(lambda: sdpa(vs))
-    record("ragged", cell, "torch_sdpa", ms, flops / ms / 1e9, "TFLOP/s", note)
-    time_ragged("ragged", cell, q, k, v, cu, seqlen, flops, ref, variants, fi_workspace)
+    timer = CellTimer("ragged", cell, flops)
+    timer.add("torch_sdpa", lambda: sdpa(vs), note=note)
+    add_ragged(timer, q, k, v, cu, seqlen, ref, variants, fi_workspace)
+    timer.run()
 
 
-def time_ragged(section, cell, q, k, v, cu, max_len, flops, ref, variants, fi_workspace):
+def add_ragged(timer, q, k, v, cu, max_len, ref, variants, fi_workspace):
     """pagedmla's variants and (with a workspace) FlashInfer fa3 on one causal 192/128 ragged batch."""
     t, h = q.shape[:2]
     scale = 192 ** -0.5
@@ -194,13 +223,13 @@ def time_ragged(section, cell, q, k, v, cu, max_len, flops, ref, variants, fi_wo
         else:
             fn = functools.partial(tvarlen.varlen_attention, q, k, v, cu, cu, max_len, max_len, scale, True, out,
                                    config=cfg)
-        try_variant(section, cell, name, fn, flops, lambda o, public=cfg is None: rel(o if public else o[0], ref))
+        timer.add(name, fn, lambda o, public=cfg is None: rel(o if public else o[0], ref))
     if fi_workspace is not None:
         import flashinfer
 
         wrapper = flashinfer.prefill.BatchPrefillWithRaggedKVCacheWrapper(fi_workspace, "NHD", backend="fa3")
         wrapper.plan(cu, cu, h, h, 192, head_dim_vo=128, causal=True, sm_scale=scale, q_data_type=torch.bfloat16)
-        try_variant(section, cell, "flashinfer_fa3", lambda: wrapper.run(q, k, v), flops, lambda o: rel(o, ref))
+        timer.add("flashinfer_fa3", lambda: wrapper.run(q, k, v), lambda o: rel(o, ref))
 
 
 def bench_skewed(fi_workspace):
@@ -224,7 +253,9 @@ def skewed_cell(long, n, short, h, fi_workspace):
         qs, ks, vs = (x[lo:hi].transpose(0, 1).float() for x in (q, k, v))
         ref[lo:hi] = torch.nn.functional.scaled_dot_product_attention(
             qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1).to(dtype)
-    time_ragged("skewed", cell, q, k, v, cu, long, flops, ref, default_variants(), fi_workspace)
+    timer = CellTimer("skewed", cell, flops)
+    add_ragged(timer, q, k, v, cu, long, ref, default_variants(), fi_workspace)
+    timer.run()
 
 
 def bench_paged(args, fi_workspace):
@@ -252,6 +283,7 @@ def paged_cell(b, new, cached, h, variants, fi_workspace):
     visible = b * sum(cached + i + 1 for i in range(new))
     flops = 2 * h * visible * (576 + 512)
     base = tpaged.paged_varlen_attention(q, cache, block_table, lens, qo, 512, scale, True, new)[0]
+    timer = CellTimer("paged", cell, flops)
     if fi_workspace is not None:
         import flashinfer
 
@@ -262,12 +294,11 @@ def paged_cell(b, new, cached, h, variants, fi_workspace):
         wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(fi_workspace, backend="fa3")
         wrapper.plan(qo, kv_indptr, block_table.flatten(), lens, h, 512, 64, PAGE, True, scale,
                      torch.bfloat16, torch.bfloat16)
-        try_variant("paged", cell, "flashinfer_mla_fa3", lambda: wrapper.run(q_nope, q_pe, ckv, kpe), flops,
-                    lambda o: rel(o, base))
+        timer.add("flashinfer_mla_fa3", lambda: wrapper.run(q_nope, q_pe, ckv, kpe), lambda o: rel(o, base))
     if device.type != "cuda":
-        try_variant("paged", cell, "torch_reference", functools.partial(
+        timer.add("torch_reference", functools.partial(
             flash_mla_varlen_with_kvcache, q, cache, block_table, lens, qo, 512, softmax_scale=scale,
-            causal=True, provider="torch"), flops, lambda o: rel(o[0], base))
+            causal=True, provider="torch"), lambda o: rel(o[0], base))
     for name, cfg in variants.items():
         if cfg is None:  # the default choice: the public call as a user makes it
             fn = functools.partial(flash_mla_varlen_with_kvcache, q, cache, block_table, lens, qo, 512,
@@ -275,7 +306,8 @@ def paged_cell(b, new, cached, h, variants, fi_workspace):
         else:
             fn = functools.partial(tpaged.paged_varlen_attention, q, cache, block_table, lens, qo, 512, scale,
                                    True, new, config=cfg)
-        try_variant("paged", cell, name, fn, flops, lambda o: rel(o[0], base))
+        timer.add(name, fn, lambda o: rel(o[0], base))
+    timer.run()
 
 
 def bench_merge():
@@ -348,8 +380,9 @@ def main() -> None:
 def run(args: argparse.Namespace) -> list[dict]:
     """Every part asked for on the CUDA device, or (no CUDA) the tiny CPU grids; prints each measurement
     and the summary, writes ``args.csv`` and ``args.plot`` (a PNG of the ratios). Returns the rows."""
-    global device, dtype
+    global device, dtype, rounds
     check_plotting(args.plot)
+    rounds = args.rounds
     rows.clear()
     if torch.cuda.is_available():
         device, dtype = torch.device("cuda"), torch.bfloat16
