@@ -36,14 +36,7 @@ from collections.abc import Callable
 import torch
 import triton
 
-from pagedmla.bench.common import (
-    CPU_TIMER,
-    CUDA_TIMER,
-    bar_plot,
-    best_of_rounds,
-    check_plotting,
-    wall_clock_us,
-)
+from pagedmla.bench.common import CPU_TIMER, CUDA_TIMER, bar_plot, best_of_rounds, check_plotting, wall_clock_us
 from pagedmla.bench.options import decode_arguments
 from pagedmla.kernels.triton.decode import DecodeConfig, default_config, paged_decode_triton, select_config
 from pagedmla.kernels.triton.sm90.mla import sm90_supported
