@@ -166,19 +166,22 @@ def _compile_hopper_decode(kernel, cached, descs: dict[str, str], arch: int, row
 
 def compile_sm90(arch: int = 90, rows: int = 64):
     """The Hopper Gluon main kernel compiled for bf16, page 64, causal, over Q tiles of ``rows`` rows (64, or
-    the transposed form's 16 / 32)."""
+    the transposed form's 16 / 32), with bf16 partials from 32 rows, as the plan runs batch 128 (many
+    requests)."""
     from pagedmla.kernels.triton.sm90.decode import _MAIN, _decode_sm90_kernel
 
-    return _compile_hopper_decode(_decode_sm90_kernel, _MAIN, _gluon_descs(rows), arch, rows, TRANSPOSED=rows < 64)
+    return _compile_hopper_decode(_decode_sm90_kernel, _MAIN, _gluon_descs(rows), arch, rows, TRANSPOSED=rows < 64,
+                                  OUT_TYPED=rows >= 32)
 
 
 def compile_seesaw(arch: int = 90):
-    """The Hopper Gluon seesaw main kernel (``sm90/seesaw.py``) compiled for bf16, page 64, causal."""
+    """The Hopper Gluon seesaw main kernel (``sm90/seesaw.py``) compiled for bf16, page 64, causal, with bf16
+    partials (batch 128: many requests)."""
     from pagedmla.kernels.triton.sm90.seesaw import _SEESAW, _decode_seesaw_kernel
 
     descs = {"q_desc": _gluon_desc(DV // 2), "q_pe_desc": _gluon_desc(D - DV), "kv_desc": _gluon_desc(DV // 2),
              "kv_pe_desc": _gluon_desc(D - DV)}
-    return _compile_hopper_decode(_decode_seesaw_kernel, _SEESAW, descs, arch, 128)
+    return _compile_hopper_decode(_decode_seesaw_kernel, _SEESAW, descs, arch, 128, OUT_TYPED=True)
 
 
 def compile_sm90_fp8(kv_format: str, arch: int = 90, rows: int = 64):
@@ -360,6 +363,8 @@ def report(kernel, arch: int = 90) -> dict:
     # Of those, stores of 2 or 4 elements per thread (8 or 16 bytes of fp32, 4 or 8 of bf16): the MMA layout's
     # pairs of adjacent columns, which a store of one element each would leave as half sectors.
     out["vector_global_stores"] = len(re.findall(r"\bst\.global(?:\.[\w:]+)*\.v[24]\.", ptx))
+    # Partial stores of one 16-bit element: with 16-bit partials (``OUT_TYPED``) a pair is one 32-bit store.
+    out["evict_last_b16_stores"] = len(re.findall(r"st\.global\.L1::evict_last\.L2::cache_hint\.b16", ptx))
     # A main kernel launched as its predecessor's programmatic dependent reads nothing before its
     # ``griddepcontrol.wait`` (``common.wait_prior_options``): the global accesses the PTX has ahead of it.
     first_wait = ptx.find("griddepcontrol.wait")

@@ -96,17 +96,21 @@ def test_hopper_kernel_structure():
     assert rep["spill_store_load_bytes"] == [0, 0], rep
     assert rep["shared_bytes"] <= 227 * 1024 and 32 in rep["setmaxnreg"], rep
     assert 0 < rep["evict_last_stores"] < rep["global_stores"], rep  # the partials only (PARTIALS_EVICTION)
-    _partials_stored_in_pairs(rep)
+    _partials_stored_in_pairs(rep, typed=True)
     assert rep["evict_first_tma_loads"] == rep["tma_loads"], rep  # the launcher's PTX pass hints every load
     assert rep["ptxas_injected_waits"] == 0, rep
     _waits_for_the_prior_kernel(rep)
 
 
-def _partials_stored_in_pairs(rep: dict) -> None:
+def _partials_stored_in_pairs(rep: dict, typed: bool = False) -> None:
     """Compiled as a launch specialises it (16-byte aligned pointers and strides), every partial value store
-    of a Hopper kernel writes a thread's two adjacent fp32 columns at once (so four lanes fill a 32-byte
-    sector); the two one-element ones are the LSEs'."""
-    assert rep["vector_global_stores"] == rep["evict_last_stores"] - 2, rep
+    of a Hopper kernel writes a thread's two adjacent columns at once: two fp32 as one 8-byte vector store
+    (four lanes fill a 32-byte sector), the two one-element ones being the LSEs'; or with ``typed`` (bf16
+    partials, many requests) two bf16 as one 32-bit store, never one 16-bit element."""
+    if typed:
+        assert rep["evict_last_b16_stores"] == 0 and rep["vector_global_stores"] == 0, rep
+    else:
+        assert rep["vector_global_stores"] == rep["evict_last_stores"] - 2, rep
 
 
 def test_hopper_seesaw_kernel_structure():
@@ -125,7 +129,7 @@ def test_hopper_seesaw_kernel_structure():
     assert rep["spill_store_load_bytes"][0] <= 8 and rep["spill_store_load_bytes"][1] <= 8, rep
     assert rep["shared_bytes"] <= 227 * 1024 and {32, 232} <= set(rep["setmaxnreg"]), rep
     assert 0 < rep["evict_last_stores"] < rep["global_stores"], rep
-    _partials_stored_in_pairs(rep)
+    _partials_stored_in_pairs(rep, typed=True)
     assert rep["evict_first_tma_loads"] == rep["tma_loads"], rep
     assert rep["ptxas_injected_waits"] == 0, rep
     _waits_for_the_prior_kernel(rep)
@@ -158,6 +162,8 @@ def test_hopper_fp8_kernel_structure(fmt, rows, wgmma, converts, spills):
     assert rep["shared_bytes"] <= 227 * 1024, rep
     assert rep["spill_store_load_bytes"][0] <= spills[0] and rep["spill_store_load_bytes"][1] <= spills[1], rep
     assert rep["ptxas_injected_waits"] == 0, rep
+    if rows == 64:
+        _partials_stored_in_pairs(rep)  # fp32 partials after the FP8 kernels
     _waits_for_the_prior_kernel(rep)
 
 

@@ -838,9 +838,12 @@ class _DecodePlan:
         self.lse_shape = (b, h, q_len)
         self.parts = metadata.shape[0]
         self.capacity = block_table.shape[1] * k_cache.shape[1]
+        many = 4 * b >= self.parts and self.rows >= 32
         # Partial values in the output's dtype after the portable kernel (16-row bf16 cells 1.5-2.5% faster, FP8
-        # 64-128 rows ~2%), float32 after the Hopper kernels (16-bit ones 7-11% slower at batch 1-8; v22).
-        self.out_typed = not self.cfg.use_sm90
+        # 64-128 rows ~2%) and after the 16-bit Hopper kernels for many requests (half the bytes the combine
+        # reads: benchmarks/NOTES.md decode v38); float32 after the Hopper kernels for few requests (16-bit ones
+        # 7-11% slower at batch 1-8; v22) and after the FP8 ones.
+        self.out_typed = not self.cfg.use_sm90 or (many and kv_fmt is None)
         self.partials_numel = partials_size(b, self.parts, self.rows, head_dim_v,
                                             q.element_size() if self.out_typed else 4)
         self.scale, self.causal = softmax_scale, causal
@@ -854,7 +857,6 @@ class _DecodePlan:
         self.pdl = 4 * b * per_sm >= self.parts and pdl_available(q.device)
         self.wait_prior = pdl_available(q.device)
         sms = sm_count(q.device) if q.is_cuda else 8
-        many = 4 * b >= self.parts and self.rows >= 32
         self.block_r = 16 if many else few_requests_block_r(b, self.rows, head_dim_v, sms)
         self.pieces = COMBINE_PIECES_MANY if many else COMBINE_PIECES
         self.bound: tuple | None = None  # (main, grid, combine, combine grid) once bound
@@ -907,11 +909,12 @@ class _DecodePlan:
                 kernel, grid, args, options = seesaw.seesaw_main_args(q_rows, k_cache, block_table, cache_seqlens,
                                                                       metadata, num_splits, self.scale, self.causal,
                                                                       out, lse, partials, err, self.pdl,
-                                                                      self.wait_prior)
+                                                                      self.wait_prior, self.out_typed)
             else:
                 kernel, grid, args, options = sm90_main_args(q_rows, k_cache, block_table, cache_seqlens, metadata,
                                                              num_splits, self.scale, self.causal, out, lse, partials,
-                                                             err, self.pdl, self.wait_prior, self.cfg.block_m)
+                                                             err, self.pdl, self.wait_prior, self.cfg.block_m,
+                                                             self.out_typed)
             own_q = q_rows.data_ptr() == q_in.data_ptr()
         else:
             kernel, grid, args, options = _portable_main_args(q, k_cache, block_table, cache_seqlens, metadata,

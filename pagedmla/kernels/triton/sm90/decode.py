@@ -80,13 +80,13 @@ if HAVE_GLUON:
     @gluon.jit
     def _store_half(o, scale, lse2, col0, is_direct, out_ptr, lse_ptr, partials_ptr, PIECES, b, piece, pid_m,
                     H, Q_LEN, ROWS, stride_ob, stride_ot, stride_oh, WRITE_LSE: gl.constexpr,
-                    layout: gl.constexpr, TRANSPOSED: gl.constexpr = False):
+                    layout: gl.constexpr, TRANSPOSED: gl.constexpr = False, OUT_TYPED: gl.constexpr = False):
         """Columns col0 .. col0 + 255 of the tile's result: normalised into ``out`` (and LSE, natural log)
-        when the request is in one piece, else into the fp32 partial row ``piece`` (and log2 LSE) of the
-        partials buffer (``common.partials_views``: fp32 values; 16-bit ones were 7-11% slower at batch 1-8,
-        benchmarks/NOTES.md decode v22, perhaps as the MMA layout then stores half sectors). ``TRANSPOSED``:
-        o is O^T [256, rows] (``mla.py``); a store then writes 8 consecutive columns of 4 rows, whole
-        32-byte sectors of the fp32 partials."""
+        when the request is in one piece, else into the partial row ``piece`` (and log2 LSE) of the partials
+        buffer (``common.partials_views``): fp32 values, or with ``OUT_TYPED`` out's 16-bit type (half the
+        bytes for the combine to read; 7-11% slower at batch 1-8, benchmarks/NOTES.md decode v22, so the plan
+        takes it for many requests only). ``TRANSPOSED``: o is O^T [256, rows] (``mla.py``); a store then
+        writes 8 consecutive columns of 4 rows, whole 32-byte sectors of the fp32 partials."""
         KD: gl.constexpr = mla.key_dim(TRANSPOSED)
         R: gl.constexpr = o.shape[1 - KD]
         rows = pid_m * R + gl.arange(0, R, layout=gl.SliceLayout(KD, layout))
@@ -102,10 +102,10 @@ if HAVE_GLUON:
             if WRITE_LSE:
                 gl.store(lse_ptr + b.to(gl.int64) * ROWS + h * Q_LEN + t, lse2 * _LN2, mask=row_ok)
         else:
-            _, pval_ptr, plse_ptr = partials_views(partials_ptr, out_ptr, PIECES, ROWS, mla._DV, False)
+            _, pval_ptr, plse_ptr = partials_views(partials_ptr, out_ptr, PIECES, ROWS, mla._DV, OUT_TYPED)
             p_row = piece.to(gl.int64) * ROWS + rows
-            gl.store(pval_ptr + gl.expand_dims(p_row, KD) * mla._DV + cols, o, mask=gl.expand_dims(row_ok, KD),
-                     eviction_policy=PARTIALS_EVICTION)
+            gl.store(pval_ptr + gl.expand_dims(p_row, KD) * mla._DV + cols, o.to(pval_ptr.dtype.element_ty),
+                     mask=gl.expand_dims(row_ok, KD), eviction_policy=PARTIALS_EVICTION)
             if WRITE_LSE:
                 gl.store(plse_ptr + p_row, lse2, mask=row_ok, eviction_policy=PARTIALS_EVICTION)
 
@@ -159,7 +159,7 @@ if HAVE_GLUON:
         p_ready, p_free, page_flags, PIECES, CAPACITY, seqlens_ptr, meta_ptr, splits_ptr, out_ptr,
         lse_ptr, partials_ptr, err_ptr, B, PARTS, H, Q_LEN, ROWS, qk_scale, stride_ob, stride_ot, stride_oh,
         kv_scale_ptr, q_scale_smem, CAUSAL: gl.constexpr, PAGE: gl.constexpr, META_W: gl.constexpr,
-        KV_FMT: gl.constexpr, TRANSPOSED: gl.constexpr = False,
+        KV_FMT: gl.constexpr, TRANSPOSED: gl.constexpr = False, OUT_TYPED: gl.constexpr = False,
     ):
         # An FP8 cache (KV_FMT > 0, ``decode_fp8.py``): the power of two that took each Q tile into fp16
         # (``q_scale_smem``) and fp8_e4m3's |scale| multiply the scores; the scale multiplies the outputs.
@@ -212,14 +212,14 @@ if HAVE_GLUON:
                 o_row_l: gl.constexpr = gl.SliceLayout(mla.key_dim(TRANSPOSED), o_layout)
                 _store_half(o, gl.convert_layout(inv_l, o_row_l) * v_scale, gl.convert_layout(lse2, o_row_l), 0,
                             is_direct, out_ptr, lse_ptr, partials_ptr, PIECES, b, piece, pid_m, H, Q_LEN, ROWS,
-                            stride_ob, stride_ot, stride_oh, True, o_layout, TRANSPOSED)
+                            stride_ob, stride_ot, stride_oh, True, o_layout, TRANSPOSED, OUT_TYPED)
 
     @gluon.jit
     def _value_warpgroup(
         kv_ring, p_smem, scale_smem, kv_ready, kv_empty, p_ready, p_free, PIECES, CAPACITY, seqlens_ptr, meta_ptr,
         splits_ptr, out_ptr, lse_ptr, partials_ptr, B, PARTS, H, Q_LEN, ROWS, stride_ob, stride_ot, stride_oh,
         kv_scale_ptr, PAGE: gl.constexpr, META_W: gl.constexpr, KV_FMT: gl.constexpr,
-        TRANSPOSED: gl.constexpr = False,
+        TRANSPOSED: gl.constexpr = False, OUT_TYPED: gl.constexpr = False,
     ):
         v_scale = mla.kv_scale(kv_scale_ptr, KV_FMT == 1)
         if TRANSPOSED:
@@ -238,7 +238,8 @@ if HAVE_GLUON:
                                                     kv_ready, kv_empty, p_ready, p_free, o_layout, False, TRANSPOSED)
                 is_direct, piece = _piece(splits_ptr, b, begin_req, begin_split, PIECES)
                 _store_half(o, inv_l * v_scale, inv_l, 256, is_direct, out_ptr, lse_ptr, partials_ptr, PIECES, b, piece,
-                            pid_m, H, Q_LEN, ROWS, stride_ob, stride_ot, stride_oh, False, o_layout, TRANSPOSED)
+                            pid_m, H, Q_LEN, ROWS, stride_ob, stride_ot, stride_oh, False, o_layout, TRANSPOSED,
+                            OUT_TYPED)
 
     @gluon.jit
     def _decode_sm90_kernel(
@@ -246,7 +247,7 @@ if HAVE_GLUON:
         out_ptr, lse_ptr, partials_ptr, err_ptr,
         B, PARTS, H, Q_LEN, ROWS, qk_scale, stride_btb, PIECES, CAPACITY, num_pages, stride_ob, stride_ot, stride_oh,
         CAUSAL: gl.constexpr, PAGE: gl.constexpr, META_W: gl.constexpr, PDL: gl.constexpr,
-        WAIT_PRIOR: gl.constexpr, TRANSPOSED: gl.constexpr = False,
+        WAIT_PRIOR: gl.constexpr, TRANSPOSED: gl.constexpr = False, OUT_TYPED: gl.constexpr = False,
     ):
         if WAIT_PRIOR:
             wait_prior_grids()
@@ -261,10 +262,11 @@ if HAVE_GLUON:
                                    kv_ready, kv_empty, p_ready, p_free, page_flags, PIECES, CAPACITY,
                                    seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr, partials_ptr, err_ptr, B,
                                    PARTS, H, Q_LEN, ROWS, qk_scale, stride_ob, stride_ot, stride_oh, None, None,
-                                   CAUSAL, PAGE, META_W, 0, TRANSPOSED)),
+                                   CAUSAL, PAGE, META_W, 0, TRANSPOSED, OUT_TYPED)),
              (_value_warpgroup, (kv_ring, p_smem, scale_smem, kv_ready, kv_empty, p_ready, p_free, PIECES, CAPACITY,
                                  seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr, partials_ptr, B, PARTS, H,
-                                 Q_LEN, ROWS, stride_ob, stride_ot, stride_oh, None, PAGE, META_W, 0, TRANSPOSED)),
+                                 Q_LEN, ROWS, stride_ob, stride_ot, stride_oh, None, PAGE, META_W, 0, TRANSPOSED,
+                                 OUT_TYPED)),
              (_loader, (q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, CAPACITY, num_pages,
                         seqlens_ptr, meta_ptr, splits_ptr, partials_ptr, err_ptr, B, PARTS, ROWS, q_smem, q_pe_smem,
                         kv_ring, kv_pe_ring, q_ready, q_free, kv_ready, kv_empty, page_flags, PAGE, META_W))],
@@ -277,14 +279,15 @@ _MAIN = CachedKernel(_decode_sm90_kernel, ptx_pass=tma_loads_evict_first) if HAV
 
 
 def sm90_main_args(q_rows, k_cache, block_table, cache_seqlens, metadata, num_splits, softmax_scale, causal,
-                   out, lse, partials, err, pdl: bool = False, wait_prior: bool = False, block_m: int = BLOCK_M):
+                   out, lse, partials, err, pdl: bool = False, wait_prior: bool = False, block_m: int = BLOCK_M,
+                   out_typed: bool = False):
     """(kernel, grid, args, options) of the main kernel over ``q_rows`` (q as [b * rows, 576] from
     ``tma_rows``): results of one-piece requests into out / lse, the rest into ``partials`` (decode.py's
     ``partials_size`` layout; the portable launcher allocates it and runs the combine kernel afterwards).
     softmax_scale > 0 (the softmax keeps unscaled row maxima; the public ops check it). ``pdl``: the combine
     kernel follows as a programmatic dependent launch; ``wait_prior``: this kernel is launched as one itself
     (``common.wait_prior_options``); ``block_m``: Q rows per tile, 64 or the transposed form's 16 / 32
-    (requests of at most that many rows)."""
+    (requests of at most that many rows); ``out_typed``: partial values in out's dtype (``_store_half``)."""
     b, q_len, h, _ = out.shape
     rows = q_len * h
     parts = metadata.shape[0]
@@ -294,5 +297,5 @@ def sm90_main_args(q_rows, k_cache, block_table, cache_seqlens, metadata, num_sp
             block_table.shape[1] * k_cache.shape[1], k_cache.shape[0],
             out.stride(0), out.stride(1), out.stride(2))
     options = dict(CAUSAL=bool(causal), PAGE=k_cache.shape[1], META_W=METADATA_WIDTH, PDL=pdl, num_warps=4,
-                   TRANSPOSED=block_m < BLOCK_M, **wait_prior_options(wait_prior))
+                   TRANSPOSED=block_m < BLOCK_M, OUT_TYPED=out_typed, **wait_prior_options(wait_prior))
     return _MAIN, (-(-rows // block_m), metadata.shape[0], 1), args, options

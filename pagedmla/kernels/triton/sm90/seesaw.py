@@ -185,7 +185,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _finish_request(o, l_i, m2, my_l, other_l, fin, q_free, nq, bits, splits_ptr, b, begin_req, begin_split,
                         out_ptr, lse_ptr, partials_ptr, PIECES, pid_m, H, Q_LEN, ROWS, stride_ob, stride_ot,
-                        stride_oh, COL0: gl.constexpr, WRITE_LSE: gl.constexpr):
+                        stride_oh, COL0: gl.constexpr, WRITE_LSE: gl.constexpr, OUT_TYPED: gl.constexpr):
         """A warpgroup's end of a request: the two row-sum shares added (in the same order by both, so both
         get the same l), Q handed back to the loader, the O half normalised and stored."""
         _publish(my_l, l_i)
@@ -202,13 +202,13 @@ if HAVE_GLUON:
         is_direct, piece = _piece(splits_ptr, b, begin_req, begin_split, PIECES)
         _store_half(o, gl.convert_layout(inv_l, _OROW), gl.convert_layout(lse2, _OROW), COL0, is_direct,
                     out_ptr, lse_ptr, partials_ptr, PIECES, b, piece, pid_m, H, Q_LEN, ROWS, stride_ob,
-                    stride_ot, stride_oh, WRITE_LSE, mla.O_LAYOUT)
+                    stride_ot, stride_oh, WRITE_LSE, mla.O_LAYOUT, False, OUT_TYPED)
 
     @gluon.jit
     def _wg0(q_h, q_pe, kv_l, kv_r, kv_pe, p_a, stats, q_ready, q_free, ready_l, ready_r, empty_l, empty_r,
              a_ready, a_issued, b_ready, pa_free, pb_free, pe_taken, fin, page_flags, PIECES, CAPACITY, seqlens_ptr,
              meta_ptr, splits_ptr, out_ptr, lse_ptr, partials_ptr, err_ptr, B, PARTS, H, Q_LEN, ROWS, qk_scale,
-             stride_ob, stride_ot, stride_oh, CAUSAL: gl.constexpr, META_W: gl.constexpr):
+             stride_ob, stride_ot, stride_oh, CAUSAL: gl.constexpr, META_W: gl.constexpr, OUT_TYPED: gl.constexpr):
         """Warpgroup 0: S and softmax of each pair's tile A, O[:, :256] over both tiles."""
         pid_m = gl.program_id(0)
         zero = gl.program_id(2)  # the grid has one z block
@@ -283,14 +283,14 @@ if HAVE_GLUON:
                 _finish_request(o, l_i, m_i * qk_scale, stats.slice(_L0 * mla._BM, mla._BM),
                                 stats.slice(_L1 * mla._BM, mla._BM), fin, q_free, nq, bits, splits_ptr, b, begin_req,
                                 begin_split, out_ptr, lse_ptr, partials_ptr, PIECES, pid_m, H, Q_LEN, ROWS, stride_ob,
-                                stride_ot, stride_oh, 0, True)
+                                stride_ot, stride_oh, 0, True, OUT_TYPED)
                 nq += 1
 
     @gluon.jit
     def _wg1(q_h, q_pe, kv_l, kv_r, kv_pe, p_a, stats, q_ready, q_free, ready_l, ready_r, empty_l, empty_r,
              a_ready, a_issued, b_ready, pa_free, pb_free, pe_taken, fin, page_flags, PIECES, CAPACITY, seqlens_ptr,
              meta_ptr, splits_ptr, out_ptr, lse_ptr, partials_ptr, B, PARTS, H, Q_LEN, ROWS, qk_scale, stride_ob,
-             stride_ot, stride_oh, CAUSAL: gl.constexpr, META_W: gl.constexpr):
+             stride_ot, stride_oh, CAUSAL: gl.constexpr, META_W: gl.constexpr, OUT_TYPED: gl.constexpr):
         """Warpgroup 1: S and softmax of each pair's tile B, O[:, 256:] over both tiles."""
         pid_m = gl.program_id(0)
         zero = gl.program_id(2)  # the grid has one z block
@@ -381,7 +381,7 @@ if HAVE_GLUON:
                 _finish_request(o, l_i, m_i * qk_scale, stats.slice(_L1 * mla._BM, mla._BM),
                                 stats.slice(_L0 * mla._BM, mla._BM), fin, q_free, nq, bits, splits_ptr, b, begin_req,
                                 begin_split, out_ptr, lse_ptr, partials_ptr, PIECES, pid_m, H, Q_LEN, ROWS, stride_ob,
-                                stride_ot, stride_oh, _H, False)
+                                stride_ot, stride_oh, _H, False, OUT_TYPED)
                 nq += 1
 
     @gluon.jit
@@ -390,7 +390,7 @@ if HAVE_GLUON:
         out_ptr, lse_ptr, partials_ptr, err_ptr,
         B, PARTS, H, Q_LEN, ROWS, qk_scale, stride_btb, PIECES, CAPACITY, num_pages, stride_ob, stride_ot, stride_oh,
         CAUSAL: gl.constexpr, PAGE: gl.constexpr, META_W: gl.constexpr, PDL: gl.constexpr,
-        WAIT_PRIOR: gl.constexpr,
+        WAIT_PRIOR: gl.constexpr, OUT_TYPED: gl.constexpr = False,
     ):
         if WAIT_PRIOR:
             wait_prior_grids()
@@ -444,11 +444,11 @@ if HAVE_GLUON:
             [(_wg0, (q_h, q_pe, kv_l, kv_r, kv_pe, p_a, stats, q_ready, q_free, ready_l, ready_r, empty_l,
                      empty_r, a_ready, a_issued, b_ready, pa_free, pb_free, pe_taken, fin, page_flags,
                      PIECES, CAPACITY, seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr, partials_ptr, err_ptr, B,
-                     PARTS, H, Q_LEN, ROWS, qk_scale, stride_ob, stride_ot, stride_oh, CAUSAL, META_W)),
+                     PARTS, H, Q_LEN, ROWS, qk_scale, stride_ob, stride_ot, stride_oh, CAUSAL, META_W, OUT_TYPED)),
              (_wg1, (q_h, q_pe, kv_l, kv_r, kv_pe, p_a, stats, q_ready, q_free, ready_l, ready_r, empty_l,
                      empty_r, a_ready, a_issued, b_ready, pa_free, pb_free, pe_taken, fin, page_flags,
                      PIECES, CAPACITY, seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr, partials_ptr, B, PARTS,
-                     H, Q_LEN, ROWS, qk_scale, stride_ob, stride_ot, stride_oh, CAUSAL, META_W)),
+                     H, Q_LEN, ROWS, qk_scale, stride_ob, stride_ot, stride_oh, CAUSAL, META_W, OUT_TYPED)),
              (_seesaw_loader, (q_desc, q_pe_desc, kv_desc, kv_pe_desc, bt_ptr, stride_btb, CAPACITY,
                                num_pages, seqlens_ptr, meta_ptr, splits_ptr, partials_ptr, err_ptr, B, PARTS, ROWS,
                                q_h, q_pe, kv_l, kv_r, kv_pe, q_ready, q_free, ready_l, ready_r, empty_l,
@@ -462,7 +462,7 @@ _SEESAW = CachedKernel(_decode_seesaw_kernel, ptx_pass=tma_loads_evict_first) if
 
 
 def seesaw_main_args(q_rows, k_cache, block_table, cache_seqlens, metadata, num_splits, softmax_scale, causal,
-                     out, lse, partials, err, pdl: bool = False, wait_prior: bool = False):
+                     out, lse, partials, err, pdl: bool = False, wait_prior: bool = False, out_typed: bool = False):
     """``decode.sm90_main_args`` for the seesaw kernel: the same arguments and bound-launch address slots
     (q, q, cache, cache), with [64, 256] value-half and [64, 64] rope boxes."""
     b, q_len, h, _ = out.shape
@@ -478,5 +478,5 @@ def seesaw_main_args(q_rows, k_cache, block_table, cache_seqlens, metadata, num_
             block_table.shape[1] * k_cache.shape[1], k_cache.shape[0],
             out.stride(0), out.stride(1), out.stride(2))
     options = dict(CAUSAL=bool(causal), PAGE=k_cache.shape[1], META_W=METADATA_WIDTH, PDL=pdl, num_warps=4,
-                   **wait_prior_options(wait_prior))
+                   OUT_TYPED=out_typed, **wait_prior_options(wait_prior))
     return _SEESAW, (-(-rows // BLOCK_M), parts, 1), args, options
