@@ -184,9 +184,18 @@ def bench_graph(call: Callable[[int], object], copies: int) -> float:
     return graph_timer(call, copies)()
 
 
+COS_CHUNK = 1 << 24  # elements per float64 slice: 2^31-element outputs would need 16 GiB per copy at once
+
+
 def cos_diff(x: torch.Tensor, y: torch.Tensor) -> float:
-    x, y = x.double(), y.double()
-    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
+    """1 - 2<x, y> / (|x|^2 + |y|^2), summed in float64 over slices so the temporaries stay small."""
+    x, y = x.reshape(-1), y.reshape(-1)
+    dot = norms = 0.0
+    for i in range(0, x.numel(), COS_CHUNK):
+        a, b = x[i:i + COS_CHUNK].double(), y[i:i + COS_CHUNK].double()
+        dot += float((a * b).sum())
+        norms += float((a * a + b * b).sum())
+    return 1 - 2 * dot / norms
 
 
 def pagedmla_fn(inp: Inputs, config: DecodeConfig | None = None, parts: int | None = None):
