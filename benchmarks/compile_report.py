@@ -118,8 +118,8 @@ def compile_varlen_sm90(arch: int = 90, dk: int = 192, dv: int = 128, per_seq: b
     signature = {"q_desc": desc(q_rows, dk1), "q_pe_desc": desc(q_rows, pe), "k_desc": desc(BLOCK_N, dk1),
                  "k_pe_desc": desc(BLOCK_N, pe), "v_desc": desc(BLOCK_N, dv), "out_ptr": "*bf16", "lse_ptr": "*fp32",
                  "cu_q": "*i32", "cu_k": "*i32", "counter": "*i32", "err_ptr": "*i32", "H": "i32", "GROUP": "i32",
-                 "NM": "i32", "T": "i32", "batch": "i32", "Tq": "i32", "Tk": "i32", "MAXQ": "i32", "qk_scale": "fp32",
-                 "stride_ot": "i32", "stride_oh": "i32"}
+                 "NM": "i32", "WIN": "i32", "T": "i32", "batch": "i32", "Tq": "i32", "Tk": "i32", "MAXQ": "i32",
+                 "qk_scale": "fp32", "stride_ot": "i32", "stride_oh": "i32"}
     constexprs = dict(DK1=dk1, DK2=dk - dk1, DV=dv, CAUSAL=True, SEARCH_STEPS=5 if per_seq else 1, PER_SEQ=per_seq,
                       CTA=cta)
     signature.update({name: "constexpr" for name in constexprs})

@@ -18,7 +18,8 @@ def test_cells_parse_and_bad_ones_name_the_option():
     for bad in ("4x512", "2x4096+3x64x16", "0x512x16", "axbxc", "1x4096+63x0x16"):
         with pytest.raises(ValueError, match="--cells"):
             bench.parse_cell(bad)
-    for argv in (["--cells", "4x512"], ["--forms", "cta,tiles"], ["--numberings", "exact"]):
+    for argv in (["--cells", "4x512"], ["--forms", "cta,tiles"], ["--numberings", "exact"], ["--tail-windows", "32,x"],
+                 ["--tail-windows", "-1"], ["--rounds", "0"]):
         with pytest.raises(SystemExit) as exc:
             bench.main(argv)
         assert exc.value.code == 2
@@ -34,6 +35,9 @@ def test_forced_numberings_count_the_kernels_tiles():
     equal = (1024, 16 * 1024, 128, 16)
     assert bench.plan_forcing("padded")(*equal) == sv.varlen_sm90_plan(*equal)
     assert bench.plan_forcing("per_seq")(*equal) == ((16 * 1024 // 128 + 16) * 128, True)
+    assert bench.plan_forcing("auto") is sv.varlen_sm90_plan
+    assert bench.variant_key("auto", "padded", None) == "auto_padded"
+    assert bench.variant_key("cta", "auto", 0) == "cta_auto_w0"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without a GPU gets")

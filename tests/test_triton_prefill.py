@@ -165,6 +165,26 @@ def test_varlen_sm90_plan():
     assert varlen_sm90_plan(384, 100, 1, 2) == (2, True)
 
 
+def test_tail_window_is_the_last_rounds_of_tiles_whose_kv_fits():
+    """The padded causal order's last window of (sequence, head) pairs: enough for ``TAIL_WINDOW_ROUNDS``
+    tiles per program, within ``TAIL_WINDOW_BYTES`` of K/V (mean keys per sequence x (dk + dv) x 2 bytes,
+    shared by a GQA group); at least one pair, at most every pair; none (1) without a causal mask or with one
+    row tile per pair."""
+    assert (sm90varlen.TAIL_WINDOW_BYTES, sm90varlen.TAIL_WINDOW_ROUNDS) == (8 << 20, 3)
+    window = sm90varlen.tail_window
+    assert window(16, 16, 8, 8 * 4096, 192, 128, 2, True, 32, 132) == (8 << 20) // (4096 * 320 * 2) == 3
+    assert window(16, 16, 64, 64 * 512, 192, 128, 2, True, 4, 132) == (8 << 20) // (512 * 320 * 2) == 25
+    assert window(128, 128, 16, 16 * 1024, 192, 128, 2, True, 8, 132) == 12  # 50 rounds' pairs > 8 MB's 12
+    assert window(128, 128, 16, 16 * 256, 192, 128, 2, True, 2, 132) == 51
+    assert window(128, 128, 16, 16 * 150, 64, 64, 2, True, 2, 132) == 198  # 3 rounds of 132 programs
+    assert window(32, 8, 8, 8 * 4096, 192, 128, 2, True, 32, 132) == 12  # four query heads per K/V head
+    assert window(4, 4, 2, 2 * 300, 192, 128, 2, True, 3, 132) == 8  # small launches: one window
+    assert window(16, 16, 1, 32768, 192, 128, 2, True, 256, 132) == 1  # one pair's 21 MB
+    assert window(16, 16, 8, 8 * 4096, 192, 128, 2, False, 32, 132) == 1
+    assert window(16, 16, 64, 64 * 100, 192, 128, 2, True, 1, 132) == 1
+    assert window(16, 16, 8, 0, 192, 128, 2, True, 32, 132) == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", ["portable", "sm90"])
 @pytest.mark.parametrize("h,hk,lens", [(16, 16, [1024, 2500, 3]), (128, 128, [777, 1])])
@@ -242,6 +262,30 @@ def test_gpu_varlen_hopper_kernel_many_tiles(causal, varlen_form):
         graph.replay()
         o3, lse3 = call()
         assert torch.equal(g_o, o3) and torch.equal(g_lse, lse3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_varlen_hopper_kernel_tail_windows(causal, varlen_form, monkeypatch):
+    """The padded numbering claimed a (sequence, head) pair at a time but for the last window of pairs, whose
+    row tiles go heaviest first across the window: every tile computed once whatever the window (none, 7 of
+    96 pairs, all 96): each output bit-identical to the pair-at-a-time order's and that one matching the
+    oracle; the output buffer starts NaN, so a tile never claimed would show."""
+    _varlen_sm90_or_skip(192, 128, BF16)
+    gen = torch.Generator().manual_seed(5)
+    lq = _lens(gen, 12, 700)
+    assert not varlen_sm90_plan(max(lq), sum(lq), 8, len(lq))[1]
+    q, k, v, cu_q, cu_k = varlen_inputs(lq, lq, 8, 4, 192, 128, BF16, "cuda", ("windows", causal), stds=(0.5, 1, 1))
+    outs = []
+    for window in (1, 7, 12 * 8):
+        monkeypatch.setattr(sm90varlen, "tail_window", lambda *args, w=window: w)
+        out = torch.full((sum(lq), 8, 128), float("nan"), dtype=BF16, device="cuda")
+        outs.append(tvarlen.varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lq), 192 ** -0.5, causal, out,
+                                             config=SM90))
+    ref, ref_lse = dense_varlen(q, k, v, cu_q.tolist(), cu_k.tolist(), 192 ** -0.5, causal)
+    assert_matches(*outs[0], ref, ref_lse, BF16, HOPPER)
+    for o, lse in outs[1:]:
+        assert torch.equal(o, outs[0][0]) and torch.equal(lse, outs[0][1])
 
 
 @pytest.mark.gpu

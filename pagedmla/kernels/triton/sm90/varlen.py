@@ -3,18 +3,21 @@ variable-length batches (the ``varlen`` op), written for q/k head dim 192 (128 +
 head dim 64/128.
 
 Work tiles are 128 query rows of one sequence and one head. The kernel is persistent: one program per SM,
-whose 1-warp loader partition takes tiles from a global counter in launch order (sequence, then head, then
-row tiles heaviest first: the tiles in flight share few heads' K/V in L2, and within each sequence and head
-the long causal tiles start first) and hands each tile to the consumers through shared memory. Two ways to
-number the tiles (``varlen_sm90_plan`` picks one per call):
+whose 1-warp loader partition takes tiles from a global counter and hands each tile to the consumers through
+shared memory. Two ways to number the tiles (``varlen_sm90_plan`` picks one per call):
 - every sequence gets the longest one's ``ceil(max_seqlen_q / 128)`` row tiles per head, those past its own
-  length empty; the hand-off carries the tile id, from which each partition computes the bounds;
+  length empty, numbered sequence, head, row tiles heaviest first; the hand-off carries the tile id, from
+  which each partition computes the bounds. The loader takes them in that order (the tiles in flight read
+  few heads' K/V, which stays in L2) up to the last few pairs (``tail_window``), whose row tiles it takes
+  heaviest first across those pairs, so that a causal launch ends on light tiles and the SMs finish
+  together: a pair at a time, the last pair's heaviest tile started among the launch's last claims;
 - sequence b gets ``cu_q[b+1] // 128 - cu_q[b] // 128 + 1`` row tiles per head (at least its own
   ``ceil(lq / 128)``), so the tiles before it, ``(cu_q[b] // 128 + b) * H``, need no prefix sum and a
-  launch has ``(Tq // 128 + batch) * H`` tiles; the loader finds a tile's sequence by binary search over
-  ``cu_seqlens_q`` and hands over its bounds. For one long prompt among many short ones the first numbering
-  would hand out mostly empty tiles, one atomic and one hand-off each (2.3-3.7x slower on such batches,
-  benchmarks/NOTES.md); on equal lengths the second was 2-6% slower (its search sits between two tiles).
+  launch has ``(Tq // 128 + batch) * H`` tiles, taken sequence, head, row tiles heaviest first; the loader
+  finds a tile's sequence by binary search over ``cu_seqlens_q`` and hands over its bounds. For one long
+  prompt among many short ones the first numbering would hand out mostly empty tiles, one atomic and one
+  hand-off each (2.3-3.7x slower on such batches, benchmarks/NOTES.md); on equal lengths the second was
+  2-6% slower (its search sits between two tiles).
 Per tile the loader streams Q and the sequence's K and V in 128-key tiles through two two-stage shared-memory
 rings (K and V separately, with TMA, each K tile before the previous V tile), and the next tile's Q and first
 keys while the consumers finish the current one. Two consumer warpgroups each own 64 query rows (their
@@ -151,6 +154,25 @@ def varlen_sm90_plan(max_seqlen_q: int, total_q: int, heads: int, batch: int) ->
     return padded, False
 
 
+# The padded causal order's last window (module docstring, ``tail_window``): at most this many bytes of K/V
+# and this many rounds of tiles over the programs.
+TAIL_WINDOW_BYTES = 8 << 20
+TAIL_WINDOW_ROUNDS = 3
+
+
+def tail_window(heads: int, kv_heads: int, batch: int, keys: int, dk: int, dv: int, itemsize: int, causal: bool,
+                row_tiles: int, programs: int) -> int:
+    """(sequence, head) pairs of the padded order's last window: enough for ``TAIL_WINDOW_ROUNDS`` tiles per
+    program (``row_tiles`` per pair) where their K and V (``keys`` key rows over the batch, ``dk + dv`` wide,
+    one K/V head per heads // kv_heads query heads) fit in ``TAIL_WINDOW_BYTES``; 1 (no window) without a
+    causal mask, whose row tiles are all alike."""
+    pair_bytes = -(-keys // max(batch, 1)) * (dk + dv) * itemsize * kv_heads // heads
+    if not causal or pair_bytes == 0 or row_tiles < 2:
+        return 1
+    rounds = -(-TAIL_WINDOW_ROUNDS * programs // row_tiles)
+    return max(1, min(heads * batch, TAIL_WINDOW_BYTES // pair_bytes, rounds))
+
+
 def varlen_sm90_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the Gluon kernel can run this call: an sm_90 GPU, bf16/fp16, q/k head dim 64, 128 or 192,
     value head dim 64 or 128. The launcher copies inputs that are not contiguous with 16-byte aligned bases."""
@@ -190,6 +212,16 @@ if HAVE_GLUON:
         else:
             hi = lk
         return grp % H, q_start, lq, m0, k_start, lk, diag, hi, bits
+
+    @gluon.jit
+    def _windowed(c, NM, WIN, pairs):
+        """The padded numbering's id of the c-th claim: a (sequence, head) pair at a time, its row tiles
+        heaviest first, until the last WIN pairs, which are taken a row-tile level at a time (heaviest first)
+        across all WIN of them."""
+        head = (pairs - WIN) * NM
+        r = c - head
+        level = r // WIN
+        return gl.where(c < head, c, (pairs - WIN + r - level * WIN) * NM + level)
 
     @gluon.jit
     def _tile_count(cu_q, H, batch):
@@ -292,10 +324,9 @@ if HAVE_GLUON:
             tma.async_copy_global_to_shared(q_pe_desc, [row, q_col + DK1], ready, q_pe_smem.index(W))
 
     @gluon.jit
-    def _varlen_loader(q_desc, q_pe_desc, k_desc, k_pe_desc, v_desc, cu_q, cu_k, counter, GROUP, H, NM, T, batch,
-                       Tq, Tk, MAXQ, q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids, tile_ready, tile_free,
-                       q_ready, q_free,
-                       k_ready, k_empty, v_ready, v_empty,
+    def _varlen_loader(q_desc, q_pe_desc, k_desc, k_pe_desc, v_desc, cu_q, cu_k, counter, GROUP, H, NM, WIN, T,
+                       batch, Tq, Tk, MAXQ, q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids, tile_ready,
+                       tile_free, q_ready, q_free, k_ready, k_empty, v_ready, v_empty,
                        DK1: gl.constexpr, DK2: gl.constexpr, CAUSAL: gl.constexpr, SEARCH_STEPS: gl.constexpr,
                        PER_SEQ: gl.constexpr, CTA: gl.constexpr):
         one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
@@ -308,8 +339,8 @@ if HAVE_GLUON:
         base = 0  # ring position: K/V tiles issued for earlier work tiles
         t = 0
         while t < T:
-            # Tiles are taken in launch order from a global counter: the tiles in flight stay a contiguous
-            # window of heads (their K/V stay in L2) and the heaviest causal tiles go first.
+            # Tiles are claimed from a global counter in launch order (module docstring): the tiles in flight
+            # read few heads' K/V (it stays in L2), the heaviest causal tiles go first.
             s = i % 2
             mbarrier.wait(tile_free.index(s), free_phase(i, 2))
             if PER_SEQ:
@@ -317,6 +348,10 @@ if HAVE_GLUON:
                                                                       Tk, MAXQ, SEARCH_STEPS)
             else:
                 t = claim_tile(counter, tile_ids, s)
+                if (t < T) & (WIN > 1):
+                    t = _windowed(t, NM, WIN, H * batch)
+                    tile_ids.index(s).store(gl.full([1], t, gl.int32, one))
+                    gl.thread_barrier()
             mbarrier.arrive(tile_ready.index(s), count=1)
             i += 1
             if t < T:
@@ -723,7 +758,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _varlen_sm90_kernel(
         q_desc, q_pe_desc, k_desc, k_pe_desc, v_desc, out_ptr, lse_ptr, cu_q, cu_k, counter, err_ptr,
-        H, GROUP, NM, T, batch, Tq, Tk, MAXQ, qk_scale, stride_ot, stride_oh,
+        H, GROUP, NM, WIN, T, batch, Tq, Tk, MAXQ, qk_scale, stride_ot, stride_oh,
         DK1: gl.constexpr, DK2: gl.constexpr, DV: gl.constexpr, CAUSAL: gl.constexpr, SEARCH_STEPS: gl.constexpr,
         PER_SEQ: gl.constexpr, CTA: gl.constexpr,
     ):
@@ -773,7 +808,7 @@ if HAVE_GLUON:
                                   err_ptr, H, NM, T, batch, Tq, Tk, MAXQ, qk_scale, stride_ot, stride_oh, DK2, DV,
                                   CAUSAL, PER_SEQ)),
                  (_varlen_loader, (q_desc, q_pe_desc, k_desc, k_pe_desc, v_desc, cu_q, cu_k, counter, GROUP, H, NM,
-                                   T, batch, Tq, Tk, MAXQ, q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids,
+                                   WIN, T, batch, Tq, Tk, MAXQ, q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids,
                                    tile_ready, tile_free, q_ready, q_free, k_ready, k_empty, v_ready, v_empty, DK1,
                                    DK2, CAUSAL, SEARCH_STEPS, PER_SEQ, CTA))],
                 worker_num_warps=[1],
@@ -790,7 +825,7 @@ if HAVE_GLUON:
                                      cu_q, cu_k, err_ptr, H, NM, T, batch, Tq, Tk, MAXQ, qk_scale, stride_ot,
                                      stride_oh, 1, DK2, DV, CAUSAL, PER_SEQ)),
                  (_varlen_loader, (q_desc, q_pe_desc, k_desc, k_pe_desc, v_desc, cu_q, cu_k, counter, GROUP, H, NM,
-                                   T, batch, Tq, Tk, MAXQ, q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids,
+                                   WIN, T, batch, Tq, Tk, MAXQ, q_smem, q_pe_smem, k_ring, k_pe_ring, v_ring, tile_ids,
                                    tile_ready, tile_free, q_ready, q_free, k_ready, k_empty, v_ready, v_empty, DK1,
                                    DK2, CAUSAL, SEARCH_STEPS, PER_SEQ, CTA))],
                 worker_num_warps=[4, 1],
@@ -818,6 +853,7 @@ def varlen_sm90_args(q2: torch.Tensor, k2: torch.Tensor, v2: torch.Tensor, heads
                          f"work tiles; the Hopper kernel's int32 tile counter takes fewer than {MAX_TILES} (the "
                          "portable kernel has no such limit)")
     cta = CTA_SEQLEN[0] < max_seqlen_q <= CTA_SEQLEN[1]
+    programs = min(tiles, sm_count(q2.device))
     q_rows = BLOCK_M if cta else BLOCK_M // 2
     args = (descriptor(q2, [q_rows, dk1], shared_layout(q_rows, dk1, q2.dtype)),
             descriptor(q2, [q_rows, pe_width], shared_layout(q_rows, pe_width, q2.dtype)),
@@ -825,12 +861,15 @@ def varlen_sm90_args(q2: torch.Tensor, k2: torch.Tensor, v2: torch.Tensor, heads
             descriptor(k2, [BLOCK_N, pe_width], shared_layout(BLOCK_N, pe_width, q2.dtype)),
             descriptor(v2, [BLOCK_N, dv], shared_layout(BLOCK_N, dv, q2.dtype)),
             out, lse, cu_seqlens_q, cu_seqlens_k, counter, errors.error_word(q2.device),
-            heads, heads // kv_heads, -(-max_seqlen_q // BLOCK_M), tiles, batch, tq, tk, max_seqlen_q,
+            heads, heads // kv_heads, -(-max_seqlen_q // BLOCK_M),
+            1 if per_sequence else tail_window(heads, kv_heads, batch, tk, dk, dv, q2.element_size(), causal,
+                                               -(-max_seqlen_q // BLOCK_M), programs),
+            tiles, batch, tq, tk, max_seqlen_q,
             softmax_scale * LOG2E, out.stride(0), out.stride(1))
     options = dict(DK1=dk1, DK2=dk2, DV=dv, CAUSAL=bool(causal),
                    SEARCH_STEPS=max(1, batch.bit_length()) if per_sequence else 1, PER_SEQ=per_sequence,
                    CTA=cta, num_warps=8 if cta else 4)
-    return _MAIN, (min(tiles, sm_count(q2.device)), 1, 1), args, options
+    return _MAIN, (programs, 1, 1), args, options
 
 
 def varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
