@@ -350,6 +350,7 @@ if HAVE_GLUON:
                 t = claim_tile(counter, tile_ids, s)
                 if (t < T) & (WIN > 1):
                     t = _windowed(t, NM, WIN, H * batch)
+                    gl.thread_barrier()  # every lane has read the claim from the slot before it is overwritten
                     tile_ids.index(s).store(gl.full([1], t, gl.int32, one))
                     gl.thread_barrier()
             mbarrier.arrive(tile_ready.index(s), count=1)
