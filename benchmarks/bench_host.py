@@ -1,6 +1,7 @@
 """Host cost of eager calls on the GPU: pagedmla's public calls and backend steps beside FlashMLA's C++ call.
 
-Calls: ``flash_mla_with_kvcache`` on four decode cells (FlashMLA's beside it), ``get_mla_metadata``,
+Calls: ``flash_mla_with_kvcache`` on four decode cells and on one with its lengths passed as a slice
+(FlashMLA's beside each), ``get_mla_metadata``,
 ``flash_attn_varlen_func`` on two ragged cells and ``flash_mla_varlen_with_kvcache`` on one paged prefill cell.
 Host µs per call: wall time of ``n`` back-to-back calls issued without waiting (few enough that CUDA's launch
 queue never fills, so the host is never held up by the GPU), divided by ``n``; best of five rounds (the host
@@ -76,14 +77,19 @@ def decode_inputs(b: int, q_len: int, heads: int, mean: int, seed: int = 0):
     return q, cache, table.cuda(), lens.cuda()
 
 
-def _decode_row(b: int, q_len: int, heads: int, mean: int, use_flashmla: bool) -> dict:
+def _decode_row(b: int, q_len: int, heads: int, mean: int, use_flashmla: bool, sliced: bool = False) -> dict:
+    """``sliced``: the lengths are ``buf[1:]`` of a longer buffer (4 bytes off a 16-byte boundary), as an engine
+    passing a view of its lengths does."""
     q, cache, table, lens = decode_inputs(b, q_len, heads, mean)
+    if sliced:
+        lens = torch.cat([lens[:1], lens])[1:]
     meta, splits = pagedmla.get_mla_metadata(lens, q_len * heads, 1)
 
     def ours():
         return pagedmla.flash_mla_with_kvcache(q, cache, table, lens, DV, meta, splits, causal=True)
 
-    row = {"call": f"flash_mla_with_kvcache {b}x{q_len}x{heads}x{mean}", "host_us": host_us(ours),
+    row = {"call": f"flash_mla_with_kvcache {b}x{q_len}x{heads}x{mean}" + (" lens[1:]" if sliced else ""),
+           "host_us": host_us(ours),
            "gpu_us": gpu_us(ours)}
     if use_flashmla:
         import flash_mla
@@ -129,6 +135,7 @@ def _paged_row(b: int, new: int, heads: int, mean: int) -> dict:
 def public_calls(use_flashmla: bool) -> list[dict]:
     rows = [_decode_row(*cell, use_flashmla) for cell in ((1, 1, 128, 4096), (8, 1, 128, 4096), (128, 1, 16, 1024),
                                                           (64, 4, 16, 4096))]
+    rows.append(_decode_row(128, 1, 16, 1024, use_flashmla, sliced=True))
     lens = torch.randint(1, 8192, (64,), dtype=torch.int32, device="cuda")
     rows.append({"call": "get_mla_metadata 64x16", "host_us": host_us(lambda: pagedmla.get_mla_metadata(lens, 16, 1)),
                  "gpu_us": gpu_us(lambda: pagedmla.get_mla_metadata(lens, 16, 1))})

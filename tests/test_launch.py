@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedmla.kernels.triton.launch import CachedKernel, _spec
+from pagedmla.kernels.triton.launch import CachedKernel, _spec, unaligned_mask
 
 
 def test_spec_separates_what_triton_specialises_on():
@@ -21,6 +21,15 @@ def test_spec_separates_what_triton_specialises_on():
     assert _spec(2 ** 31 + 1) != _spec(17), "int64 values"
     assert _spec(True) != _spec(1) and _spec(0.5) == _spec(2.0) and _spec(None) is None
     assert _spec("ieee") != _spec("tf32")
+
+
+def test_unaligned_mask_marks_each_pointer_off_16_bytes():
+    """One bit per pointer not 16-byte aligned, in argument order: the alignment pattern bound launches are
+    kept per (Triton specialises each pointer parameter on it)."""
+    assert unaligned_mask(()) == 0
+    assert unaligned_mask((0x1000, 0x2010, 0x30)) == 0
+    assert unaligned_mask((0x1000, 0x2004, 0x30)) == 0b10
+    assert unaligned_mask((0x1002, 0x2010, 0x38)) == 0b101
 
 
 def test_spec_classes_match_triton():

@@ -192,10 +192,44 @@ def test_bound_launch_equals_first_call(heads):
 
 
 @pytest.mark.parametrize("heads", [16, 128])
+def test_bound_launch_per_alignment_of_the_lengths(heads, monkeypatch):
+    """Lengths passed as a slice 4 bytes into a buffer (``buf[1:]``) get a bound launch of their own, compiled
+    for that alignment, from their second call on (they used to rebuild the launch on every call, ~500 µs of
+    host time); calls with aligned lengths keep theirs. Every call's results equal a fresh plan's full path on
+    the same values, which change between calls."""
+    from pagedmla.kernels.triton import decode, launch
+
+    lens = [300, 1, 5000, 64, 65]
+    q, k_cache, table, seqlens = _decode_inputs(5, 1, heads, lens, 11)
+    sliced = torch.zeros(len(lens) + 1, dtype=torch.int32, device="cuda")[1:]
+    assert sliced.data_ptr() % 16 == 4
+    monkeypatch.setattr(decode, "_PLANS", {})
+    bound_launches = []
+    direct = launch.BoundLaunch.launch
+    monkeypatch.setattr(launch.BoundLaunch, "launch", lambda self, *a: bound_launches.append(1) or direct(self, *a))
+    for call in range(3):
+        seqlens.copy_(torch.tensor([max(1, n - 7 * call) for n in lens], dtype=torch.int32))
+        sliced.copy_(seqlens)
+        meta, splits = pagedmla.get_mla_metadata(seqlens, heads, 1)
+        for lengths in (seqlens, sliced):
+            plans = decode._PLANS
+            decode._PLANS = {}  # a fresh plan: its first call takes the full path
+            full = paged_decode_triton(q, k_cache, table, lengths, 512, meta, splits, 576 ** -0.5, True)
+            decode._PLANS = plans
+            before = len(bound_launches)
+            out = paged_decode_triton(q, k_cache, table, lengths, 512, meta, splits, 576 ** -0.5, True)
+            # main + combine through their bound launches from each alignment's second call on
+            assert len(bound_launches) - before == (2 if call else 0), (call, lengths is sliced)
+            assert torch.equal(out[0], full[0]) and torch.equal(out[1], full[1]), (call, lengths is sliced)
+    (plan,) = decode._PLANS.values()
+    assert sorted(plan.bound) == [0, 0b10]  # all aligned; the lengths (second plain pointer) 4 bytes off
+
+
+@pytest.mark.parametrize("heads", [16, 128])
 def test_bound_paged_prefill_equals_full_path(heads, monkeypatch):
     """A 16-bit paged prefill call shaped like an earlier one launches through BoundLaunch: on other tensors
-    (other values, other addresses) exactly what the full path gives on them; an unaligned lengths slice
-    falls back to the full path."""
+    (other values, other addresses) exactly what the full path gives on them; an unaligned lengths slice takes
+    the full path once, then a launch bound for its alignment."""
     kv_lens, q_lens = [400, 900, 130, 1], [100, 37, 64, 1]
     qo = torch.tensor([0, 100, 137, 201, 202], dtype=torch.int32).cuda()
 
@@ -224,6 +258,52 @@ def test_bound_paged_prefill_equals_full_path(heads, monkeypatch):
     padded = torch.cat([lens.new_zeros(1), lens])
     shifted = pagedmla.flash_mla_varlen_with_kvcache(q, k_cache, table, padded[1:], qo, 512, causal=True)
     assert launched == [1] and torch.equal(shifted[0], full[0])
+    shifted = pagedmla.flash_mla_varlen_with_kvcache(q, k_cache, table, padded[1:], qo, 512, causal=True)
+    assert launched == [1, 1] and torch.equal(shifted[0], full[0]) and torch.equal(shifted[1], full[1])
+
+
+def test_bound_ragged_prefill_equals_full_path(monkeypatch):
+    """A ragged prefill call shaped like an earlier one launches through BoundLaunch and gives what the full
+    path gives on its tensors; cumulative lengths passed as a slice 4 bytes into a buffer get a launch bound for
+    their alignment from their second call on; q whose rows are not contiguous (copied per call) never binds, so
+    the caller's strided rows are never read as dense ones."""
+    from pagedmla.kernels.triton import launch, varlen
+
+    g = gen("bound ragged prefill")
+    t, heads = 700, 16
+    cu = torch.tensor([0, 250, 251, 700], dtype=torch.int32).cuda()
+    q, k = (torch.randn(2, t, heads, 192, generator=g) / 4).bfloat16().cuda()
+    v = (torch.randn(t, heads, 128, generator=g) / 4).bfloat16().cuda()
+    monkeypatch.setattr(varlen, "_sm90_bound", {})
+    launched = []
+    direct = launch.BoundLaunch.launch
+    monkeypatch.setattr(launch.BoundLaunch, "launch", lambda self, *a: launched.append(1) or direct(self, *a))
+
+    def call(qx, cux):
+        return pagedmla.flash_attn_varlen_func(qx, k, v, cux, cux, 450, 450, causal=True, return_attn_probs=True)[:2]
+
+    def full(qx, cux):
+        keep, varlen._sm90_bound = varlen._sm90_bound, {}
+        try:
+            return call(qx, cux)
+        finally:
+            varlen._sm90_bound = keep
+
+    ref = full(q, cu)
+    call(q, cu)
+    if not varlen._sm90_bound:
+        pytest.skip("the Hopper ragged prefill kernel does not run here")
+    sliced = torch.cat([cu[:1], cu])[1:]
+    strided = q.transpose(1, 2).contiguous().transpose(1, 2)  # same values, last-dim stride 16
+    assert sliced.data_ptr() % 16 == 4 and strided.stride(-1) != 1
+    for step in range(2):
+        for name, qx, cux, bound in (("aligned", q, cu, True), ("sliced", q, sliced, step > 0),
+                                     ("strided", strided, cu, False)):
+            before = len(launched)
+            out, lse = call(qx, cux)
+            assert len(launched) - before == int(bound), (step, name)
+            assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1]), (step, name)
+    assert torch.equal(full(strided, cu)[0], ref[0])
 
 
 @pytest.mark.parametrize("heads", [16, 128])

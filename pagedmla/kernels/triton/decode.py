@@ -62,7 +62,7 @@ from pagedmla.kernels.triton.common import (
     report,
     wait_prior_options,
 )
-from pagedmla.kernels.triton.launch import CachedKernel, current_stream
+from pagedmla.kernels.triton.launch import CachedKernel, current_stream, unaligned_mask
 from pagedmla.kernels.triton.metadata import part_bounds, request_span, schedule_matches
 from pagedmla.kernels.triton.sm90 import seesaw
 from pagedmla.kernels.triton.sm90.decode import sm90_main_args
@@ -859,8 +859,10 @@ class _DecodePlan:
         sms = sm_count(q.device) if q.is_cuda else 8
         self.block_r = 16 if many else few_requests_block_r(b, self.rows, head_dim_v, sms)
         self.pieces = COMBINE_PIECES_MANY if many else COMBINE_PIECES
-        self.bound: tuple | None = None  # (main, grid, combine, combine grid) once bound
-        self.tried_bind = False
+        # (main, grid, combine, combine grid) per alignment pattern of the plain pointer parameters
+        # (``unaligned_mask``: a caller's lengths slice cache_seqlens[1:] is 4 bytes off), once bound.
+        self.bound: dict[int, tuple] = {}
+        self.tried_bind: set[int] = set()
 
     def run(self, q, k_cache, block_table, cache_seqlens, metadata, num_splits, out, lse, k_scale=None):
         dev = self.device
@@ -872,16 +874,17 @@ class _DecodePlan:
             return out, lse
         partials = torch.empty(self.partials_numel, dtype=torch.float32, device=dev)
         err = errors.error_word(dev)
-        bound = self.bound
         # The bound launch does not switch devices: tensors off the current device take the full path.
-        if bound is not None and dev.index == torch.cuda.current_device():
+        if self.bound and dev.index == torch.cuda.current_device():
             qp, kp, bp = q.data_ptr(), k_cache.data_ptr(), block_table.data_ptr()
             sp, mp, np_ = cache_seqlens.data_ptr(), metadata.data_ptr(), num_splits.data_ptr()
             op, lp = out.data_ptr(), lse.data_ptr()
             # fp8_e4m3's scale is the main kernel's last tensor parameter.
             xp = (k_scale.data_ptr(),) if self.kv_fmt == "fp8_e4m3" else ()
-            # The kernels were compiled for 16-byte aligned arguments (the first call's).
-            if not (qp | kp | bp | sp | mp | np_ | op | lp | (xp[0] if xp else 0)) & 15:
+            # q and the cache at 16-byte aligned addresses (TMA bases, and what the bound launches were compiled
+            # for); the other pointers pick the launch bound for their alignment pattern.
+            bound = None if (qp | kp) & 15 else self.bound.get(unaligned_mask((bp, sp, mp, np_, op, lp, *xp)))
+            if bound is not None:
                 main, grid, combine, cgrid = bound
                 pp, ep = partials.data_ptr(), err.data_ptr()
                 stream = current_stream(dev.index)
@@ -924,13 +927,17 @@ class _DecodePlan:
             own_q = q is q_in
         cgrid, cargs, coptions = _combine_args(out, lse, partials, num_splits, cache_seqlens, err, self.parts,
                                                self.capacity, self.pdl, self.block_r, self.out_typed, self.pieces)
-        if not self.tried_bind and dev.type == "cuda" and own_q:
-            # Bind once, from a call whose tensors the later calls' addresses stand for.
-            self.tried_bind = True
-            main = kernel.bind(dev, grid, *args, **options)
-            combine = _COMBINE.bind(dev, cgrid, *cargs, **coptions)
-            if main is not None and combine is not None:
-                self.bound = (main, grid, combine, cgrid)
+        if dev.type == "cuda" and own_q and not (q_in.data_ptr() | k_cache.data_ptr()) & 15:
+            # Bind once per alignment pattern, from a call whose tensors the later calls' addresses stand for.
+            xs = (k_scale,) if self.kv_fmt == "fp8_e4m3" else ()
+            mask = unaligned_mask(tuple(t.data_ptr() for t in (block_table, cache_seqlens, metadata, num_splits,
+                                                                 out, lse, *xs)))
+            if mask not in self.tried_bind:
+                self.tried_bind.add(mask)
+                main = kernel.bind(dev, grid, *args, **options)
+                combine = _COMBINE.bind(dev, cgrid, *cargs, **coptions)
+                if main is not None and combine is not None:
+                    self.bound[mask] = (main, grid, combine, cgrid)
         kernel.launch(dev, grid, *args, **options)
         _COMBINE.launch(dev, cgrid, *cargs, **coptions)
         return out, lse

@@ -218,6 +218,17 @@ def current_stream(device_index: int) -> int:
     return _raw_stream(device_index)
 
 
+def unaligned_mask(ptrs: tuple[int, ...]) -> int:
+    """Bit i set where ``ptrs[i]`` is not 16-byte aligned: the pattern a kernel's pointer parameters are
+    specialised on (Triton marks each aligned one divisible by 16), so calls with one pattern can share one
+    ``BoundLaunch`` and calls with another need their own."""
+    mask = 0
+    for i, p in enumerate(ptrs):
+        if p & 15:
+            mask |= 1 << i
+    return mask
+
+
 class CachedKernel:
     """Wraps a ``@triton.jit`` or ``@gluon.jit`` function: ``kernel.launch(device, grid, *args, **kwargs)`` with
     every kernel parameter given (positionally, then by name) and launch options (``num_warps``,

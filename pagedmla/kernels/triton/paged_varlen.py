@@ -36,6 +36,7 @@ from pagedmla.kernels.triton.common import (
     report,
     store_nan,
 )
+from pagedmla.kernels.triton.launch import unaligned_mask
 from pagedmla.kernels.triton.rows import DEQUANT_MAX_WIDTH, dequantize_pages
 from pagedmla.kernels.triton.sm90.mla import BLOCK_N as SM90_BLOCK_N
 from pagedmla.kernels.triton.sm90.mla import D_QK, D_V, sm90_supported
@@ -199,11 +200,10 @@ _sm90_bound: dict[tuple, tuple | None] = {}
 
 
 def _launch_bound(bound: tuple, q, k_cache, block_table, cache_seqlens, qo_indptr, head_dim_v: int):
-    """(out, lse) of a bound launch, or None when an address is not 16-byte aligned as its kernel was compiled
-    for, or the tensors' device is not the current one (the bound launch does not switch devices): the caller
-    then takes the full path."""
-    if (q.data_ptr() | k_cache.data_ptr() | block_table.data_ptr() | cache_seqlens.data_ptr()
-            | qo_indptr.data_ptr()) & 15 or q.get_device() != torch.cuda.current_device():
+    """(out, lse) of a bound launch, or None when q or the cache (the tensor maps' bases) is not 16-byte aligned,
+    or the tensors' device is not the current one (the bound launch does not switch devices): the caller then
+    takes the full path. The other pointers' alignment is part of the bound launch's key."""
+    if (q.data_ptr() | k_cache.data_ptr()) & 15 or q.get_device() != torch.cuda.current_device():
         return None
     t, h, _ = q.shape
     out = torch.empty(t, h, head_dim_v, dtype=q.dtype, device=q.device)
@@ -260,7 +260,9 @@ def paged_varlen_attention(
         cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.get_device(),
         qo_indptr.shape, qo_indptr.stride(), qo_indptr.dtype, qo_indptr.get_device(),
         # With their types: 512 == 512.0 and 1.0 == True must not share a valid call's launch.
-        head_dim_v.__class__, head_dim_v, softmax_scale.__class__, softmax_scale, causal.__class__, causal)
+        head_dim_v.__class__, head_dim_v, softmax_scale.__class__, softmax_scale, causal.__class__, causal,
+        # Triton specialises each pointer on its 16-byte alignment: a slice cache_seqlens[1:] gets its own launch.
+        unaligned_mask((block_table.data_ptr(), cache_seqlens.data_ptr(), qo_indptr.data_ptr())))
     bound = _sm90_bound.get(key) if key is not None else None
     if bound is not None:
         checks.page_layout(kv_page_indptr, num_kv_pages, qo_indptr.shape[0] - 1, q.device)

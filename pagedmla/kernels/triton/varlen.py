@@ -29,7 +29,7 @@ from pagedmla.kernels.triton.common import (
     report,
     store_nan,
 )
-from pagedmla.kernels.triton.launch import current_stream
+from pagedmla.kernels.triton.launch import current_stream, unaligned_mask
 from pagedmla.kernels.triton.sm90.pipeline import MAX_TILES
 from pagedmla.kernels.triton.sm90.varlen import (
     varlen_sm90,
@@ -241,15 +241,15 @@ def _bind_sm90(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale,
 
 
 def _launch_bound(bound, q, k, v, cu_seqlens_q, cu_seqlens_k, out):
-    """(out, lse) of a bound launch, or None when an address is not 16-byte aligned as the kernel was compiled
-    for, or q's device is not the current one (the bound launch does not switch devices): the caller then takes
-    the full path."""
+    """(out, lse) of a bound launch, or None when q, k or v (the tensor maps' bases) is not 16-byte aligned, or
+    q's device is not the current one (the bound launch does not switch devices): the caller then takes the full
+    path. The other pointers' alignment is part of the bound launch's key."""
     launch, grid, (tq, h, dv) = bound
-    qp, kp, vp, cqp, ckp = q.data_ptr(), k.data_ptr(), v.data_ptr(), cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
-    op = 0 if out is None else out.data_ptr()
+    qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
     dev = q.device
-    if (qp | kp | vp | cqp | ckp | op) & 15 or dev.index != torch.cuda.current_device():
+    if (qp | kp | vp) & 15 or dev.index != torch.cuda.current_device():
         return None
+    cqp, ckp = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
     if out is None:
         out = torch.empty(tq, h, dv, dtype=q.dtype, device=dev)
     lse = torch.empty(tq, h, dtype=torch.float32, device=dev)
@@ -290,7 +290,9 @@ def varlen_attention(
     key = None if config is not None else (
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.get_device(),
         cu_seqlens_q.shape, cu_seqlens_q.stride(), cu_seqlens_k.shape, cu_seqlens_k.stride(), max_seqlen_q,
-        softmax_scale, causal, None if out is None else (out.shape, out.stride(), out.dtype))
+        softmax_scale, causal, None if out is None else (out.shape, out.stride(), out.dtype),
+        # Triton specialises each pointer on its 16-byte alignment: a slice cu_seqlens[1:] gets its own launch.
+        unaligned_mask((cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), 0 if out is None else out.data_ptr())))
     bound = _sm90_bound.get(key)
     if bound:
         result = _launch_bound(bound, q, k, v, cu_seqlens_q, cu_seqlens_k, out)
@@ -323,6 +325,7 @@ def varlen_attention(
         raise ValueError(f"out: expected {q.dtype} [{tq}, {h}, {dv}] with unit last stride, "
                          f"got {out.dtype} {tuple(out.shape)}")
     lse = torch.empty(tq, h, dtype=torch.float32, device=q.device)
+    given = (q, k, v, cu_seqlens_q, cu_seqlens_k)
     # The kernel indexes the cumulative lengths as dense arrays (a no-op when they already are).
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     batch = cu_seqlens_q.shape[0] - 1
@@ -333,7 +336,10 @@ def varlen_attention(
     q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
     cfg = default_config(dk, dv, q.dtype) if config is None else config.over(default_config(dk, dv, q.dtype))
     if _use_sm90(config, q, k, v, max_seqlen_q, batch):
-        if key is not None and key not in _sm90_bound and q.is_cuda:
+        # Bind only from a call that runs on the caller's own tensors, not on copies made above: a later call's
+        # addresses stand for this one's, so a launch bound on a copy would read the caller's strided tensor.
+        own = all(a is b for a, b in zip(given, (q, k, v, cu_seqlens_q, cu_seqlens_k)))
+        if key is not None and key not in _sm90_bound and q.is_cuda and own:
             _sm90_bound[key] = _bind_sm90(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale,
                                               causal, out, lse)
         varlen_sm90(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal, out, lse)
