@@ -1,8 +1,9 @@
 """Host cost of eager calls on the GPU: pagedmla's public calls and backend steps beside FlashMLA's C++ call.
 
-Calls: ``flash_mla_with_kvcache`` on four decode cells and on one with its lengths passed as a slice
-(FlashMLA's beside each), ``get_mla_metadata``,
-``flash_attn_varlen_func`` on two ragged cells and ``flash_mla_varlen_with_kvcache`` on one paged prefill cell.
+Calls: ``flash_mla_with_kvcache`` on four decode cells (FlashMLA's beside each), ``get_mla_metadata``,
+``flash_attn_varlen_func`` on three ragged cells and ``flash_mla_varlen_with_kvcache`` on one paged prefill cell;
+and one decode, ragged and paged cell again with its lengths passed as a slice 4 bytes off a 16-byte boundary
+(``buf[1:]``, as an engine passing a view of its lengths does), which has a bound launch of its own.
 Host µs per call: wall time of ``n`` back-to-back calls issued without waiting (few enough that CUDA's launch
 queue never fills, so the host is never held up by the GPU), divided by ``n``; best of five rounds (the host
 is shared and noisy). GPU µs: the same calls captured in a CUDA graph and replayed (no host in the way),
@@ -82,7 +83,7 @@ def _decode_row(b: int, q_len: int, heads: int, mean: int, use_flashmla: bool, s
     passing a view of its lengths does."""
     q, cache, table, lens = decode_inputs(b, q_len, heads, mean)
     if sliced:
-        lens = torch.cat([lens[:1], lens])[1:]
+        lens = _sliced(lens)
     meta, splits = pagedmla.get_mla_metadata(lens, q_len * heads, 1)
 
     def ours():
@@ -105,31 +106,38 @@ def _decode_row(b: int, q_len: int, heads: int, mean: int, use_flashmla: bool, s
     return row
 
 
-def _varlen_row(b: int, length: int, heads: int) -> dict:
+def _sliced(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values as ``buf[1:]`` of a buffer one element longer: 4 bytes off a 16-byte boundary."""
+    return torch.cat([t[:1], t])[1:]
+
+
+def _varlen_row(b: int, length: int, heads: int, sliced: bool = False) -> dict:
     t = b * length
     qm = (torch.randn(t, heads, 192, device="cuda") / 10).bfloat16()
     km = (torch.randn(t, heads, 192, device="cuda") / 10).bfloat16()
     vm = (torch.randn(t, heads, 128, device="cuda") / 10).bfloat16()
     cu = torch.arange(0, t + 1, length, dtype=torch.int32, device="cuda")
+    cu = _sliced(cu) if sliced else cu
 
     def fn():
         return pagedmla.flash_attn_varlen_func(qm, km, vm, cu, cu, length, length, causal=True)
 
-    return {"call": f"flash_attn_varlen_func {b}x{length}x{heads}", "host_us": host_us(fn, n=50),
-            "gpu_us": gpu_us(fn, reps=2)}
+    return {"call": f"flash_attn_varlen_func {b}x{length}x{heads}" + (" cu[1:]" if sliced else ""),
+            "host_us": host_us(fn, n=50), "gpu_us": gpu_us(fn, reps=2)}
 
 
-def _paged_row(b: int, new: int, heads: int, mean: int) -> dict:
+def _paged_row(b: int, new: int, heads: int, mean: int, sliced: bool = False) -> dict:
     """The paged (absorbed) prefill: ``new`` tokens of each of ``b`` requests over a cache of mean length ``mean``."""
     q, cache, table, lens = decode_inputs(b, new, heads, mean)
+    lens = _sliced(lens) if sliced else lens
     q = q.view(b * new, heads, D)
     qo = torch.arange(0, b * new + 1, new, dtype=torch.int32, device="cuda")
 
     def fn():
         return pagedmla.flash_mla_varlen_with_kvcache(q, cache, table, lens, qo, DV, causal=True)
 
-    return {"call": f"flash_mla_varlen_with_kvcache {b}x{new}x{heads}x{mean}", "host_us": host_us(fn, n=50),
-            "gpu_us": gpu_us(fn, reps=2)}
+    return {"call": f"flash_mla_varlen_with_kvcache {b}x{new}x{heads}x{mean}" + (" lens[1:]" if sliced else ""),
+            "host_us": host_us(fn, n=50), "gpu_us": gpu_us(fn, reps=2)}
 
 
 def public_calls(use_flashmla: bool) -> list[dict]:
@@ -139,7 +147,9 @@ def public_calls(use_flashmla: bool) -> list[dict]:
     lens = torch.randint(1, 8192, (64,), dtype=torch.int32, device="cuda")
     rows.append({"call": "get_mla_metadata 64x16", "host_us": host_us(lambda: pagedmla.get_mla_metadata(lens, 16, 1)),
                  "gpu_us": gpu_us(lambda: pagedmla.get_mla_metadata(lens, 16, 1))})
-    return rows + [_varlen_row(8, 4096, 16), _varlen_row(256, 128, 16), _paged_row(8, 128, 16, 4096)]
+    return rows + [_varlen_row(8, 4096, 16), _varlen_row(256, 128, 16), _varlen_row(8, 512, 16),
+                   _varlen_row(8, 512, 16, sliced=True), _paged_row(8, 128, 16, 4096),
+                   _paged_row(8, 128, 16, 4096, sliced=True)]
 
 
 def step_costs(profile: bool) -> list[dict]:
