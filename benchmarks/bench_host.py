@@ -78,6 +78,11 @@ def decode_inputs(b: int, q_len: int, heads: int, mean: int, seed: int = 0):
     return q, cache, table.cuda(), lens.cuda()
 
 
+def _sliced(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values as ``buf[1:]`` of a buffer one element longer: 4 bytes off a 16-byte boundary."""
+    return torch.cat([t[:1], t])[1:]
+
+
 def _decode_row(b: int, q_len: int, heads: int, mean: int, use_flashmla: bool, sliced: bool = False) -> dict:
     """``sliced``: the lengths are ``buf[1:]`` of a longer buffer (4 bytes off a 16-byte boundary), as an engine
     passing a view of its lengths does."""
@@ -104,11 +109,6 @@ def _decode_row(b: int, q_len: int, heads: int, mean: int, use_flashmla: bool, s
         theirs()
         row["flashmla_host_us"], row["flashmla_gpu_us"] = host_us(theirs), gpu_us(theirs)
     return row
-
-
-def _sliced(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s values as ``buf[1:]`` of a buffer one element longer: 4 bytes off a 16-byte boundary."""
-    return torch.cat([t[:1], t])[1:]
 
 
 def _varlen_row(b: int, length: int, heads: int, sliced: bool = False) -> dict:

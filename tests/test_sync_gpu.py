@@ -194,9 +194,9 @@ def test_bound_launch_equals_first_call(heads):
 @pytest.mark.parametrize("heads", [16, 128])
 def test_bound_launch_per_alignment_of_the_lengths(heads, monkeypatch):
     """Lengths passed as a slice 4 bytes into a buffer (``buf[1:]``) get a bound launch of their own, compiled
-    for that alignment, from their second call on (they used to rebuild the launch on every call, ~500 µs of
-    host time); calls with aligned lengths keep theirs. Every call's results equal a fresh plan's full path on
-    the same values, which change between calls."""
+    for that alignment, from their second call on (they used to rebuild the launch on every call: 121 µs of
+    host time against 44 on an H100 machine); calls with aligned lengths keep theirs. Every call's results equal
+    a fresh plan's full path on the same values, which change between calls."""
     from pagedmla.kernels.triton import decode, launch
 
     lens = [300, 1, 5000, 64, 65]
