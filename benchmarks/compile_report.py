@@ -52,6 +52,7 @@ from triton.language import target_info
 from pagedmla.kernels.triton.common import KV_FORMATS, LOG2E, kv_format_width
 from pagedmla.kernels.triton.decode import DecodeConfig, _decode_split_kernel, default_config, fp8_pairs
 from pagedmla.kernels.triton.launch import rewritten_ptx_file
+from pagedmla.kernels.triton.sm90.varlen import key_loop_wait_barriers
 from pagedmla.split_plan import BLOCK_N as SCHED_N
 from pagedmla.split_plan import METADATA_WIDTH
 
@@ -355,6 +356,10 @@ def report(kernel, arch: int = 90) -> dict:
     out["e4m3_pair_permutes"] = len(re.findall(r"prmt\.b32 \S+, \S+, \S+, 0x3120;", ptx))
     # Hardware conversions of two e4m3 values to fp16 (the Hopper FP8 decode's in-place widening).
     out["e4m3x2_converts"] = ptx.count("cvt.rn.f16x2.e4m3x2")
+    # Barriers of both consumer warpgroups before an mbarrier wait in a depth-2 loop: Triton 3.6 puts one before
+    # the ragged one-partition kernel's K wait in every key-loop iteration, which its PTX pass removes
+    # (``sm90.varlen.drop_key_loop_barrier``, NOTES Prefill v12: 16-19% on long prompts).
+    out["key_loop_wait_barriers"] = len(key_loop_wait_barriers(ptx))
     out["shared_byte_loads"] = len(re.findall(r"ld\.shared(?:\.v[24])?\.[ubs]8\b", ptx))
     out["setmaxnreg"] = sorted(set(map(int, re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx))))
     # Global stores kept in L2 ahead of the streamed rows (``common.PARTIALS_EVICTION``: the split-KV partials).

@@ -74,6 +74,18 @@ _WAIT_BARRIER = re.compile(r"\tbar\.sync \t0, 256;\n(?=\t// begin inline asm\n\t
                            r"\twaitLoop:\n\tmbarrier\.try_wait)")
 
 
+def key_loop_wait_barriers(ptx: str) -> list[re.Match]:
+    """The consumer partition's barriers (``_WAIT_BARRIER``) in ``ptx`` that sit in a basic block at loop
+    depth 2, the key loop (LLVM's label comment on each block names its depth)."""
+    found = []
+    for m in _WAIT_BARRIER.finditer(ptx):
+        head = ptx[:m.start()]
+        label = head[max(head.rfind("\n$L__BB"), head.rfind("\n// %bb")) + 1:].split("\n", 1)[0]
+        if "Depth=2" in label:
+            found.append(m)
+    return found
+
+
 def drop_key_loop_barrier(ptx: str) -> str:
     """``ptx`` without the partition barrier that Triton 3.6 puts before the K wait of every key-loop
     iteration of the 8-warp consumer, or ``ptx`` unchanged unless exactly one such barrier is found.
@@ -83,12 +95,7 @@ def drop_key_loop_barrier(ptx: str) -> str:
     each warpgroup until the other caught up: long prompts 16-19% slower on the H200. Nothing in the loop
     needs it: the loop writes no shared memory but the K / V releases, each thread's own arrival after its
     own warpgroup's wait (``_release``, counts of 256), and every thread waits for the TMA fills itself."""
-    drop = []
-    for m in _WAIT_BARRIER.finditer(ptx):
-        head = ptx[:m.start()]
-        label = head[max(head.rfind("\n$L__BB"), head.rfind("\n// %bb")) + 1:].split("\n", 1)[0]
-        if "Depth=2" in label:
-            drop.append(m)
+    drop = key_loop_wait_barriers(ptx)
     if len(drop) != 1:
         return ptx
     return ptx[:drop[0].start()] + ptx[drop[0].end():]
