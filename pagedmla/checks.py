@@ -202,15 +202,21 @@ def indptr_shape(t: torch.Tensor, name: str, size: int, total: int | None) -> No
         raise ValueError(f"{name}: one entry (no sequences) cannot cover {total} rows")
 
 
-def indptr_values(t: torch.Tensor, name: str, total: int | None) -> None:
-    """The value half of ``indptr`` (one synchronisation on CUDA), where ``host_value_checks`` says."""
+def indptr_values(t: torch.Tensor, name: str, total: int | None, partition: bool = True) -> None:
+    """The value half of ``indptr`` (one synchronisation on CUDA), where ``host_value_checks`` says: with
+    ``partition`` the entries run non-decreasing from 0 to ``total``; without, they only stay inside
+    [0, total] (key ranges that need not cover every row, as the kernels accept them)."""
     if not host_value_checks(t.device) or t.shape[0] == 0:
         return
     first, last, decreasing = torch.stack(
         [t[0].to(torch.int64), t[-1].to(torch.int64), (t[1:] < t[:-1]).any().to(torch.int64)]).tolist()
-    if first != 0:
+    if partition and first != 0:
         raise ValueError(f"{name}: must start at 0, got {first}")
+    if first < 0:
+        raise ValueError(f"{name}: must not be negative, starts at {first}")
     if decreasing:
         raise ValueError(f"{name}: must be non-decreasing")
-    if total is not None and last != total:
+    if total is not None and partition and last != total:
         raise ValueError(f"{name}: last entry {last} must equal the number of tokens {total}")
+    if total is not None and last > total:
+        raise ValueError(f"{name}: last entry {last} is past the {total} rows")

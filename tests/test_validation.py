@@ -362,6 +362,8 @@ def _mha_cases():
         "cu_seqlens_k decreasing": (replace(a, cu_seqlens_k=t32([0, 10, 9])), "cu_seqlens_k"),
         "cu_seqlens_k wrong size": (replace(a, cu_seqlens_k=t32([0, 9])), "cu_seqlens_k"),
         "cu_seqlens_k int64": (replace(a, cu_seqlens_k=a["cu_seqlens_k"].long()), "cu_seqlens_k"),
+        "cu_seqlens_k past k": (replace(a, cu_seqlens_k=t32([0, 4, 10])), "cu_seqlens_k"),
+        "cu_seqlens_k negative": (replace(a, cu_seqlens_k=t32([-1, 4, 9])), "cu_seqlens_k"),
         "max_seqlen_q too small": (replace(a, max_seqlen_q=3), "max_seqlen_q"),
         "max_seqlen_k too small": (replace(a, max_seqlen_k=4), "max_seqlen_k"),
         "max_seqlen_q negative": (replace(a, max_seqlen_q=-1), "max_seqlen_q"),
@@ -377,6 +379,30 @@ def test_flash_attn_varlen_func_rejects(case):
     args, name = MHA_CASES[case]
     with pytest.raises(ValueError, match=names(name)):
         call_mha(args)
+
+
+def test_flash_attn_varlen_func_takes_key_ranges_inside_k():
+    """cu_seqlens_k need not cover k (a padded key buffer): ranges from 1 and up to 8 of k's 9 rows give what
+    the same sequences give on k cut to those rows, with the host's value checks on (the CPU default)."""
+    a = mha_args()
+    padded = call_mha(replace(a, cu_seqlens_k=t32([1, 4, 8])), causal=True)
+    cut = call_mha(replace(a, k=a["k"][1:8], v=a["v"][1:8], cu_seqlens_k=t32([0, 3, 7])), causal=True)
+    assert torch.isfinite(padded).all()
+    torch.testing.assert_close(padded, cut, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("call,args,argument", [
+    (call_decode, decode_args, "block_table"),
+    (call_varlen_paged, varlen_paged_args, "cache_seqlens"),
+    (call_mha, mha_args, "cu_seqlens_k"),
+])
+def test_meta_tensor_after_a_valid_call_is_rejected(call, args, argument):
+    """The memoised checks key a tensor by its device: a meta tensor after a valid CPU call of the same shapes
+    gets the ValueError naming it, not the CPU call's checks (``get_device()`` is -1 for both)."""
+    a = args()
+    call(a)
+    with pytest.raises(ValueError, match=names(argument)):
+        call(replace(a, **{argument: a[argument].to("meta")}))
 
 
 @pytest.mark.parametrize("out", [torch.zeros(7, 4, 24), torch.zeros(7, 4, 16, dtype=F64), torch.zeros(7, 16)])

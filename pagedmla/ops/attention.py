@@ -37,8 +37,10 @@ _decode_signatures: dict[tuple, tuple] = {}
 
 
 def _signature(*tensors: torch.Tensor) -> tuple:
-    """What the host checks of a call depend on, per tensor: shape, dtype and device (index, -1 for CPU)."""
-    return tuple((t.shape, t.dtype, t.get_device()) for t in tensors)
+    """What the host checks of a call depend on, per tensor: shape, dtype and device. The device itself, not
+    ``get_device()``: that is -1 for a CPU and a meta tensor alike, so a meta tensor took the checks of a CPU
+    call's signature and failed inside torch instead of with the ValueError naming it."""
+    return tuple((t.shape, t.dtype, t.device) for t in tensors)
 
 
 def _memoised(table: dict[tuple, tuple], tensors: tuple, scalars: tuple, provider: str | None,
@@ -237,7 +239,9 @@ def flash_attn_varlen_func(
     """Ragged attention over packed variable-length sequences (FlashAttention's varlen call).
 
     q: [total_q, H, Dqk]; k: [total_k, Hk, Dqk]; v: [total_k, Hk, Dv] with H a multiple of Hk (GQA);
-    cu_seqlens_q/k: int32 [b + 1]; max_seqlen_q/k: host ints bounding the lengths; softmax_scale defaults
+    cu_seqlens_q: int32 [b + 1], a partition of q's rows (0 .. total_q); cu_seqlens_k: int32 [b + 1], sequence
+    b's keys are rows cu_seqlens_k[b] .. cu_seqlens_k[b + 1] - 1 of k and v (non-decreasing inside 0 .. total_k:
+    rows no sequence reads are allowed); max_seqlen_q/k: host ints bounding the lengths; softmax_scale defaults
     to Dqk ** -0.5; causal is bottom-right aligned when q and k lengths differ. ``out`` [total_q, H, Dv]
     receives the result when given. Returns out, or (out, lse [H, total_q] float32, None) when
     ``return_attn_probs`` is set. With the ``triton`` provider on an sm_90 GPU (fp16/bf16, Dqk 64/128/192,
@@ -258,7 +262,7 @@ def flash_attn_varlen_func(
     impl, scale = entry
     if errors.host_value_checks(q.device):
         checks.indptr_values(cu_seqlens_q, "cu_seqlens_q", q.shape[0])
-        checks.indptr_values(cu_seqlens_k, "cu_seqlens_k", k.shape[0])
+        checks.indptr_values(cu_seqlens_k, "cu_seqlens_k", k.shape[0], partition=False)
         if cu_seqlens_q.shape[0] > 1:
             lq = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()
             lk = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()
