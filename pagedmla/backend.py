@@ -9,8 +9,10 @@ No step path synchronises with the host: planning reads only the host values the
 (``*_cpu`` fields), host-built index arrays reach the device through pinned staging memory with
 non-blocking copies, and device values (request slots, lengths, page ids, cache slots) are guarded by the
 kernels (``pagedmla.errors``): a request whose slot, length or pages are bad gets NaN rows, the others are
-unaffected, and the device error word says what was wrong. ``PAGEDMLA_VALIDATE=all`` checks those values
-on the host instead, raising the ``ValueError`` that names them (a synchronisation per step and layer).
+unaffected, and the device error word says what was wrong (the MHA forms attend over the lengths planned on
+the host: there a device length other than ``seq_lens_cpu``'s is bad too). ``PAGEDMLA_VALIDATE=all`` checks
+those values on the host instead, raising the ``ValueError`` that names them (a synchronisation per step and
+layer).
 
 Attention forms (``attention_form`` after planning):
   "mha"      EXTEND without any cached prefix: ragged MHA over the new tokens (q/k 192, v 128); with
@@ -146,6 +148,9 @@ class ForwardMetadata:
     # An absorbed step over an FP8 cache: pages each request's host length spans (int32 [bs + 1]), and their sum.
     kv_page_indptr: torch.Tensor | None = None
     num_kv_pages: int | None = None
+    # The MHA forms: seq_lens_cpu on the device (int32 [bs]), the lengths their work was planned for; a request
+    # whose device length differs gets NaN rows (``poison_bad_lengths``).
+    planned_lens: torch.Tensor | None = None
     dcp: DCPAttention | None = None  # decode context parallelism: the absorbed attention's per-row plan
     # A MIXED step whose decodes run the decode kernel (``MLAConfig.mixed_decode_kernel``): its last
     # ``split_decodes`` requests (one token each), the others in the varlen kernel over ``qo_indptr`` (which
@@ -218,6 +223,28 @@ def select_requests(table: torch.Tensor, index: torch.Tensor, lens: torch.Tensor
     out_table.copy_(rows.masked_fill(~ok.unsqueeze(1), 0))
     out_lens.copy_(torch.where(ok, lens, -1))
     errors.error_word(table.device).bitwise_or_((~ok).any().to(torch.int32) * errors.REQUEST_SLOT)
+
+
+def poison_bad_lengths(out: torch.Tensor, indptr: torch.Tensor, lens: torch.Tensor, planned: torch.Tensor,
+                       capacity: int, max_rows: int) -> None:
+    """NaN into rows indptr[b] .. indptr[b + 1] - 1 of ``out`` [T, W] for each request b whose device length
+    ``lens[b]`` is negative, above ``capacity`` or else differs from ``planned[b]`` (the host's length the
+    step's work was planned for), setting ``errors.NEGATIVE_LENGTH``, ``LENGTH_BEYOND_TABLE`` or ``PAGE_LAYOUT``;
+    the other rows are not touched. ``max_rows``: the host's longest request. No host synchronisation."""
+    if out.is_cuda:
+        from pagedmla.kernels.triton.rows import poison_bad_lengths as launch
+
+        launch(out, indptr, lens, planned, capacity, max_rows)
+        return
+    negative = lens < 0
+    beyond = lens > capacity
+    mismatch = ~(negative | beyond) & (lens != planned)
+    rows = torch.repeat_interleave(negative | beyond | mismatch, indptr.diff(), output_size=out.shape[0])
+    out.masked_fill_(rows.unsqueeze(1), float("nan"))
+    bits = ((negative.any().to(torch.int32) * errors.NEGATIVE_LENGTH)
+            | (beyond.any().to(torch.int32) * errors.LENGTH_BEYOND_TABLE)
+            | (mismatch.any().to(torch.int32) * errors.PAGE_LAYOUT))
+    errors.error_word(out.device).bitwise_or_(bits)
 
 
 def _host_lens(values, name: str, count: int) -> list[int]:
@@ -316,7 +343,13 @@ class MLABackend:
             return
         self._check_batch_tensors(batch)
         seq_cpu = None if batch.seq_lens_cpu is None else _host_lens(batch.seq_lens_cpu, "seq_lens_cpu", bs)
-        block_table, seq_lens = self._step_rows(batch, seq_cpu)
+        form = None
+        if mode == ForwardMode.EXTEND and seq_cpu is not None:
+            ext = _host_lens(batch.extend_seq_lens_cpu, "extend_seq_lens_cpu", bs)
+            pre = _host_lens(batch.extend_prefix_lens_cpu, "extend_prefix_lens_cpu", bs)
+            self._check_extend(seq_cpu, ext, pre)
+            form = self._extend_form(ext, pre)
+        block_table, seq_lens = self._step_rows(batch, seq_cpu, planned=form in ("mha", "chunked"))
         verify_lens = None
         if mode == ForwardMode.TARGET_VERIFY and batch.extend_seq_lens_cpu is not None \
                 and len(batch.extend_seq_lens_cpu):
@@ -329,10 +362,6 @@ class MLABackend:
         if seq_cpu is None:
             raise ValueError(f"seq_lens_cpu: required on the host for {mode.value} steps")
         if mode == ForwardMode.EXTEND:
-            ext = _host_lens(batch.extend_seq_lens_cpu, "extend_seq_lens_cpu", bs)
-            pre = _host_lens(batch.extend_prefix_lens_cpu, "extend_prefix_lens_cpu", bs)
-            self._check_extend(seq_cpu, ext, pre)
-            form = self._extend_form(ext, pre)
             meta = ForwardMetadata(mode=mode, bs=bs, form=form, seq_lens=seq_lens, block_table=block_table)
             self._plan_varlen(meta, ext, seq_cpu)
             if form == "chunked":
@@ -354,10 +383,12 @@ class MLABackend:
         self._plan_dcp_ragged(meta)
         self.metadata = meta
 
-    def _step_rows(self, batch: ForwardBatch, seq_cpu: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _step_rows(self, batch: ForwardBatch, seq_cpu: list[int] | None,
+                   planned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(block table [bs, width] int32, lengths [bs] int32) of the step's requests, gathered by request slot
         into tensors the backend owns (the engine may update its own before the layers run); width is the
-        table's, or with host lengths the pages the longest request reads."""
+        table's, or with host lengths the pages the longest request reads. ``planned``: the step attends over
+        the host lengths themselves (the MHA forms), which the device's must then equal."""
         bs = batch.batch_size
         width = batch.block_table.shape[1]
         if seq_cpu is not None:
@@ -370,7 +401,7 @@ class MLABackend:
         # a step never synchronises otherwise, the kernels guard the values.
         self._host_checks = errors.validate_mode() == "all"
         if self._host_checks:
-            self._check_batch_values(batch, width)
+            self._check_batch_values(batch, width, seq_cpu, planned)
         block_table = torch.empty(bs, width, dtype=torch.int32, device=self.device)
         seq_lens = torch.empty(bs, dtype=torch.int32, device=self.device)
         select_requests(batch.block_table, batch.req_pool_indices, batch.seq_lens, block_table, seq_lens)
@@ -475,8 +506,9 @@ class MLABackend:
             raise ValueError("batch.block_table: expected 2-D [max_requests, max_pages], got "
                              f"{tuple(batch.block_table.shape)}")
 
-    def _check_batch_values(self, batch: ForwardBatch, width: int) -> None:
-        """``PAGEDMLA_VALIDATE=all``: the device values of the batch, read back (one synchronisation)."""
+    def _check_batch_values(self, batch: ForwardBatch, width: int, seq_cpu: list[int] | None, planned: bool) -> None:
+        """``PAGEDMLA_VALIDATE=all``: the device values of the batch, read back (one synchronisation); with
+        ``planned`` each device length must equal its host one in ``seq_cpu``."""
         idx = batch.req_pool_indices.to(torch.int64)
         lo, hi = (int(v) for v in torch.stack([idx.min(), idx.max()]).tolist())
         if lo < 0 or hi >= batch.block_table.shape[0]:
@@ -488,14 +520,17 @@ class MLABackend:
         if lo < 0 or hi > width * per_page:
             raise ValueError(f"batch.seq_lens: lengths must lie in 0..{width * per_page} "
                              f"({width} pages x {per_page}), got range {lo}..{hi}")
-        if batch.seq_lens_cpu is not None:
+        if seq_cpu is not None:
             # The host lengths size the plan (the pages an FP8 workspace holds among them): a device length past
-            # its host length would read beyond it.
-            over = lens > torch.as_tensor(list(batch.seq_lens_cpu), dtype=torch.int64, device=lens.device)
-            if bool(over.any()):
-                i = int(over.nonzero()[0])
-                raise ValueError(f"batch.seq_lens: request {i} has {int(lens[i])} tokens on the device, more than "
-                                 f"seq_lens_cpu's {batch.seq_lens_cpu[i]}")
+            # its host length would read beyond it. The MHA forms attend over the host lengths themselves: there
+            # a shorter device length is as wrong.
+            host = torch.as_tensor(seq_cpu, dtype=torch.int64, device=lens.device)
+            wrong = lens != host if planned else lens > host
+            if bool(wrong.any()):
+                i = int(wrong.nonzero()[0])
+                n = int(lens[i])
+                raise ValueError(f"batch.seq_lens: request {i} has {n} tokens on the device, "
+                                 f"{'more' if n > seq_cpu[i] else 'fewer'} than seq_lens_cpu's {seq_cpu[i]}")
 
     def _check_capacity(self, seq_cpu: list[int], max_pages: int) -> None:
         per_page = self.config.tokens_per_page
@@ -527,15 +562,20 @@ class MLABackend:
         return "chunked" if sum(extending) / len(extending) >= self.config.chunked_prefix_min_extend else "absorbed"
 
     def _plan_varlen(self, meta: ForwardMetadata, ext: list[int], seq_cpu: list[int]) -> None:
-        """qo_indptr of the step's query counts; for an absorbed step over an FP8 cache also the pages each
-        request's host length spans (``kv_page_indptr``: the dequantised workspace then holds those pages,
-        not batch x the longest request's), in the same host-to-device copy."""
+        """qo_indptr of the step's query counts; in the same host-to-device copy, for the MHA forms the host
+        lengths (``planned_lens``), for an absorbed step over an FP8 cache the pages each request's host length
+        spans (``kv_page_indptr``: the dequantised workspace then holds those pages, not batch x the longest
+        request's)."""
         indptr = [0]
         for e in ext:
             indptr.append(indptr[-1] + e)
         meta.max_q_len = max(ext) if ext else 0
         meta.num_tokens = indptr[-1]
-        if meta.form != "absorbed" or self.config.kv_format is None or self._dcp is not None:
+        if meta.form != "absorbed":
+            packed = to_device(indptr + seq_cpu, torch.int32, self.device)
+            meta.qo_indptr, meta.planned_lens = packed[: len(indptr)], packed[len(indptr):]
+            return
+        if self.config.kv_format is None or self._dcp is not None:
             meta.qo_indptr = to_device(indptr, torch.int32, self.device)
             return
         pages = [0]
@@ -735,7 +775,15 @@ class MLABackend:
                                                      cum_seq_lens_kv=chunk.cu_seqlens, max_q_len=meta.max_q_len,
                                                      max_kv_len=chunk.max_len, causal=False)
                 out, lse = self._merge_impl(out, lse, o2, l2, out, lse)
-        return out.reshape(meta.num_tokens, -1)
+        out = out.reshape(meta.num_tokens, -1)
+        # The MHA forms attend over the host's lengths: a device length that is negative, beyond the table or
+        # other than the host's gets its request NaN rows here. A launch of its own: the ragged kernel is the
+        # public flash_attn_varlen_func (portable and Hopper kernels), which knows sequences by cu_seqlens
+        # alone, the store runs before the attention, and the "mha" form merges nothing. Its programs of good
+        # requests leave after two loads.
+        poison_bad_lengths(out, meta.qo_indptr, meta.seq_lens, meta.planned_lens,
+                           meta.block_table.shape[1] * self.config.tokens_per_page, meta.max_q_len)
+        return out
 
     def _absorbed_ragged(self, q: torch.Tensor, meta: ForwardMetadata, varlen: Callable,
                          decode: Callable) -> torch.Tensor:

@@ -53,7 +53,8 @@ MESSAGES = {
     CACHE_SLOT: "out_cache_loc/slots: a cache slot is outside 0..num_slots-1",
     REQUEST_SLOT: "req_pool_indices: a request slot is outside the block table's rows",
     PAGE_LAYOUT: "kv_page_indptr/seq_lens: not a partition of the num_kv_pages pages (0 first, non-decreasing, "
-                 "num_kv_pages last), or a length reads past the pages its request spans",
+                 "num_kv_pages last), or a length reads past the pages its request spans or (the backend's MHA "
+                 "forms) differs from seq_lens_cpu",
 }
 
 VALIDATE_MODES = ("auto", "all", "shapes")

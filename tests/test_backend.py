@@ -12,7 +12,7 @@ import torch
 from oracle import decode_fp8_rows, dense_absorbed, dense_mha
 
 import pagedmla
-from pagedmla import MLAConfig, MLAKVCache, PageAllocator, RequestTable
+from pagedmla import MLAConfig, MLAKVCache, PageAllocator, RequestTable, errors
 from pagedmla.backend import ForwardBatch, ForwardMode, MLABackend, available_backends, create_backend, register_backend
 
 ROPE = 64
@@ -700,6 +700,62 @@ def test_validate_all_refuses_device_lengths_past_the_host_ones(monkeypatch):
                                          r"seq_lens_cpu's 41"):
         h.backend.init_forward_metadata(batch)
 
+
+
+@pytest.mark.parametrize("provider,dtype", [("torch", torch.float32), ("triton", torch.float16)])
+@pytest.mark.parametrize("form", ["mha", "chunked"])
+@pytest.mark.parametrize("bad", ["negative", "beyond", "fewer", "more", "slot"])
+def test_mha_forms_poison_bad_device_lengths(monkeypatch, provider, dtype, form, bad):
+    """The MHA forms attend over the host's lengths, so request 0's device length negative, beyond its block-table
+    row or other than seq_lens_cpu (shorter, or longer within the row), or its request slot outside the table
+    (length -1), gives its rows NaN and the error bits, request 1's rows bit-identical to the clean step (same
+    inputs, right device values), this step's rows stored and every other cache row untouched;
+    PAGEDMLA_VALIDATE=all refuses the batch naming the argument."""
+    monkeypatch.setenv("PAGEDMLA_VALIDATE", "shapes")
+    h = Harness(heads=2, page_size=16, num_pages=64, seed=1, extend_prefix_mode="chunked", provider=provider,
+                dtype=dtype, tol=1e-5 if dtype == torch.float32 else 5e-3)
+    slots = [h.add() for _ in range(3)]
+    if form == "chunked":
+        h.step(ForwardMode.EXTEND, slots, [20, 30, 9])
+    else:
+        h.step(ForwardMode.EXTEND, slots[2:], [9])  # a request outside the step, whose rows must stay
+    slots, new = slots[:2], [5, 7]
+    pre = [h.hist[s].shape[0] for s in slots]
+    seq = [p + n for p, n in zip(pre, new)]
+    for s, n in zip(slots, seq):
+        h.table.ensure_capacity(s, n)
+    loc = torch.cat([h.table.token_slots(s, p, n) for s, p, n in zip(slots, pre, seq)])
+    q, latent = h.dev(h.rand(12, h.heads, NOPE + ROPE)), h.dev(h.rand(12, LORA + ROPE))
+    k, v = h.decompress(latent)
+
+    def run(device_lens, requests=slots):
+        batch = ForwardBatch(ForwardMode.EXTEND, torch.tensor(requests), torch.tensor(device_lens, dtype=torch.int32),
+                             h.table.block_table, seq_lens_cpu=seq, extend_seq_lens_cpu=new, extend_prefix_lens_cpu=pre)
+        h.backend.init_forward_metadata(batch)
+        assert h.backend.attention_form == form
+        return h.backend.forward(q, k, v, 0, loc, h.cache, latent=latent, kv_decompress=h.decompress)
+
+    errors.device_errors("cpu")
+    before = h._bytes().clone()
+    clean = run(seq)
+    assert torch.isfinite(clean).all() and errors.device_errors("cpu") == 0
+    capacity = h.backend.metadata.block_table.shape[1] * h.cfg.page_size
+    wrong, bit = {"negative": (-3, errors.NEGATIVE_LENGTH), "beyond": (capacity + 1, errors.LENGTH_BEYOND_TABLE),
+                  "fewer": (seq[0] - 1, errors.PAGE_LAYOUT), "more": (seq[0] + 1, errors.PAGE_LAYOUT),
+                  "slot": (seq[0], errors.REQUEST_SLOT | errors.NEGATIVE_LENGTH)}[bad]
+    assert wrong < 0 or (wrong > capacity) == (bad == "beyond")
+    args = ([wrong, seq[1]],) + (([10 ** 4, slots[1]],) if bad == "slot" else ())
+    out = run(*args)
+    assert out[:5].isnan().all() and torch.equal(out[5:], clean[5:])
+    assert errors.device_errors("cpu") == bit
+    # The step's own rows are stored as in the clean step (their slots come from out_cache_loc, not the lengths).
+    after = h._bytes()
+    kept = torch.ones(after.shape[0], dtype=torch.bool)
+    kept[loc] = False
+    assert torch.equal(after[kept], before[kept]) and torch.equal(after[loc], latent.view(torch.uint8))
+    monkeypatch.setenv("PAGEDMLA_VALIDATE", "all")
+    with pytest.raises(ValueError, match=r"^batch\.req_pool_indices: " if bad == "slot" else r"^batch\.seq_lens: "):
+        run(*args)
 
 FP8_CASES = [("fp8_e4m3", "torch", torch.float32), ("fp8_ds_mla", "torch", torch.float32),
              ("fp8_e4m3", "triton", torch.float16), ("fp8_ds_mla", "triton", torch.float16)]

@@ -18,7 +18,7 @@ from oracle import gen, make_paged_cache
 
 import pagedmla
 from pagedmla import errors
-from pagedmla.backend import select_requests
+from pagedmla.backend import poison_bad_lengths, select_requests
 from pagedmla.cache import MLAKVCache
 
 D, DV = 48, 32  # a small MLA geometry the portable kernels take: 32 value columns + 16 rope columns
@@ -324,6 +324,29 @@ def test_select_requests_bad_slot(path):
     assert (out_t[1:3] == 0).all() and out_l.tolist() == [10, -1, -1, 13]
     assert errors.device_errors("cpu") == errors.REQUEST_SLOT and margins_intact(table)
 
+
+
+@pytest.mark.parametrize("path", ["triton", "torch"])
+def test_poison_bad_lengths(path):
+    """The MHA forms' length check (the Triton kernel under the interpreter, the backend's torch path): NaN rows
+    for the requests whose device length is negative, beyond the capacity or other than the planned one (one of
+    them without rows; one with more rows than the kernel's programs per request), every other row untouched,
+    each bit set, nothing outside the tensors touched."""
+    from pagedmla.kernels.triton.rows import poison_bad_lengths as kernel
+
+    out = guarded(torch.randn(50, 40, generator=gen("poison lengths")))
+    clean = out.clone()
+    indptr = torch.tensor([0, 3, 5, 45, 45, 50, 50], dtype=torch.int32)
+    planned = torch.tensor([7, 20, 43, 2, 12, 0], dtype=torch.int32)
+    lens = torch.tensor([7, -1, 49, 3, 12, 0], dtype=torch.int32)
+    errors.device_errors("cpu")
+    with checked_accesses() as log:
+        (kernel if path == "triton" else poison_bad_lengths)(out, indptr, lens, planned, 48, 40)
+    assert not log.violations
+    bad = torch.zeros(50, dtype=torch.bool)
+    bad[3:45] = True
+    assert out[bad].isnan().all() and torch.equal(out[~bad], clean[~bad]) and margins_intact(out)
+    assert errors.device_errors("cpu") == errors.NEGATIVE_LENGTH | errors.LENGTH_BEYOND_TABLE | errors.PAGE_LAYOUT
 
 # ---------------------------------------------------------------------------------------------------------
 # Host checks and the error report

@@ -448,3 +448,42 @@ def test_backend_bad_request_slot_and_cache_slot():
     changed[loc[[0, 2]]] = False
     after = h.cache.buffers[0].view(-1, 576).view(torch.int16)
     assert torch.equal(after[changed], before.view(-1, 576).view(torch.int16)[changed])
+
+
+@pytest.mark.parametrize("form", ["mha", "chunked"])
+def test_backend_mha_forms_bad_device_lengths(form):
+    """The MHA forms' length check compiled (bf16, the Hopper ragged kernel beneath): device lengths negative,
+    beyond the block-table row and shorter than seq_lens_cpu give those requests NaN rows (one longer than the
+    check's programs per request) and their bits, without a synchronisation; the last request is bit-identical
+    to the clean step."""
+    h = Harness(heads=16, page_size=64, num_pages=200, max_context=4096, seed=7, device="cuda", dtype=torch.bfloat16,
+                provider="triton", tol=BF16_TOL, extend_prefix_mode="chunked")
+    slots = [h.add() for _ in range(4)]
+    if form == "chunked":
+        h.step(ForwardMode.EXTEND, slots, [300, 100, 50, 700])
+    new = [600, 37, 64, 120]
+    pre = [h.hist[s].shape[0] for s in slots]
+    seq = [p + n for p, n in zip(pre, new)]
+    for s, n in zip(slots, seq):
+        h.table.ensure_capacity(s, n)
+    loc = torch.cat([h.table.token_slots(s, p, n) for s, p, n in zip(slots, pre, seq)])
+    g = gen("mha forms lengths", form)
+    q = (torch.randn(sum(new), 16, 192, generator=g) / 4).bfloat16().cuda()
+    latent = (torch.randn(sum(new), 576, generator=g) / 4).bfloat16().cuda()
+    k, v = h.decompress(latent)
+
+    def run(device_lens):
+        batch = ForwardBatch(ForwardMode.EXTEND, torch.tensor(slots, device="cuda"),
+                             torch.tensor(device_lens, dtype=torch.int32, device="cuda"), h.table.block_table,
+                             seq_lens_cpu=seq, extend_seq_lens_cpu=new, extend_prefix_lens_cpu=pre)
+        with no_sync():
+            h.backend.init_forward_metadata(batch)
+            return h.backend.forward(q, k, v, 0, loc, h.cache, latent=latent, kv_decompress=h.decompress)
+
+    clean = run(seq)
+    assert h.backend.attention_form == form and errors.device_errors() == 0 and torch.isfinite(clean).all()
+    capacity = h.backend.metadata.block_table.shape[1] * 64
+    out = run([-1, capacity + 1, seq[2] - 1, seq[3]])
+    mine = sum(new[:3])
+    assert out[:mine].isnan().all() and torch.equal(out[mine:], clean[mine:])
+    assert errors.device_errors() == errors.NEGATIVE_LENGTH | errors.LENGTH_BEYOND_TABLE | errors.PAGE_LAYOUT

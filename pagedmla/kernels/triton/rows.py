@@ -4,8 +4,9 @@ table gathered by request slot, and the pages a block table references dequantis
 
 Each guards its indices on the device (``pagedmla.errors``): a store to a slot outside the cache is
 skipped, a gather from one yields a NaN row, a request slot outside the table yields page-0 rows and a
-length of -1 (which the attention kernels turn into NaN rows); each sets its error bit. One launch each,
-no host synchronisation, capturable in a CUDA graph.
+length of -1 (which the attention kernels turn into NaN rows); each sets its error bit. One more writes NaN
+into the output rows of requests whose device length the host's plan cannot stand for (``poison_bad_lengths``,
+the backend's MHA forms). One launch each, no host synchronisation, capturable in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ _ROWS = 16  # rows per program: 16 x 576 x 2 bytes = 18 KB in flight
 _FP8_ROWS = 4
 # ``dequantize_pages``' programs are (request, page): CUDA's limit on a grid's second dimension.
 DEQUANT_MAX_WIDTH = 65535
+# ``poison_bad_lengths``' programs per request: a bad request's rows (a prefill's thousands x heads x 128 values)
+# are written by this many programs at once, a good request's leave after two loads.
+_POISON_PROGRAMS = 32
 
 
 @triton.jit
@@ -220,11 +224,32 @@ def _dequantize_pages_kernel(kv_ptr, bt_ptr, lens_ptr, indptr_ptr, ws_ptr, ws_bt
     tl.store(ws_bt_ptr + slot, ws_page)
 
 
+@triton.jit
+def _poison_lengths_kernel(out_ptr, indptr_ptr, lens_ptr, planned_ptr, err_ptr, capacity, width, stride_out,
+                           BLOCK_W: tl.constexpr, MISMATCH: tl.constexpr):
+    # Program (b, p): rows indptr[b] + p, + P, ... of request b, P the grid's second dimension.
+    b = tl.program_id(0)
+    p = tl.program_id(1)
+    length = tl.load(lens_ptr + b)
+    _, bits = checked_length(length, capacity)
+    bits = tl.where((bits == 0) & (length != tl.load(planned_ptr + b)), MISMATCH, bits)
+    if bits != 0:
+        if p == 0:
+            report(err_ptr, bits)
+        cols = tl.arange(0, BLOCK_W)
+        nan = tl.full([BLOCK_W], float("nan"), out_ptr.dtype.element_ty)
+        for r in range(tl.load(indptr_ptr + b) + p, tl.load(indptr_ptr + b + 1), tl.num_programs(1)):
+            row = out_ptr + tl.cast(r, tl.int64) * stride_out
+            for c in range(0, width, BLOCK_W):
+                tl.store(row + c + cols, nan, mask=c + cols < width)
+
+
 _STORE = CachedKernel(_store_rows_kernel)
 _STORE_FP8 = CachedKernel(_store_fp8_rows_kernel)
 _GATHER = CachedKernel(_gather_rows_kernel)
 _SELECT = CachedKernel(_select_requests_kernel)
 _DEQUANT_PAGES = CachedKernel(_dequantize_pages_kernel)
+_POISON = CachedKernel(_poison_lengths_kernel)
 
 
 # Bound launches of the store per call shape (the backend stores one layer's rows per call, every layer of
@@ -299,6 +324,27 @@ def select_requests(table: torch.Tensor, index: torch.Tensor, lens: torch.Tensor
     _SELECT.launch(table.device, (n,), table, index, lens, out_table, out_lens, errors.error_word(table.device), n,
                    table.shape[0], width, table.stride(0), out_table.stride(0),
                    BLOCK_W=min(1024, triton.next_power_of_2(max(width, 16))), ERR=err_bit, num_warps=4)
+
+
+def poison_bad_lengths(out: torch.Tensor, indptr: torch.Tensor, lens: torch.Tensor, planned: torch.Tensor,
+                       capacity: int, max_rows: int, mismatch_bit: int = errors.PAGE_LAYOUT) -> None:
+    """NaN into rows indptr[b] .. indptr[b + 1] - 1 of ``out`` for each request b whose device length ``lens[b]``
+    is negative (setting ``errors.NEGATIVE_LENGTH``), above ``capacity`` (``errors.LENGTH_BEYOND_TABLE``) or
+    else differs from ``planned[b]``, the length the host planned the call's work for (``mismatch_bit``); the
+    other rows are not touched. out [T, W] (unit last stride), indptr int32 [b + 1] (a partition of out's rows
+    the caller built), lens and planned int32 [b]; ``max_rows`` (the host's longest request) sizes the grid.
+    One launch, no host synchronisation."""
+    if out.dim() != 2 or out.stride(1) != 1:
+        raise ValueError(f"out: expected a 2-D tensor with unit last stride, got shape {tuple(out.shape)} and "
+                         f"strides {out.stride()}")
+    b = lens.shape[0]
+    if b == 0:
+        return
+    width = out.shape[1]
+    grid = (b, max(1, min(max_rows, _POISON_PROGRAMS)))
+    _POISON.launch(out.device, grid, out, indptr, lens, planned, errors.error_word(out.device), capacity, width,
+                   out.stride(0), BLOCK_W=min(1024, triton.next_power_of_2(max(width, 16))), MISMATCH=mismatch_bit,
+                   num_warps=4)
 
 
 def dequantize_pages(k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor, fmt: str,
