@@ -59,6 +59,7 @@ from pagedmla.ops.attention import merge_state
 from pagedmla.ops.providers import available_providers, resolve
 from pagedmla.ops.schedule import get_mla_metadata, num_sm_parts_for, schedule_into
 from pagedmla.parallel import Group
+from pagedmla.rows import poison_bad_lengths, select_requests
 
 # ``MLAConfig.mixed_decode_kernel="auto"``: the varlen kernel's work tile is 64 query rows x 64 keys, one SM's
 # unit; a MIXED step's decodes run the decode kernel where the longest decode's key tiles are at least
@@ -206,45 +207,6 @@ def _layer_id(layer) -> int:
     if isinstance(lid, bool) or not isinstance(lid, int):
         raise TypeError(f"layer: expected a layer index or an object with .layer_id, got {type(layer).__name__}")
     return lid
-
-
-def select_requests(table: torch.Tensor, index: torch.Tensor, lens: torch.Tensor, out_table: torch.Tensor,
-                    out_lens: torch.Tensor) -> None:
-    """out_table[i] = table[index[i], :width] and out_lens[i] = lens[i] for the step's requests; a request
-    slot outside the table gives page-0 rows and length -1 (NaN rows in attention) and sets
-    ``errors.REQUEST_SLOT``. No host synchronisation."""
-    if table.is_cuda:
-        from pagedmla.kernels.triton.rows import select_requests as launch
-
-        launch(table, index, lens, out_table, out_lens)
-        return
-    ok = (index >= 0) & (index < table.shape[0])
-    rows = table.index_select(0, torch.where(ok, index, 0).to(torch.int64))[:, : out_table.shape[1]]
-    out_table.copy_(rows.masked_fill(~ok.unsqueeze(1), 0))
-    out_lens.copy_(torch.where(ok, lens, -1))
-    errors.error_word(table.device).bitwise_or_((~ok).any().to(torch.int32) * errors.REQUEST_SLOT)
-
-
-def poison_bad_lengths(out: torch.Tensor, indptr: torch.Tensor, lens: torch.Tensor, planned: torch.Tensor,
-                       capacity: int, max_rows: int) -> None:
-    """NaN into rows indptr[b] .. indptr[b + 1] - 1 of ``out`` [T, W] for each request b whose device length
-    ``lens[b]`` is negative, above ``capacity`` or else differs from ``planned[b]`` (the host's length the
-    step's work was planned for), setting ``errors.NEGATIVE_LENGTH``, ``LENGTH_BEYOND_TABLE`` or ``PAGE_LAYOUT``;
-    the other rows are not touched. ``max_rows``: the host's longest request. No host synchronisation."""
-    if out.is_cuda:
-        from pagedmla.kernels.triton.rows import poison_bad_lengths as launch
-
-        launch(out, indptr, lens, planned, capacity, max_rows)
-        return
-    negative = lens < 0
-    beyond = lens > capacity
-    mismatch = ~(negative | beyond) & (lens != planned)
-    rows = torch.repeat_interleave(negative | beyond | mismatch, indptr.diff(), output_size=out.shape[0])
-    out.masked_fill_(rows.unsqueeze(1), float("nan"))
-    bits = ((negative.any().to(torch.int32) * errors.NEGATIVE_LENGTH)
-            | (beyond.any().to(torch.int32) * errors.LENGTH_BEYOND_TABLE)
-            | (mismatch.any().to(torch.int32) * errors.PAGE_LAYOUT))
-    errors.error_word(out.device).bitwise_or_(bits)
 
 
 def _host_lens(values, name: str, count: int) -> list[int]:
@@ -883,12 +845,14 @@ class MLABackend:
                 raise ValueError("kv_decompress: the chunked-prefix form needs it to expand prefix rows")
             merge_provider = self._traced_provider("merge")
             for chunk in meta.prefix_chunks:
-                rows = cache.layer(lid).view(-1, self.kv_dim).index_select(0, chunk.slots)
-                kc, vc = kv_decompress(rows)
+                kc, vc = kv_decompress(library.cache_gather(cache.layer(lid), chunk.slots))
                 o2, l2 = library.varlen_attention(q, kc, vc, meta.qo_indptr, chunk.cu_seqlens, meta.max_q_len,
                                                   chunk.max_len, self.scale, False, varlen_provider)
                 out, lse = merge_state(out, lse, o2, l2.transpose(0, 1), provider=merge_provider)
-        return out.reshape(meta.num_tokens, -1)
+        out = out.reshape(meta.num_tokens, -1)
+        library.poison_bad_lengths(out, meta.qo_indptr, meta.seq_lens, meta.planned_lens,
+                                   meta.block_table.shape[1] * self.config.tokens_per_page, meta.max_q_len)
+        return out
 
     # ------------------------------------------------------------------ CUDA graphs
     def get_cuda_graph_seq_len_fill_value(self) -> int:

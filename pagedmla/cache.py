@@ -17,6 +17,7 @@ import torch
 
 from pagedmla import checks, errors, kv_format
 from pagedmla.device import to_device
+from pagedmla.rows import gather_slots, live_slots, store_slots
 
 
 class OutOfPagesError(RuntimeError):
@@ -267,21 +268,16 @@ class MLAKVCache:
         if not 0 <= layer_id < len(self._flat):
             raise ValueError(f"layer_id: expected an int in 0..{len(self._flat) - 1}, got {layer_id!r}")
         flat = self._flat[layer_id]
-        if flat.is_cuda:
-            from pagedmla.kernels.triton.rows import store_fp8_rows, store_rows
+        if self.kv_format is None:
+            store_slots(flat, out_cache_loc, rows)
+        elif flat.is_cuda:
+            from pagedmla.kernels.triton.rows import store_fp8_rows
 
             rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-            if self.kv_format is None:
-                store_rows(flat, out_cache_loc, rows)
-            else:
-                store_fp8_rows(flat, out_cache_loc, rows, self.kv_format, self._scale(layer_id))
-            return
-        if self.kv_format is not None:
-            rows = kv_format.quantize_latent(rows, self.kv_format, k_scale=self._scale(layer_id)).view(torch.uint8)
-        ok = self._live_slots(out_cache_loc)
-        # A row with a bad slot rewrites slot 0 (the reserved page: no request's data) with what it holds.
-        flat.index_copy_(0, torch.where(ok, out_cache_loc, 0), torch.where(ok.unsqueeze(1), rows.to(flat.dtype),
-                                                                             flat[0]))
+            store_fp8_rows(flat, out_cache_loc, rows, self.kv_format, self._scale(layer_id))
+        else:
+            codes = kv_format.quantize_latent(rows, self.kv_format, k_scale=self._scale(layer_id))
+            store_slots(flat, out_cache_loc, codes.view(torch.uint8))
 
     def write(self, layer_id: int, out_cache_loc: torch.Tensor, latent: torch.Tensor, validate: bool = True) -> None:
         """Store full latent rows: latent [T, kv_dim] or [T, 1, kv_dim] at slots out_cache_loc int64 [T].
@@ -323,26 +319,13 @@ class MLAKVCache:
         self.layer(layer_id)
         self._check_slots(slots, None, name="slots", check_values=validate)
         flat = self._flat[layer_id]
-        if self.kv_format is not None:
-            ok = self._live_slots(slots)
-            raw = flat.index_select(0, torch.where(ok, slots, 0)).view(self.dtype)
-            rows = kv_format.dequantize_latent(raw, self.kv_format, k_scale=self._scale(layer_id),
-                                               dtype=dtype or torch.float32)
-            return rows.masked_fill(~ok.unsqueeze(1), float("nan"))
-        if flat.is_cuda:
-            from pagedmla.kernels.triton.rows import gather_rows
-
-            return gather_rows(flat, slots)
-        ok = self._live_slots(slots)
-        rows = flat.index_select(0, torch.where(ok, slots, 0))
+        if self.kv_format is None:
+            return gather_slots(flat, slots)
+        ok = live_slots(slots, self.num_slots)
+        raw = flat.index_select(0, torch.where(ok, slots, 0)).view(self.dtype)
+        rows = kv_format.dequantize_latent(raw, self.kv_format, k_scale=self._scale(layer_id),
+                                           dtype=dtype or torch.float32)
         return rows.masked_fill(~ok.unsqueeze(1), float("nan"))
-
-    def _live_slots(self, slots: torch.Tensor) -> torch.Tensor:
-        """Which slots lie in the cache (bool [n]); the others are reported in the error word."""
-        ok = (slots >= 0) & (slots < self.num_slots)
-        word = errors.error_word(slots.device)
-        word.bitwise_or_((~ok).any().to(torch.int32) * errors.CACHE_SLOT)
-        return ok
 
     def _check_slots(self, slots: torch.Tensor, count: int | None, name: str = "out_cache_loc",
                      check_values: bool = True) -> None:

@@ -702,15 +702,19 @@ def test_validate_all_refuses_device_lengths_past_the_host_ones(monkeypatch):
 
 
 
-@pytest.mark.parametrize("provider,dtype", [("torch", torch.float32), ("triton", torch.float16)])
-@pytest.mark.parametrize("form", ["mha", "chunked"])
-@pytest.mark.parametrize("bad", ["negative", "beyond", "fewer", "more", "slot"])
-def test_mha_forms_poison_bad_device_lengths(monkeypatch, provider, dtype, form, bad):
+@pytest.mark.parametrize("provider,dtype,traced", [("torch", torch.float32, False), ("triton", torch.float16, False),
+                                                   ("torch", torch.float32, True)],
+                         ids=["torch", "triton", "torch-compiled"])
+@pytest.mark.parametrize("form,bad", [(f, b) for f in ("mha", "chunked")
+                                      for b in ("negative", "beyond", "fewer", "more", "slot")] + [("chunked", "page")])
+def test_mha_forms_poison_bad_device_values(monkeypatch, provider, dtype, traced, form, bad):
     """The MHA forms attend over the host's lengths, so request 0's device length negative, beyond its block-table
     row or other than seq_lens_cpu (shorter, or longer within the row), or its request slot outside the table
     (length -1), gives its rows NaN and the error bits, request 1's rows bit-identical to the clean step (same
-    inputs, right device values), this step's rows stored and every other cache row untouched;
-    PAGEDMLA_VALIDATE=all refuses the batch naming the argument."""
+    inputs, right device values), this step's rows stored and every other cache row untouched; so does a prefix
+    page id outside the cache in the chunked form. Eager and through torch.compile (the traced forms' custom
+    ops: an unguarded index there would raise, or assert on a GPU). PAGEDMLA_VALIDATE=all refuses the batch
+    naming the argument (not the page id when traced: that check reads the cache at forward time)."""
     monkeypatch.setenv("PAGEDMLA_VALIDATE", "shapes")
     h = Harness(heads=2, page_size=16, num_pages=64, seed=1, extend_prefix_mode="chunked", provider=provider,
                 dtype=dtype, tol=1e-5 if dtype == torch.float32 else 5e-3)
@@ -728,12 +732,15 @@ def test_mha_forms_poison_bad_device_lengths(monkeypatch, provider, dtype, form,
     q, latent = h.dev(h.rand(12, h.heads, NOPE + ROPE)), h.dev(h.rand(12, LORA + ROPE))
     k, v = h.decompress(latent)
 
+    torch._dynamo.reset()
+    forward = torch.compile(h.backend.forward, backend="eager", fullgraph=True) if traced else h.backend.forward
+
     def run(device_lens, requests=slots):
         batch = ForwardBatch(ForwardMode.EXTEND, torch.tensor(requests), torch.tensor(device_lens, dtype=torch.int32),
                              h.table.block_table, seq_lens_cpu=seq, extend_seq_lens_cpu=new, extend_prefix_lens_cpu=pre)
         h.backend.init_forward_metadata(batch)
         assert h.backend.attention_form == form
-        return h.backend.forward(q, k, v, 0, loc, h.cache, latent=latent, kv_decompress=h.decompress)
+        return forward(q, k, v, 0, loc, h.cache, latent=latent, kv_decompress=h.decompress)
 
     errors.device_errors("cpu")
     before = h._bytes().clone()
@@ -742,9 +749,12 @@ def test_mha_forms_poison_bad_device_lengths(monkeypatch, provider, dtype, form,
     capacity = h.backend.metadata.block_table.shape[1] * h.cfg.page_size
     wrong, bit = {"negative": (-3, errors.NEGATIVE_LENGTH), "beyond": (capacity + 1, errors.LENGTH_BEYOND_TABLE),
                   "fewer": (seq[0] - 1, errors.PAGE_LAYOUT), "more": (seq[0] + 1, errors.PAGE_LAYOUT),
-                  "slot": (seq[0], errors.REQUEST_SLOT | errors.NEGATIVE_LENGTH)}[bad]
+                  "slot": (seq[0], errors.REQUEST_SLOT | errors.NEGATIVE_LENGTH),
+                  "page": (seq[0], errors.CACHE_SLOT)}[bad]
     assert wrong < 0 or (wrong > capacity) == (bad == "beyond")
     args = ([wrong, seq[1]],) + (([10 ** 4, slots[1]],) if bad == "slot" else ())
+    if bad == "page":  # request 0's first prefix page (its rows were stored before the step)
+        h.table.block_table[slots[0], 0] = h.cache.num_pages + 5
     out = run(*args)
     assert out[:5].isnan().all() and torch.equal(out[5:], clean[5:])
     assert errors.device_errors("cpu") == bit
@@ -753,9 +763,13 @@ def test_mha_forms_poison_bad_device_lengths(monkeypatch, provider, dtype, form,
     kept = torch.ones(after.shape[0], dtype=torch.bool)
     kept[loc] = False
     assert torch.equal(after[kept], before[kept]) and torch.equal(after[loc], latent.view(torch.uint8))
+    if bad == "page" and traced:
+        return
     monkeypatch.setenv("PAGEDMLA_VALIDATE", "all")
-    with pytest.raises(ValueError, match=r"^batch\.req_pool_indices: " if bad == "slot" else r"^batch\.seq_lens: "):
+    named = {"slot": r"^batch\.req_pool_indices: ", "page": r"^block_table: "}.get(bad, r"^batch\.seq_lens: ")
+    with pytest.raises(ValueError, match=named):
         run(*args)
+
 
 FP8_CASES = [("fp8_e4m3", "torch", torch.float32), ("fp8_ds_mla", "torch", torch.float32),
              ("fp8_e4m3", "triton", torch.float16), ("fp8_ds_mla", "triton", torch.float16)]

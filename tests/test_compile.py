@@ -138,7 +138,8 @@ def test_eager_calls_do_not_enter_the_dispatcher(monkeypatch):
         raise AssertionError("custom op reached from an eager call")
 
     for name in ("flash_mla_with_kvcache", "flash_mla_varlen_with_kvcache", "varlen_attention",
-                 "varlen_attention_out", "merge_state_out", "get_mla_metadata", "cache_write"):
+                 "varlen_attention_out", "merge_state_out", "get_mla_metadata", "cache_write", "cache_gather",
+                 "poison_bad_lengths"):
         monkeypatch.setattr(torch.ops.pagedmla, name, boom)
     for owner, name in ((attention, "_traced_varlen"), (attention, "_traced_merge"), (MLABackend, "_traced_decode"),
                         (MLABackend, "_traced_extend")):
@@ -150,3 +151,28 @@ def test_eager_calls_do_not_enter_the_dispatcher(monkeypatch):
     o, lse = pagedmla.flash_mla_with_kvcache(q, torch.randn(2, PS, 1, D, generator=g),
                                              torch.tensor([[1]], dtype=torch.int32), lens, LORA, md, ns)
     pagedmla.merge_state(o[0], lse.transpose(1, 2)[0], o[0], lse.transpose(1, 2)[0])
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_traced_cache_ops_guard_slots(backend):
+    """The traced forms' cache ops keep the eager guards: a write to a slot outside the layer is dropped and a
+    gather from one reads NaN, each setting errors.CACHE_SLOT; the other rows are written and read as given."""
+    from pagedmla import errors
+
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(11)
+    buffer = torch.randn(12, 1, D, generator=g)
+    rows = torch.randn(3, D, generator=g)
+    slots = torch.tensor([7, 12, 2])  # 12: one past the layer's last slot
+
+    def step(buffer, slots, rows):
+        torch.ops.pagedmla.cache_write(buffer, slots, rows)
+        return torch.ops.pagedmla.cache_gather(buffer, slots)
+
+    expected = buffer.clone()
+    expected[7, 0], expected[2, 0] = rows[0], rows[2]
+    errors.device_errors("cpu")
+    got = torch.compile(step, fullgraph=True, backend=backend)(buffer, slots, rows)
+    assert torch.equal(buffer, expected)
+    assert torch.equal(got[[0, 2]], rows[[0, 2]]) and got[1].isnan().all()
+    assert errors.device_errors("cpu") == errors.CACHE_SLOT

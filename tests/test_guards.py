@@ -18,8 +18,8 @@ from oracle import gen, make_paged_cache
 
 import pagedmla
 from pagedmla import errors
-from pagedmla.backend import poison_bad_lengths, select_requests
 from pagedmla.cache import MLAKVCache
+from pagedmla.rows import poison_bad_lengths, select_requests
 
 D, DV = 48, 32  # a small MLA geometry the portable kernels take: 32 value columns + 16 rope columns
 PAGE = 16

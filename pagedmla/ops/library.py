@@ -15,13 +15,15 @@ registered: compile for inference (``torch.no_grad``).
 
 Argument checks run inside the real implementations (at run time), not while tracing. The backend's
 forward paths trace through ``MLABackend``'s traced forms (``backend.py``), which express one planned step
-with these ops (``cache_write`` + attention, and the merge of the chunked-prefix form).
+with these ops (``cache_write`` + attention; the chunked-prefix form's ``cache_gather`` and merge; the MHA
+forms' ``poison_bad_lengths``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from pagedmla import rows
 from pagedmla.ops import attention, schedule
 from pagedmla.reference import lse_dtype
 
@@ -135,12 +137,37 @@ def _(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_sm_parts=None, kv
 
 @torch.library.custom_op("pagedmla::cache_write", mutates_args=("buffer",))
 def cache_write(buffer: torch.Tensor, out_cache_loc: torch.Tensor, latent: torch.Tensor) -> None:
-    """Rows ``latent`` [T, D] into ``buffer`` [num_slots, 1, D] at slots ``out_cache_loc`` int64 [T] (the
-    backend's cache write; slots are the backend's own, unchecked as in ``MLAKVCache.write(validate=False)``)."""
-    flat = buffer.view(-1, buffer.shape[-1])
-    flat.index_copy_(0, out_cache_loc, latent.reshape(-1, buffer.shape[-1]).to(buffer.dtype))
+    """Rows ``latent`` [T, D] into a 16-bit cache layer ``buffer`` [num_slots, 1, D] at slots ``out_cache_loc``
+    int64 [T] (the backend's cache write, as ``MLAKVCache.write(validate=False)``: a slot outside the layer
+    is dropped and sets ``errors.CACHE_SLOT``)."""
+    rows.store_slots(buffer.view(-1, buffer.shape[-1]), out_cache_loc, latent.reshape(-1, buffer.shape[-1]))
 
 
 @cache_write.register_fake
 def _(buffer, out_cache_loc, latent):
+    return None
+
+
+@torch.library.custom_op("pagedmla::cache_gather", mutates_args=())
+def cache_gather(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The rows [n, D] of a 16-bit cache layer ``buffer`` [num_slots, 1, D] at ``slots`` int64 [n] (the
+    chunked-prefix form's prefix rows); a slot outside the layer gives a NaN row and sets ``errors.CACHE_SLOT``."""
+    return rows.gather_slots(buffer.view(-1, buffer.shape[-1]), slots)
+
+
+@cache_gather.register_fake
+def _(buffer, slots):
+    return buffer.new_empty(slots.shape[0], buffer.shape[-1])
+
+
+@torch.library.custom_op("pagedmla::poison_bad_lengths", mutates_args=("out",))
+def poison_bad_lengths(out: torch.Tensor, indptr: torch.Tensor, lens: torch.Tensor, planned: torch.Tensor,
+                       capacity: int, max_rows: int) -> None:
+    """``pagedmla.rows.poison_bad_lengths``: NaN rows of ``out`` [T, W] for the requests whose device length is
+    bad for the plan (the backend's MHA forms)."""
+    rows.poison_bad_lengths(out, indptr, lens, planned, capacity, max_rows)
+
+
+@poison_bad_lengths.register_fake
+def _(out, indptr, lens, planned, capacity, max_rows):
     return None

@@ -35,7 +35,7 @@ from pagedmla.kernels.triton.common import (
     kv_format_width,
     report,
 )
-from pagedmla.kernels.triton.launch import BoundLaunch, CachedKernel, current_stream
+from pagedmla.kernels.triton.launch import BoundLaunch, CachedKernel, current_stream, unaligned_mask
 
 _ROWS = 16  # rows per program: 16 x 576 x 2 bytes = 18 KB in flight
 # Rows per program of the FP8 store, whose division and rounding per value make it ALU-latency bound: a
@@ -252,9 +252,25 @@ _DEQUANT_PAGES = CachedKernel(_dequantize_pages_kernel)
 _POISON = CachedKernel(_poison_lengths_kernel)
 
 
-# Bound launches of the store per call shape (the backend stores one layer's rows per call, every layer of
-# every step): False where binding does not apply.
-_store_plans: dict[tuple, BoundLaunch | bool] = {}
+# Bound launches of the kernels a step runs every layer (the backend's store, the MHA forms' length guard) per
+# call shape and pointer alignment: False where binding does not apply.
+_plans: dict[tuple, BoundLaunch | bool] = {}
+
+
+def _launch_bound(kernel: CachedKernel, key: tuple, dev: torch.device, grid: tuple[int, ...], ptrs: tuple[int, ...],
+                  args: tuple, options: dict) -> None:
+    """``kernel`` over ``args``: through its ``BoundLaunch`` for ``key`` (which must hold every argument but the
+    tensors' addresses ``ptrs``, in signature order, and the grid), bound on the first CUDA call of that key."""
+    key = (kernel, *key, unaligned_mask(ptrs))
+    plan = _plans.get(key)
+    if plan:
+        plan.launch(grid, current_stream(dev.index), ptrs)
+        return
+    if plan is None and dev.type == "cuda":
+        if len(_plans) > 1024:
+            _plans.clear()
+        _plans[key] = kernel.bind(dev, grid, *args, **options) or False
+    kernel.launch(dev, grid, *args, **options)
 
 
 def store_rows(buf: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, err_bit: int = errors.CACHE_SLOT) -> None:
@@ -265,21 +281,11 @@ def store_rows(buf: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, err_b
         return
     dev = buf.device
     err = errors.error_word(dev)
-    grid = (-(-n // _ROWS), 1, 1)
     key = (buf.shape, buf.stride(), buf.dtype, rows.shape, rows.stride(), rows.dtype, slots.dtype, dev, err_bit)
-    plan = _store_plans.get(key)
-    if plan:
-        ptrs = (buf.data_ptr(), slots.data_ptr(), rows.data_ptr(), err.data_ptr())
-        if not (ptrs[0] | ptrs[1] | ptrs[2]) & 15:  # the alignment the kernel was compiled for
-            plan.launch(grid, current_stream(dev.index), ptrs)
-            return
-    args = (buf, slots, rows, err, n, buf.shape[0], buf.stride(0), rows.stride(0))
-    options = dict(D=d, BLOCK_D=triton.next_power_of_2(d), ROWS=_ROWS, ERR=err_bit, num_warps=4)
-    if plan is None and dev.type == "cuda":
-        if len(_store_plans) > 1024:
-            _store_plans.clear()
-        _store_plans[key] = _STORE.bind(dev, grid, *args, **options) or False
-    _STORE.launch(dev, grid, *args, **options)
+    _launch_bound(_STORE, key, dev, (-(-n // _ROWS), 1, 1),
+                  (buf.data_ptr(), slots.data_ptr(), rows.data_ptr(), err.data_ptr()),
+                  (buf, slots, rows, err, n, buf.shape[0], buf.stride(0), rows.stride(0)),
+                  dict(D=d, BLOCK_D=triton.next_power_of_2(d), ROWS=_ROWS, ERR=err_bit, num_warps=4))
 
 
 def store_fp8_rows(buf: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, fmt: str,
@@ -327,10 +333,10 @@ def select_requests(table: torch.Tensor, index: torch.Tensor, lens: torch.Tensor
 
 
 def poison_bad_lengths(out: torch.Tensor, indptr: torch.Tensor, lens: torch.Tensor, planned: torch.Tensor,
-                       capacity: int, max_rows: int, mismatch_bit: int = errors.PAGE_LAYOUT) -> None:
+                       capacity: int, max_rows: int) -> None:
     """NaN into rows indptr[b] .. indptr[b + 1] - 1 of ``out`` for each request b whose device length ``lens[b]``
     is negative (setting ``errors.NEGATIVE_LENGTH``), above ``capacity`` (``errors.LENGTH_BEYOND_TABLE``) or
-    else differs from ``planned[b]``, the length the host planned the call's work for (``mismatch_bit``); the
+    else differs from ``planned[b]``, the length the host planned the call's work for (``errors.PAGE_LAYOUT``); the
     other rows are not touched. out [T, W] (unit last stride), indptr int32 [b + 1] (a partition of out's rows
     the caller built), lens and planned int32 [b]; ``max_rows`` (the host's longest request) sizes the grid.
     One launch, no host synchronisation."""
@@ -340,11 +346,15 @@ def poison_bad_lengths(out: torch.Tensor, indptr: torch.Tensor, lens: torch.Tens
     b = lens.shape[0]
     if b == 0:
         return
+    dev = out.device
+    err = errors.error_word(dev)
     width = out.shape[1]
-    grid = (b, max(1, min(max_rows, _POISON_PROGRAMS)))
-    _POISON.launch(out.device, grid, out, indptr, lens, planned, errors.error_word(out.device), capacity, width,
-                   out.stride(0), BLOCK_W=min(1024, triton.next_power_of_2(max(width, 16))), MISMATCH=mismatch_bit,
-                   num_warps=4)
+    key = (width, out.stride(0), out.dtype, indptr.dtype, lens.dtype, planned.dtype, dev, capacity)
+    _launch_bound(_POISON, key, dev, (b, max(1, min(max_rows, _POISON_PROGRAMS)), 1),
+                  (out.data_ptr(), indptr.data_ptr(), lens.data_ptr(), planned.data_ptr(), err.data_ptr()),
+                  (out, indptr, lens, planned, err, capacity, width, out.stride(0)),
+                  dict(BLOCK_W=min(1024, triton.next_power_of_2(max(width, 16))), MISMATCH=errors.PAGE_LAYOUT,
+                       num_warps=4))
 
 
 def dequantize_pages(k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor, fmt: str,
