@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import operator
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -216,9 +218,15 @@ def _host_lens(values, name: str, count: int) -> list[int]:
         if values.device.type != "cpu":
             # Reading a device tensor back would synchronise the step with the host.
             raise ValueError(f"{name}: expected host values (a list or a CPU tensor), got a tensor on {values.device}")
+        if values.dim() != 1 or values.is_floating_point() or values.is_complex():
+            raise ValueError(f"{name}: expected a 1-D integer tensor, got {values.dtype} of shape "
+                             f"{tuple(values.shape)}")
         values = values.tolist()
     else:
-        values = [int(v) for v in values]
+        try:
+            values = [operator.index(v) for v in values]
+        except TypeError:
+            raise ValueError(f"{name}: expected a sequence of ints, got {values!r}") from None
     if len(values) != count:
         raise ValueError(f"{name}: expected {count} entries, got {len(values)}")
     if any(v < 0 for v in values):
@@ -264,6 +272,8 @@ class MLABackend:
         self._dcp = self._context_parallel(dcp_group) if config.dcp_size > 1 else None
         self.metadata: ForwardMetadata | None = None
         self._host_checks = False  # PAGEDMLA_VALIDATE=all, read at each planning
+        self._checked_cache: weakref.ref | None = None  # the last cache a forward found to match the config
+        self._cache_dtype: torch.dtype | None = None
         self._graph: _GraphState | None = None
         self._num_extends_override: int | None = None
 
@@ -297,13 +307,16 @@ class MLABackend:
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Plan one step: block-table rows, split schedule, indptrs, prefix chunks."""
         mode = batch.forward_mode
-        bs = batch.batch_size
+        if not isinstance(mode, ForwardMode):
+            raise TypeError(f"batch.forward_mode: expected a ForwardMode, got {mode!r}")
+        if mode != ForwardMode.IDLE:
+            self._check_step_tensors(batch.req_pool_indices, batch.seq_lens, batch.block_table, None, "batch.")
+        bs = 0 if mode == ForwardMode.IDLE else batch.batch_size
         if bs > self.config.max_batch_size:
             raise ValueError(f"batch: {bs} requests exceed max_batch_size={self.config.max_batch_size}")
-        if mode == ForwardMode.IDLE or bs == 0:
+        if bs == 0:
             self.metadata = ForwardMetadata(mode=mode, bs=0, form="absorbed")
             return
-        self._check_batch_tensors(batch)
         seq_cpu = None if batch.seq_lens_cpu is None else _host_lens(batch.seq_lens_cpu, "seq_lens_cpu", bs)
         form = None
         if mode == ForwardMode.EXTEND and seq_cpu is not None:
@@ -366,7 +379,8 @@ class MLABackend:
             self._check_batch_values(batch, width, seq_cpu, planned)
         block_table = torch.empty(bs, width, dtype=torch.int32, device=self.device)
         seq_lens = torch.empty(bs, dtype=torch.int32, device=self.device)
-        select_requests(batch.block_table, batch.req_pool_indices, batch.seq_lens, block_table, seq_lens)
+        select_requests(batch.block_table, batch.req_pool_indices, batch.seq_lens, block_table, seq_lens,
+                        self.config.tokens_per_page)
         return block_table, seq_lens
 
     def _uniform_metadata(self, mode: ForwardMode, seq_lens: torch.Tensor,
@@ -452,21 +466,29 @@ class MLABackend:
             return self.config.decode_q_len
         return 1
 
-    def _check_batch_tensors(self, batch: ForwardBatch) -> None:
-        bs = batch.batch_size
-        for name, t, dtypes in (("req_pool_indices", batch.req_pool_indices, (torch.int32, torch.int64)),
-                                ("seq_lens", batch.seq_lens, (torch.int32,)),
-                                ("block_table", batch.block_table, (torch.int32,))):
+    def _check_step_tensors(self, req_pool_indices, seq_lens, block_table, rows: int | None, prefix: str) -> None:
+        """A step's device tensors on the host (never their values): tensors of the right dtype, device and
+        dimensions; ``rows`` real requests read from req_pool_indices and seq_lens (None: every entry of
+        req_pool_indices, and seq_lens exactly as many); a block table with a row to read."""
+        for name, t, dtypes, ndim in (("req_pool_indices", req_pool_indices, (torch.int32, torch.int64), 1),
+                                      ("seq_lens", seq_lens, (torch.int32,), 1),
+                                      ("block_table", block_table, (torch.int32,), 2)):
             if not isinstance(t, torch.Tensor) or t.dtype not in dtypes:
-                raise ValueError(f"batch.{name}: expected a tensor of dtype {dtypes}, got "
+                raise ValueError(f"{prefix}{name}: expected a tensor of dtype {dtypes}, got "
                                  f"{getattr(t, 'dtype', type(t).__name__)}")
             if t.device != self.device:
-                raise ValueError(f"batch.{name}: expected a tensor on {self.device}, got {t.device}")
-        if batch.seq_lens.shape != (bs,):
-            raise ValueError(f"batch.seq_lens: expected shape ({bs},), got {tuple(batch.seq_lens.shape)}")
-        if batch.block_table.dim() != 2:
-            raise ValueError("batch.block_table: expected 2-D [max_requests, max_pages], got "
-                             f"{tuple(batch.block_table.shape)}")
+                raise ValueError(f"{prefix}{name}: expected a tensor on {self.device}, got {t.device}")
+            if t.dim() != ndim:
+                raise ValueError(f"{prefix}{name}: expected a {ndim}-D tensor, got shape {tuple(t.shape)}")
+        n = req_pool_indices.shape[0] if rows is None else rows
+        if req_pool_indices.shape[0] < n:
+            raise ValueError(f"{prefix}req_pool_indices: expected at least {n} entries, got "
+                             f"{req_pool_indices.shape[0]}")
+        if seq_lens.shape[0] < n or (rows is None and seq_lens.shape[0] != n):
+            raise ValueError(f"{prefix}seq_lens: expected {'at least ' if rows is not None else ''}{n} entries (one "
+                             f"per request), got {seq_lens.shape[0]}")
+        if n and block_table.shape[0] == 0:
+            raise ValueError(f"{prefix}block_table: no rows for {n} requests to read")
 
     def _check_batch_values(self, batch: ForwardBatch, width: int, seq_cpu: list[int] | None, planned: bool) -> None:
         """``PAGEDMLA_VALIDATE=all``: the device values of the batch, read back (one synchronisation); with
@@ -596,7 +618,10 @@ class MLABackend:
             raise RuntimeError("call init_forward_metadata(batch) before forward")
         return self.metadata
 
-    def _check_q(self, q: torch.Tensor, tokens: int, width: int, name: str = "q") -> None:
+    def _check_q(self, q: torch.Tensor, tokens: int, width: int, name: str = "q",
+                 dtype: torch.dtype | None = None, source: str = "q's") -> None:
+        """q (or k, v) [tokens, local heads, width] of a floating dtype; ``dtype`` if given, ``source``'s (the
+        kernels take their operands in one dtype)."""
         if not isinstance(q, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(q).__name__}")
         expected = (tokens, self.heads, width)
@@ -604,6 +629,27 @@ class MLABackend:
             raise ValueError(f"{name}: expected shape {expected} (tokens, local heads, head dim), got {tuple(q.shape)}")
         if q.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
             raise ValueError(f"{name}: expected a floating dtype, got {q.dtype}")
+        if dtype is not None and q.dtype != dtype:
+            raise ValueError(f"{name}: dtype {q.dtype} differs from {source} {dtype}")
+
+    def _check_cache(self, cache: MLAKVCache) -> None:
+        """The cache a forward reads and writes (an ``MLAKVCache`` or a view with its ``page_size``, ``kv_dim``,
+        ``layer`` and ``paged_view``, as the SGLang adapter's) against the config: checked once per cache object
+        (its geometry cannot change), remembered weakly (the backend must not keep a dropped cache's memory)."""
+        if self._checked_cache is not None and self._checked_cache() is cache:
+            return
+        page_size, kv_dim = getattr(cache, "page_size", None), getattr(cache, "kv_dim", None)
+        if page_size is None or kv_dim is None or not callable(getattr(cache, "paged_view", None)):
+            raise TypeError(f"cache: expected an MLAKVCache (or a view with page_size, kv_dim, layer and paged_view), "
+                            f"got {type(cache).__name__}")
+        want = (self.config.page_size, self.kv_dim, self.device)
+        got = (page_size, kv_dim, cache.layer(0).device)
+        if got != want:
+            raise ValueError(f"cache: (page_size, kv_dim, device) {got} differ from the backend's {want}")
+        self._checked_cache = weakref.ref(cache)
+        # The dtype absorbed queries must have: a 16-bit (or float) cache's; any over FP8 rows, which the kernels
+        # convert to the queries' dtype.
+        self._cache_dtype = None if cache.kv_format is not None else cache.layer(0).dtype
 
     def save_kv(self, latent: torch.Tensor, layer, out_cache_loc: torch.Tensor, cache: MLAKVCache) -> None:
         """Write this step's latent rows ([T, 576] or [T, 1, 576]) at ``out_cache_loc`` (a slot outside the
@@ -649,6 +695,7 @@ class MLABackend:
         q: [T, H, 576]; k: the new latent rows [T, 1, 576] (or [T, 576]); v: unused (pass None: values
         are the latent rows' first 512 columns). Returns [T, H * 512].
         """
+        self._check_cache(cache)
         if torch.compiler.is_dynamo_compiling():
             return self._traced_decode(q, k, v, layer, out_cache_loc, cache, bs, save_kv_cache)
         meta = self._meta()
@@ -660,7 +707,7 @@ class MLABackend:
             raise ValueError(f"bs: the planned batch has {meta.bs} requests, got {bs}")
         if not meta.uniform:
             return self.forward_extend(q, k, v, layer, out_cache_loc, cache, save_kv_cache=save_kv_cache)
-        self._check_q(q, meta.num_tokens, self.kv_dim)
+        self._check_q(q, meta.num_tokens, self.kv_dim, dtype=self._cache_dtype, source="the cache's")
         lid = _layer_id(layer)
         if save_kv_cache:
             self.save_kv(k, lid, out_cache_loc, cache)
@@ -683,6 +730,7 @@ class MLABackend:
         ``latent`` [T, 576] the rows to store; "chunked" also needs ``kv_decompress(rows [n, 576]) ->
         (k [n, H, 192], v [n, H, 128])`` for the prefix chunks. Returns [T, H * 128].
         """
+        self._check_cache(cache)
         if torch.compiler.is_dynamo_compiling():
             return self._traced_extend(q, k, v, layer, out_cache_loc, cache, save_kv_cache, latent, kv_decompress)
         meta = self._meta()
@@ -694,7 +742,7 @@ class MLABackend:
                                "extend step")
         lid = _layer_id(layer)
         if meta.form == "absorbed":
-            self._check_q(q, meta.num_tokens, self.kv_dim)
+            self._check_q(q, meta.num_tokens, self.kv_dim, dtype=self._cache_dtype, source="the cache's")
             if save_kv_cache:
                 self.save_kv(k, lid, out_cache_loc, cache)
             self._check_pages(meta, cache)
@@ -713,8 +761,8 @@ class MLABackend:
 
             return self._absorbed_ragged(q, meta, varlen, decode)
         self._check_q(q, meta.num_tokens, self.config.qk_head_dim)
-        self._check_q(k, meta.num_tokens, self.config.qk_head_dim, "k")
-        self._check_q(v, meta.num_tokens, self.config.v_head_dim, "v")
+        self._check_q(k, meta.num_tokens, self.config.qk_head_dim, "k", q.dtype)
+        self._check_q(v, meta.num_tokens, self.config.v_head_dim, "v", q.dtype)
         if save_kv_cache:
             if latent is None:
                 raise ValueError("latent: the MHA forms need the latent rows to store")
@@ -733,6 +781,8 @@ class MLABackend:
                 if chunk.gather_index is not None:
                     rows = self._dcp.gather_rows(rows, chunk.gather_index)
                 kc, vc = kv_decompress(rows)
+                self._check_q(kc, rows.shape[0], self.config.qk_head_dim, "kv_decompress(rows)[0]", q.dtype)
+                self._check_q(vc, rows.shape[0], self.config.v_head_dim, "kv_decompress(rows)[1]", q.dtype)
                 o2, l2 = self.forward_extend_chunked(q, kc, vc, self.scale, cum_seq_lens_q=meta.qo_indptr,
                                                      cum_seq_lens_kv=chunk.cu_seqlens, max_q_len=meta.max_q_len,
                                                      max_kv_len=chunk.max_len, causal=False)
@@ -866,6 +916,10 @@ class MLABackend:
         passed positionally would otherwise be read as a page count (``pagedmla.sglang`` adapts that call)."""
         if isinstance(max_bs, bool) or not isinstance(max_bs, int) or not 0 < max_bs <= self.config.max_batch_size:
             raise ValueError(f"max_bs: expected an int in 1..{self.config.max_batch_size}, got {max_bs!r}")
+        if max_pages_per_request is not None and (isinstance(max_pages_per_request, bool)
+                                                  or not isinstance(max_pages_per_request, int)
+                                                  or max_pages_per_request < 1):
+            raise ValueError(f"max_pages_per_request: expected None or a positive int, got {max_pages_per_request!r}")
         pages = max_pages_per_request or self.config.max_pages_per_request
         parts = max(num_sm_parts_for(self.device, q * self.heads, 1, self.config.kv_format)
                     for q in self._graph_q_lens())
@@ -944,17 +998,18 @@ class MLABackend:
                 raise ValueError(f"raw_bs: an IDLE step has no real requests, got {raw_bs}")
             raw_bs = 0
         raw = bs if raw_bs is None else raw_bs
-        if not 0 <= raw <= bs:
-            raise ValueError(f"raw_bs: expected 0..{bs}, got {raw_bs}")
+        if isinstance(raw, bool) or not isinstance(raw, int) or not 0 <= raw <= bs:
+            raise ValueError(f"raw_bs: expected an int in 0..{bs}, got {raw_bs!r}")
+        self._check_step_tensors(req_pool_indices, seq_lens, block_table, raw, "")
         if block_table.shape[1] > g.block_table.shape[1]:
             # Lengths are not read back during a replay, so a wider table could not be checked to fit.
             raise ValueError(f"block_table: {block_table.shape[1]} columns exceed the graph buffers' "
                              f"{g.block_table.shape[1]} (init_cuda_graph_state's max_pages_per_request)")
-        width = block_table.shape[1]
         if raw:
-            select_requests(block_table, req_pool_indices[:raw], seq_lens[:raw], g.block_table[:raw, :width],
-                            g.seq_lens[:raw])
-        g.block_table[:raw, width:].zero_()
+            # The buffers' columns past the engine's table are page 0: a length beyond the engine's row becomes
+            # one beyond the buffers' (NaN rows and LENGTH_BEYOND_TABLE, as eagerly), not one over page 0.
+            select_requests(block_table, req_pool_indices[:raw], seq_lens[:raw], g.block_table[:raw],
+                            g.seq_lens[:raw], self.config.tokens_per_page)
         g.block_table[raw:bs].zero_()
         g.seq_lens[raw:bs].fill_(self.get_cuda_graph_seq_len_fill_value())
         q_len = self._graph_q_len(forward_mode)

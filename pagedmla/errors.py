@@ -7,7 +7,9 @@ kernel guards each value-dependent address and gives a request whose values are 
 
 - its output rows and LSE are NaN (so the corruption cannot pass for data) and nothing it reads or writes
   lies outside the tensors the call was given;
-- every other request's output is bit-identical to a run without the bad request's values;
+- every other request's output is computed from its own values alone: bit-identical to a run without the
+  bad request's values where the decode split schedule is the same (the schedule is planned from every
+  device length, so a bad length may move other requests' split points: a change of rounding only);
 - the kernel sets a bit in the device's error word (one int32 per device, see ``error_word``), which the
   caller reads when it synchronises anyway (``device_errors`` / ``raise_device_errors``), e.g. after a step.
 

@@ -52,18 +52,26 @@ def gather_slots(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 def select_requests(table: torch.Tensor, index: torch.Tensor, lens: torch.Tensor, out_table: torch.Tensor,
-                    out_lens: torch.Tensor) -> None:
-    """out_table[i] = table[index[i], :width] and out_lens[i] = lens[i] for the step's requests (table int32
-    [rows, >= width], index int [n], lens int32 [n], out_table int32 [n, width], out_lens int32 [n]); a request
-    slot outside the table gives page-0 rows and length -1."""
+                    out_lens: torch.Tensor, tokens_per_page: int) -> None:
+    """out_table[i] = table[index[i]] and out_lens[i] = lens[i] for the step's requests: table int32 [rows >= 1,
+    in_width], index int [n], lens int32 [n], out_table int32 [n, width], out_lens int32 [n]; a block-table page
+    holds ``tokens_per_page`` tokens. The first min(width, in_width) columns are copied and any others are page 0
+    (a CUDA graph's buffers wider than the engine's table); a length beyond the copied pages (``in_width`` x
+    ``tokens_per_page`` at most) becomes ``width`` x ``tokens_per_page`` + 1, beyond the out table too, so that
+    the attention kernels give the request NaN rows and ``errors.LENGTH_BEYOND_TABLE`` (not the page-0 columns'
+    rows). A request slot outside the table gives page-0 rows and length -1."""
     if table.is_cuda:
         from pagedmla.kernels.triton.rows import select_requests as launch
 
-        launch(table, index, lens, out_table, out_lens)
+        launch(table, index, lens, out_table, out_lens, tokens_per_page)
         return
+    width = out_table.shape[1]
+    in_width = min(width, table.shape[1])
     ok = (index >= 0) & (index < table.shape[0])
-    rows = table.index_select(0, torch.where(ok, index, 0).to(torch.int64))[:, : out_table.shape[1]]
-    out_table.copy_(rows.masked_fill(~ok.unsqueeze(1), 0))
+    rows = table.index_select(0, torch.where(ok, index, 0).to(torch.int64))[:, :in_width]
+    out_table[:, :in_width].copy_(rows.masked_fill(~ok.unsqueeze(1), 0))
+    out_table[:, in_width:].zero_()
+    lens = torch.where(lens > in_width * tokens_per_page, width * tokens_per_page + 1, lens)
     out_lens.copy_(torch.where(ok, lens, -1))
     errors.error_word(table.device).bitwise_or_((~ok).any().to(torch.int32) * errors.REQUEST_SLOT)
 

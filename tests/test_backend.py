@@ -562,6 +562,132 @@ def test_replay_rejects_a_block_table_wider_than_the_graph_buffers():
                                                           ForwardMode.DECODE, block_table=wide)
 
 
+@pytest.mark.parametrize("bad,named", [("short index", "req_pool_indices"), ("short lens", "seq_lens"),
+                                       ("float index", "req_pool_indices"), ("int64 table", "block_table"),
+                                       ("1-D table", "block_table"), ("list lens", "seq_lens"),
+                                       ("no table rows", "block_table")])
+def test_replay_checks_its_tensors(bad, named):
+    """Replay planning checks what eager planning does, on the host: a 1-entry req_pool_indices or seq_lens for
+    raw_bs 2 would give request 1 request 0's row or length on CPU, and be read past its end on CUDA."""
+    h = Harness(seed=38, max_bs=4)
+    h.backend.init_cuda_graph_state(4)
+    h.backend.init_forward_metadata_capture_cuda_graph(2, torch.zeros(2, dtype=torch.int64),
+                                                       torch.ones(2, dtype=torch.int32), ForwardMode.DECODE)
+    args = {"req": torch.tensor([0, 1]), "lens": torch.ones(2, dtype=torch.int32),
+            "table": torch.zeros(4, 3, dtype=torch.int32)}
+    key, value = {"short index": ("req", torch.tensor([0])), "short lens": ("lens", torch.ones(1, dtype=torch.int32)),
+                  "float index": ("req", torch.tensor([0.0, 1.0])),
+                  "int64 table": ("table", torch.zeros(4, 3, dtype=torch.int64)),
+                  "1-D table": ("table", torch.zeros(3, dtype=torch.int32)), "list lens": ("lens", [1, 1]),
+                  "no table rows": ("table", torch.zeros(0, 3, dtype=torch.int32))}[bad]
+    args[key] = value
+    with pytest.raises(ValueError, match=f"^{named}: "):
+        h.backend.init_forward_metadata_replay_cuda_graph(2, args["req"], args["lens"], ForwardMode.DECODE,
+                                                          block_table=args["table"], raw_bs=2)
+
+
+@pytest.mark.parametrize("bad,named", [("list index", "batch.req_pool_indices"),
+                                       ("0-d index", "batch.req_pool_indices"), ("no table rows", "batch.block_table")])
+def test_planning_checks_tensors_before_reading_them(bad, named):
+    h = Harness(seed=39, max_bs=4)
+    index = {"list index": [0, 1], "0-d index": torch.tensor(0)}.get(bad, torch.tensor([0, 1]))
+    table = torch.zeros(0, 3, dtype=torch.int32) if bad == "no table rows" else h.table.block_table
+    batch = ForwardBatch(ForwardMode.DECODE, index, torch.ones(2, dtype=torch.int32), table, seq_lens_cpu=[1, 1])
+    with pytest.raises(ValueError, match=f"^{named}: "):
+        h.backend.init_forward_metadata(batch)
+    with pytest.raises(TypeError, match="^batch.forward_mode: "):
+        h.backend.init_forward_metadata(ForwardBatch("decode", torch.tensor([0, 1]), torch.ones(2, dtype=torch.int32),
+                                                     h.table.block_table))
+
+
+@pytest.mark.parametrize("provider,dtype", [("torch", torch.float32), ("triton", torch.float16)])
+def test_replay_length_beyond_a_narrower_engine_table(monkeypatch, provider, dtype):
+    """The graph buffers are wider than the engine's table (2 pages of 8 tokens a request here): a device length
+    beyond the engine's row gets NaN rows (and LENGTH_BEYOND_TABLE from the Triton kernels), as it does eagerly,
+    instead of attending over the buffers' page-0 columns; the other request equals its clean replay."""
+    monkeypatch.setenv("PAGEDMLA_VALIDATE", "shapes")
+    h = Harness(heads=2, page_size=8, num_pages=64, max_context=128, seed=40, max_bs=4, provider=provider,
+                dtype=dtype, tol=1e-5 if dtype == torch.float32 else 5e-3)
+    slots = [h.add(), h.add()]
+    h.step(ForwardMode.EXTEND, slots, [15, 10])
+    h.cache.store(0, torch.arange(8), h.dev(h.rand(8, LORA + ROPE)))  # page 0 holds finite rows, as in an engine
+    be = h.backend
+    be.init_cuda_graph_state(max_bs=2)
+    be.init_forward_metadata_capture_cuda_graph(2, torch.zeros(2, dtype=torch.int64),
+                                                torch.ones(2, dtype=torch.int32), ForwardMode.DECODE)
+    seq = [16, 11]
+    for s, n in zip(slots, seq):
+        h.table.ensure_capacity(s, n)
+    loc = torch.cat([h.table.token_slots(s, n - 1, n) for s, n in zip(slots, seq)])
+    narrow = h.table.block_table[:, :2].clone()
+    q, lat = h.dev(h.rand(2, 2, LORA + ROPE)), h.dev(h.rand(2, 1, LORA + ROPE))
+
+    def replay(lens):
+        be.init_forward_metadata_replay_cuda_graph(2, torch.tensor(slots), torch.tensor(lens, dtype=torch.int32),
+                                                   ForwardMode.DECODE, block_table=narrow, raw_bs=2)
+        return be.forward(q, lat, None, 0, loc, h.cache)
+
+    errors.device_errors("cpu")
+    clean = replay(seq)
+    assert torch.isfinite(clean).all() and errors.device_errors("cpu") == 0
+    out = replay([20, seq[1]])
+    assert out[0].isnan().all() and torch.equal(out[1], clean[1])
+    assert errors.device_errors("cpu") == (errors.LENGTH_BEYOND_TABLE if provider == "triton" else 0)
+
+
+@pytest.mark.parametrize("bad", ["cache none", "cache kv_dim", "cache page size", "q dtype", "k dtype",
+                                 "decompress width", "decompress dtype", "graph pages", "lens strings",
+                                 "lens floats"])
+def test_forward_host_mistakes_are_named_errors(bad):
+    """Host-side mistakes a caller can make around a step raise the ValueError / TypeError naming the argument,
+    not an error from inside torch or a kernel (or silence: a cache of another page size)."""
+    h = Harness(heads=2, page_size=16, num_pages=64, seed=41, extend_prefix_mode="chunked")
+    slots = [h.add(), h.add()]
+    h.step(ForwardMode.EXTEND, slots, [20, 30])
+    be = h.backend
+    named = {"cache none": (TypeError, "cache"), "cache kv_dim": (ValueError, "cache"),
+             "cache page size": (ValueError, "cache"), "q dtype": (ValueError, "q"), "k dtype": (ValueError, "k"),
+             "decompress width": (ValueError, r"kv_decompress\(rows\)\[0\]"),
+             "decompress dtype": (ValueError, r"kv_decompress\(rows\)\[1\]"),
+             "graph pages": (ValueError, "max_pages_per_request"), "lens strings": (ValueError, "seq_lens_cpu"),
+             "lens floats": (ValueError, "seq_lens_cpu")}[bad]
+    with pytest.raises(named[0], match=f"^{named[1]}: "):
+        if bad == "graph pages":
+            be.init_cuda_graph_state(2, max_pages_per_request=-1)
+        elif bad.startswith("lens"):
+            host = ["25", "35"] if bad == "lens strings" else [25.0, 35.0]
+            be.init_forward_metadata(ForwardBatch(ForwardMode.DECODE, torch.tensor(slots),
+                                                  torch.tensor([25, 35], dtype=torch.int32), h.table.block_table,
+                                                  seq_lens_cpu=host))
+        elif bad.startswith("cache") or bad == "q dtype":
+            be.init_forward_metadata(ForwardBatch(ForwardMode.DECODE, torch.tensor(slots),
+                                                  torch.tensor([21, 31], dtype=torch.int32), h.table.block_table,
+                                                  seq_lens_cpu=[21, 31]))
+            cache = {"cache none": None, "cache kv_dim": MLAKVCache(1, 64, 16, 512, h.cfg.dtype),
+                     "cache page size": MLAKVCache(1, 32, 32, 576, h.cfg.dtype)}.get(bad, h.cache)
+            q = h.rand(2, 2, LORA + ROPE).to(torch.float64 if bad == "q dtype" else h.cfg.dtype)
+            be.forward(q, h.dev(h.rand(2, 1, LORA + ROPE)), None, 0, torch.tensor([20, 30]), cache)
+        else:
+            new = [5, 5]
+            be.init_forward_metadata(ForwardBatch(ForwardMode.EXTEND, torch.tensor(slots),
+                                                  torch.tensor([25, 35], dtype=torch.int32), h.table.block_table,
+                                                  seq_lens_cpu=[25, 35], extend_seq_lens_cpu=new,
+                                                  extend_prefix_lens_cpu=[20, 30]))
+            assert be.attention_form == "chunked"
+            q, latent = h.dev(h.rand(10, 2, NOPE + ROPE)), h.dev(h.rand(10, LORA + ROPE))
+            k, v = h.decompress(latent)
+            if bad == "k dtype":
+                k = k.double()
+
+            def decompress(rows):
+                kc, vc = h.decompress(rows)
+                if bad == "decompress width":
+                    return kc[..., :100], vc
+                return kc, vc.double() if bad == "decompress dtype" else vc
+
+            be.forward(q, k, v, 0, torch.arange(64, 74), h.cache, latent=latent, kv_decompress=decompress)
+
+
 def test_argument_order_traps_are_type_errors():
     """SGLang-style positional calls must fail loudly, not be read as pagedmla's arguments (issue 23):
     init_cuda_graph_state(max_bs, max_num_tokens) would have taken max_num_tokens as a page count."""

@@ -92,6 +92,23 @@ def test_decode_bad_lengths(device_values, bad_len, bit):
     assert margins_intact(k_cache, table)
 
 
+@pytest.mark.parametrize("bad_len, bit", [(-3, errors.NEGATIVE_LENGTH), (10 ** 9, errors.LENGTH_BEYOND_TABLE)])
+def test_decode_bad_lengths_under_a_split_schedule(device_values, bad_len, bit):
+    """Under a split schedule (8 parts, planned from every device length) a bad length moves the others' split
+    points (README): that request is NaN and the others equal the clean run's to rounding, their pieces merged
+    in another order; nothing is read or written outside the tensors."""
+    lens_list = [300, 190, 233]
+    q, k_cache, table = _decode_case(lens_list, 3)
+    k_cache, table = guarded(k_cache), guarded(table)
+    clean_out, clean_lse = _decode(q, k_cache, table, torch.tensor(lens_list, dtype=torch.int32), parts=8)
+    out, lse = _decode(q, k_cache, table, torch.tensor([300, bad_len, 233], dtype=torch.int32), parts=8)
+    assert out[1].isnan().all() and lse[1].isnan().all()
+    torch.testing.assert_close(out[[0, 2]], clean_out[[0, 2]], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse[[0, 2]], clean_lse[[0, 2]], rtol=1e-5, atol=1e-6)
+    assert errors.device_errors("cpu") == bit
+    assert margins_intact(k_cache, table)
+
+
 @pytest.mark.parametrize("how", ["other_lengths", "other_parts", "splits_of_other_call"])
 def test_decode_schedule_of_other_lengths_poisons_the_call(device_values, how):
     """Metadata and num_splits that get_mla_metadata made for other lengths (or another part count, or a
@@ -308,22 +325,28 @@ def test_cache_write_drops_bad_slots_on_the_torch_path(device_values):
 
 
 @pytest.mark.parametrize("path", ["triton", "torch"])
-def test_select_requests_bad_slot(path):
-    """A request slot outside the block table: page-0 row, length -1 (NaN rows in attention), bit set."""
+@pytest.mark.parametrize("out_width", [4, 8])
+def test_select_requests_bad_slot_and_length(path, out_width):
+    """A request slot outside the block table: page-0 row, length -1 (NaN rows in attention), bit set. Out rows
+    narrower than the table (a step reading fewer pages) take its first columns; wider ones (a CUDA graph's
+    buffers over an engine's table of 5 columns) take all of them and page 0 after. A length beyond the copied
+    pages (4 tokens a page here) becomes one beyond the out rows' pages too, whatever page 0 holds."""
     from pagedmla.kernels.triton.rows import select_requests as kernel
 
     table = guarded(torch.randint(1, 9, (6, 5), generator=gen("select"), dtype=torch.int64).to(torch.int32))
-    index = torch.tensor([2, 6, -1, 0], dtype=torch.int32)
-    lens = torch.tensor([10, 11, 12, 13], dtype=torch.int32)
-    out_t, out_l = torch.full((4, 4), -9, dtype=torch.int32), torch.full((4,), -9, dtype=torch.int32)
+    index = torch.tensor([2, 6, -1, 0, 4], dtype=torch.int32)
+    copied = min(out_width, 5)
+    lens = torch.tensor([10, 11, 12, 4 * copied, 4 * copied + 1], dtype=torch.int32)
+    out_t = torch.full((5, out_width), -9, dtype=torch.int32)
+    out_l = torch.full((5,), -9, dtype=torch.int32)
     errors.device_errors("cpu")
     with checked_accesses() as log:
-        (kernel if path == "triton" else select_requests)(table, index, lens, out_t, out_l)
+        (kernel if path == "triton" else select_requests)(table, index, lens, out_t, out_l, 4)
     assert not log.violations
-    assert torch.equal(out_t[0], table[2, :4]) and torch.equal(out_t[3], table[0, :4])
-    assert (out_t[1:3] == 0).all() and out_l.tolist() == [10, -1, -1, 13]
+    for i, slot in ((0, 2), (3, 0), (4, 4)):
+        assert torch.equal(out_t[i, :copied], table[slot, :copied]) and (out_t[i, copied:] == 0).all()
+    assert (out_t[1:3] == 0).all() and out_l.tolist() == [10, -1, -1, 4 * copied, 4 * out_width + 1]
     assert errors.device_errors("cpu") == errors.REQUEST_SLOT and margins_intact(table)
-
 
 
 @pytest.mark.parametrize("path", ["triton", "torch"])

@@ -169,16 +169,19 @@ def _gather_rows_kernel(buf_ptr, slots_ptr, out_ptr, err_ptr, n, num_slots, stri
 
 @triton.jit
 def _select_requests_kernel(table_ptr, index_ptr, lens_ptr, out_table_ptr, out_lens_ptr, err_ptr, n, rows, width,
-                            stride_table, stride_out, BLOCK_W: tl.constexpr, ERR: tl.constexpr):
+                            in_width, capacity, beyond, stride_table, stride_out, BLOCK_W: tl.constexpr,
+                            ERR: tl.constexpr):
     i = tl.program_id(0)
     idx = tl.load(index_ptr + i).to(tl.int64)
     ok = (idx >= 0) & (idx < rows)
     cols = tl.arange(0, BLOCK_W)
     for c in range(0, width, BLOCK_W):
         m = c + cols < width
-        pages = tl.load(table_ptr + tl.where(ok, idx, 0) * stride_table + c + cols, mask=m & ok, other=0)
+        pages = tl.load(table_ptr + tl.where(ok, idx, 0) * stride_table + c + cols, mask=m & ok & (c + cols < in_width),
+                        other=0)
         tl.store(out_table_ptr + i * stride_out + c + cols, pages, mask=m)
-    tl.store(out_lens_ptr + i, tl.where(ok, tl.load(lens_ptr + i), -1))
+    length = tl.load(lens_ptr + i)
+    tl.store(out_lens_ptr + i, tl.where(ok, tl.where(length > capacity, beyond, length), -1))
     report(err_ptr, tl.where(ok, 0, ERR))
 
 
@@ -320,16 +323,17 @@ def gather_rows(buf: torch.Tensor, slots: torch.Tensor, err_bit: int = errors.CA
 
 
 def select_requests(table: torch.Tensor, index: torch.Tensor, lens: torch.Tensor, out_table: torch.Tensor,
-                    out_lens: torch.Tensor, err_bit: int = errors.REQUEST_SLOT) -> None:
-    """out_table[i] = table[index[i], :width] and out_lens[i] = lens[i] (width = out_table's columns), or
-    page-0 rows and length -1 where index[i] is outside the table's rows (setting ``err_bit``): table int32
-    [rows, >= width], index int [n], lens int32 [n], out_table int32 [n, width], out_lens int32 [n]."""
+                    out_lens: torch.Tensor, tokens_per_page: int, err_bit: int = errors.REQUEST_SLOT) -> None:
+    """``pagedmla.rows.select_requests`` (which documents it) in one launch: table int32 [rows, >= 1], index int
+    [n], lens int32 [n], out_table int32 [n, width], out_lens int32 [n]; a bad request slot sets ``err_bit``."""
     n, width = out_table.shape
     if n == 0:
         return
+    in_width = min(width, table.shape[1])
     _SELECT.launch(table.device, (n,), table, index, lens, out_table, out_lens, errors.error_word(table.device), n,
-                   table.shape[0], width, table.stride(0), out_table.stride(0),
-                   BLOCK_W=min(1024, triton.next_power_of_2(max(width, 16))), ERR=err_bit, num_warps=4)
+                   table.shape[0], width, in_width, in_width * tokens_per_page, width * tokens_per_page + 1,
+                   table.stride(0), out_table.stride(0), BLOCK_W=min(1024, triton.next_power_of_2(max(width, 16))),
+                   ERR=err_bit, num_warps=4)
 
 
 def poison_bad_lengths(out: torch.Tensor, indptr: torch.Tensor, lens: torch.Tensor, planned: torch.Tensor,
