@@ -376,7 +376,7 @@ class MLABackend:
         # a step never synchronises otherwise, the kernels guard the values.
         self._host_checks = errors.validate_mode() == "all"
         if self._host_checks:
-            self._check_batch_values(batch, width, seq_cpu, planned)
+            self._host_check(lambda: self._check_batch_values(batch, width, seq_cpu, planned))
         block_table = torch.empty(bs, width, dtype=torch.int32, device=self.device)
         seq_lens = torch.empty(bs, dtype=torch.int32, device=self.device)
         select_requests(batch.block_table, batch.req_pool_indices, batch.seq_lens, block_table, seq_lens,
@@ -655,7 +655,7 @@ class MLABackend:
         """Write this step's latent rows ([T, 576] or [T, 1, 576]) at ``out_cache_loc`` (a slot outside the
         cache is dropped and reported, ``pagedmla.errors``)."""
         if self._host_checks:
-            cache.write(_layer_id(layer), out_cache_loc, latent, validate=True)
+            self._host_check(lambda: cache.write(_layer_id(layer), out_cache_loc, latent, validate=True))
             return
         # The checks of MLAKVCache.write that the step's shapes do not already settle, then its unchecked store.
         if not isinstance(latent, torch.Tensor) or not latent.is_floating_point() or latent.dim() not in (2, 3) \
@@ -670,10 +670,35 @@ class MLABackend:
         cache.store(_layer_id(layer), out_cache_loc, latent.reshape(latent.shape[0], self.kv_dim))
 
     def _check_pages(self, meta: ForwardMetadata, cache: MLAKVCache) -> None:
-        """``PAGEDMLA_VALIDATE=all``: the step's page ids against this cache, read back."""
+        """``PAGEDMLA_VALIDATE=all``: the step's page ids against this cache, read back (under decode context
+        parallelism the rank's own rows where the step has a per-rank plan, else the step's rows, whose pages
+        hold ``tokens_per_page`` tokens)."""
         if self._host_checks and errors.host_value_checks(self.device):  # never inside a graph capture
-            pages = meta.dcp if meta.dcp is not None else meta
-            checks.paged_values(pages.block_table, pages.seq_lens, cache.num_pages, cache.page_size)
+            if meta.dcp is not None:
+                table, lens, per_page = meta.dcp.block_table, meta.dcp.seq_lens, cache.page_size
+            else:
+                table, lens, per_page = meta.block_table, meta.seq_lens, self.config.tokens_per_page
+            self._host_check(lambda: checks.paged_values(table, lens, cache.num_pages, per_page))
+
+    def _host_check(self, check: Callable[[], None]) -> None:
+        """Run one ``PAGEDMLA_VALIDATE=all`` check. Under decode context parallelism every rank of the group
+        learns whether any rank's failed (one all-reduce; this mode synchronises anyway) and raises too, so
+        that none waits in the attention's collectives for a rank that raised (a rank's own slots and pages
+        can be bad where the others' are not)."""
+        if self._dcp is None:
+            check()
+            return
+        error = None
+        try:
+            check()
+        except ValueError as e:
+            error = e
+        failed = self._dcp.group.all_reduce_(torch.tensor([error is not None], dtype=torch.int32, device=self.device))
+        if error is not None:
+            raise error
+        if int(failed.item()):
+            raise ValueError("dcp_group: a PAGEDMLA_VALIDATE=all check failed on another rank of the group for this "
+                             "step (that rank's ValueError names the argument)")
 
     def forward(self, q, k, v, layer, out_cache_loc, cache: MLAKVCache, *, save_kv_cache: bool = True, **kwargs):
         """Route to forward_decode or forward_extend by the planned mode."""

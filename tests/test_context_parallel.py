@@ -4,10 +4,12 @@ mode and form, through the CUDA-graph planning path, and with a bad request (NaN
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
 import torch
+import torch.distributed as dist
 from ranks import run_ranks
 
 from pagedmla import MLAConfig, MLAKVCache, PageAllocator, RequestTable
@@ -210,3 +212,81 @@ def test_dcp_config_errors():
     assert MLAConfig(page_size=16, attn_tp_size=4, dcp_size=2).tokens_per_page == 32
     with pytest.raises(ValueError, match="dcp_group: dcp_size=2 needs torch.distributed"):
         MLABackend(MLAConfig(num_heads=4, attn_tp_size=2, dcp_size=2, dtype=torch.float32), provider="torch")
+
+
+def _validate_all_rank(rank: int, world: int) -> dict[str, str]:
+    """PAGEDMLA_VALIDATE=all under DCP 2 (a group whose collectives time out after 20 s, so that a rank left
+    waiting fails the case instead of hanging it): what each case raised, or "ok"."""
+    from datetime import timedelta
+
+    os.environ["PAGEDMLA_VALIDATE"] = "all"
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=20))
+    ps, lora, rope = 2, 32, 16
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(lora, 1, 32, generator=g)
+
+    def kv_decompress(rows):
+        kv = torch.einsum("nc,chd->nhd", rows[:, :lora], w)
+        return torch.cat([kv[..., :16], rows[:, None, lora:]], -1), kv[..., 16:]
+
+    def setup(**extra):
+        cfg = MLAConfig(num_heads=2, kv_lora_rank=lora, qk_rope_head_dim=rope, qk_nope_head_dim=16, v_head_dim=16,
+                        dtype=torch.float32, page_size=ps, attn_tp_size=world, dcp_size=world, dcp_rank=rank,
+                        max_context_len=64, max_batch_size=4, **extra)
+        table = RequestTable(PageAllocator(16), cfg.tokens_per_page, 4, cfg.max_pages_per_request)
+        cache = MLAKVCache(1, 16, ps, lora + rope, torch.float32)
+        cache.buffers[0].copy_(torch.randn(cache.buffers[0].shape, generator=g))
+        return MLABackend(cfg, provider="torch", dcp_group=group), table, cache
+
+    def attempt(fn) -> str:
+        try:
+            fn()
+            return "ok"
+        except ValueError as e:
+            return str(e)
+
+    results = {}
+    # Request of 8 cached tokens + 1: pages of 4 tokens (2 a rank); a page id of 1000 in column 2, which holds
+    # token 8 only, rank 0's. Only rank 0 reads it; rank 1 must not wait in the attention's collectives.
+    be, table, cache = setup()
+    slot = table.add_request()
+    table.ensure_capacity(slot, 9)
+    bt = table.block_table.clone()
+    bt[slot, 2] = 1000
+    batch = ForwardBatch(ForwardMode.DECODE, torch.tensor([slot]), torch.tensor([9], dtype=torch.int32), bt,
+                         seq_lens_cpu=[9])
+    q, lat = torch.randn(1, 1, lora + rope, generator=g), torch.randn(1, 1, lora + rope, generator=g)
+    loc = torch.tensor([table.pages[slot][2] * ps if rank == 0 else 0])
+    results["page"] = attempt(lambda: (be.init_forward_metadata(batch), be.forward(q, lat, None, 0, loc, cache)))
+    # A slot outside rank 1's cache in its own out_cache_loc (each rank writes its own tokens' slots).
+    batch = ForwardBatch(ForwardMode.DECODE, torch.tensor([slot]), torch.tensor([9], dtype=torch.int32),
+                         table.block_table, seq_lens_cpu=[9])
+    bad_loc = torch.tensor([10 ** 6]) if rank == 1 else loc
+    results["slot"] = attempt(lambda: (be.init_forward_metadata(batch), be.forward(q, lat, None, 0, bad_loc, cache)))
+    # A clean chunked-prefix EXTEND (12 cached + 4 new tokens): its whole-step page check counts pages of
+    # tokens_per_page tokens, not of one rank's page_size.
+    be, table, cache = setup(extend_prefix_mode="chunked")
+    slot = table.add_request()
+    table.ensure_capacity(slot, 16)
+    batch = ForwardBatch(ForwardMode.EXTEND, torch.tensor([slot]), torch.tensor([16], dtype=torch.int32),
+                         table.block_table, seq_lens_cpu=[16], extend_seq_lens_cpu=[4], extend_prefix_lens_cpu=[12])
+    be.init_forward_metadata(batch)
+    assert be.attention_form == "chunked"
+    q, k = torch.randn(4, 1, 32, generator=g), torch.randn(4, 1, 32, generator=g)
+    v, lat = torch.randn(4, 1, 16, generator=g), torch.randn(4, lora + rope, generator=g)
+    pages = table.pages[slot]
+    loc = torch.tensor([pages[p // (ps * world)] * ps + p % (ps * world) // world if p % world == rank else 0
+                        for p in range(12, 16)])
+    results["chunked"] = attempt(lambda: be.forward(q, k, v, 0, loc, cache, latent=lat, kv_decompress=kv_decompress))
+    return results
+
+
+def test_validate_all_fails_on_every_rank_together():
+    """PAGEDMLA_VALIDATE=all under decode context parallelism: a bad page id only one rank reads, or a bad slot
+    in one rank's own out_cache_loc, raises on that rank naming the argument and on the others naming the
+    group, so that no rank waits in a collective for one that raised; a clean chunked-prefix step passes."""
+    ranks = run_ranks(_validate_all_rank)
+    assert ranks[0]["page"].startswith("block_table: page id 1000")
+    assert ranks[1]["page"].startswith("dcp_group: ")
+    assert ranks[1]["slot"].startswith("out_cache_loc: ") and ranks[0]["slot"].startswith("dcp_group: ")
+    assert ranks[0]["chunked"] == ranks[1]["chunked"] == "ok"
