@@ -40,12 +40,19 @@ class DCPAttention:
 
     seq_lens: int32 [rows] the local tokens each row sees (-1: a bad request); block_table: int32 [rows,
     width] each row's request's pages; tile_scheduler_metadata / num_splits: the decode schedule for
-    ``num_dcp_heads`` heads over those lengths."""
+    ``num_dcp_heads`` heads over those lengths; spans: int32 [rows] the block-table pages each row's request
+    spans (all of them are its: a page id among them outside the cache makes every row of the request NaN,
+    as on one rank, not only the rows whose window reaches it)."""
 
     seq_lens: torch.Tensor
     block_table: torch.Tensor
     tile_scheduler_metadata: torch.Tensor
     num_splits: torch.Tensor
+    spans: torch.Tensor
+    # Rows whose request spans a page outside the cache (bool [rows]), computed by the step's first attend, and
+    # whether that ran inside a CUDA-graph capture (a value from a warm-up run outside it would not be recorded).
+    bad_rows: torch.Tensor | None = None
+    bad_rows_captured: bool = False
 
 
 @dataclass
@@ -54,6 +61,7 @@ class _GraphBuffers:
     block_table: torch.Tensor
     tile_scheduler_metadata: torch.Tensor
     num_splits: torch.Tensor
+    spans: torch.Tensor
 
 
 class ContextParallel:
@@ -86,18 +94,23 @@ class ContextParallel:
         bad = (lens < 0) | (lens > width * self.tokens_per_page)
         return torch.where(bad, -1, local).to(torch.int32)
 
+    def spans(self, seq_lens: torch.Tensor) -> torch.Tensor:
+        """int32: the block-table pages requests of ``seq_lens`` tokens span (0 for a negative length)."""
+        return ((seq_lens.to(torch.int64).clamp(min=0) + self.tokens_per_page - 1) // self.tokens_per_page).to(
+            torch.int32)
+
     def plan_uniform(self, seq_lens: torch.Tensor, block_table: torch.Tensor, q_len: int) -> DCPAttention:
         """Decode-like steps: ``q_len`` query rows per request (request-major), seq_lens int32 [bs] and
         block_table int32 [bs, width] the requests' own."""
         rows = seq_lens.shape[0] * q_len
         if q_len == 1:
-            lens, table = self.local_lengths(seq_lens, 0, block_table.shape[1]), block_table
+            lens, table, spans = self.local_lengths(seq_lens, 0, block_table.shape[1]), block_table, seq_lens
         else:
             req, back = self._uniform_rows(rows, q_len)
             lens = self.local_lengths(seq_lens[req], back, block_table.shape[1])
-            table = block_table.index_select(0, req)
+            table, spans = block_table.index_select(0, req), seq_lens[req]
         md, ns = get_mla_metadata(lens, self.heads, 1, kv_format=self.kv_format)
-        return DCPAttention(lens, table, md, ns)
+        return DCPAttention(lens, table, md, ns, self.spans(spans))
 
     def plan_ragged(self, seq_lens: torch.Tensor, block_table: torch.Tensor, qo_indptr: torch.Tensor,
                     num_tokens: int) -> DCPAttention:
@@ -109,7 +122,7 @@ class ContextParallel:
         back = qo_indptr[1:].to(torch.int64)[req] - 1 - torch.arange(num_tokens, device=self.device)
         lens = self.local_lengths(seq_lens[req], back, block_table.shape[1])
         md, ns = get_mla_metadata(lens, self.heads, 1, kv_format=self.kv_format)
-        return DCPAttention(lens, block_table.index_select(0, req), md, ns)
+        return DCPAttention(lens, block_table.index_select(0, req), md, ns, self.spans(seq_lens[req]))
 
     def _uniform_rows(self, rows: int, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Request index and rows-before-the-last of each of ``rows`` rows, ``q_len`` per request."""
@@ -125,6 +138,7 @@ class ContextParallel:
             block_table=torch.zeros(max_rows, max_pages, dtype=torch.int32, device=self.device),
             tile_scheduler_metadata=torch.zeros(parts, 8, dtype=torch.int32, device=self.device),
             num_splits=torch.zeros(max_rows + 1, dtype=torch.int32, device=self.device),
+            spans=torch.zeros(max_rows, dtype=torch.int32, device=self.device),
         )
 
     def plan_uniform_into_graph(self, seq_lens: torch.Tensor, block_table: torch.Tensor, q_len: int) -> DCPAttention:
@@ -135,14 +149,17 @@ class ContextParallel:
         rows = seq_lens.shape[0] * q_len
         if q_len == 1:
             g.seq_lens[:rows].copy_(self.local_lengths(seq_lens, 0, block_table.shape[1]))
+            g.spans[:rows].copy_(self.spans(seq_lens))
             table = block_table
         else:
             req, back = self._uniform_rows(rows, q_len)
             g.seq_lens[:rows].copy_(self.local_lengths(seq_lens[req], back, block_table.shape[1]))
+            g.spans[:rows].copy_(self.spans(seq_lens[req]))
             table = torch.index_select(block_table, 0, req, out=g.block_table[:rows, : block_table.shape[1]])
         schedule_into(g.seq_lens[:rows], g.tile_scheduler_metadata, g.num_splits[: rows + 1], self.heads,
                       default_plan=True)
-        return DCPAttention(g.seq_lens[:rows], table, g.tile_scheduler_metadata, g.num_splits[: rows + 1])
+        return DCPAttention(g.seq_lens[:rows], table, g.tile_scheduler_metadata, g.num_splits[: rows + 1],
+                            g.spans[:rows])
 
     # ------------------------------------------------------------------ running
     def attend(self, q: torch.Tensor, paged_cache: torch.Tensor, plan: DCPAttention, kv_format: str | None = None,
@@ -154,6 +171,13 @@ class ContextParallel:
         (out, LSE) partials to the heads' owners, merged in rank order."""
         t, heads, dim = q.shape
         d = self.size
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        if plan.bad_rows is None or plan.bad_rows_captured != capturing:
+            # Once a step (its first layer; recorded into a captured graph, which recomputes it on replay).
+            cols = torch.arange(plan.block_table.shape[1], device=q.device)
+            outside = (plan.block_table < 0) | (plan.block_table >= paged_cache.shape[0])
+            plan.bad_rows = (outside & (cols < plan.spans.unsqueeze(1))).any(1)
+            plan.bad_rows_captured = capturing
         queries = self.group.all_gather(q).permute(1, 0, 2, 3).reshape(t, 1, d * heads, dim)
         out, lse = self._decode_impl(queries, paged_cache, plan.block_table, plan.seq_lens, self.v_dim,
                                      plan.tile_scheduler_metadata, plan.num_splits, self.scale, True,
@@ -167,7 +191,8 @@ class ContextParallel:
         for j in range(1, d):
             o, s = self._merge_impl(o, s, parts[j, :split].view(t, heads, self.v_dim), parts[j, split:].view(t, heads),
                                     o, s)
-        return o.to(q.dtype).reshape(t, heads * self.v_dim)
+        # Every rank finds the same rows (the same table and lengths): a request's rows, all of them, are NaN.
+        return o.masked_fill_(plan.bad_rows.view(t, 1, 1), float("nan")).to(q.dtype).reshape(t, heads * self.v_dim)
 
     # ------------------------------------------------------------------ chunked prefix
     def prefix_chunk(self, block_table: torch.Tensor, starts: list[int], lens: list[int]) -> tuple[torch.Tensor,

@@ -290,3 +290,39 @@ def test_validate_all_fails_on_every_rank_together():
     assert ranks[1]["page"].startswith("dcp_group: ")
     assert ranks[1]["slot"].startswith("out_cache_loc: ") and ranks[0]["slot"].startswith("dcp_group: ")
     assert ranks[0]["chunked"] == ranks[1]["chunked"] == "ok"
+
+
+def _bad_page_rank(rank: int, world: int) -> tuple[list[bool], list[bool]]:
+    """An absorbed EXTEND of 4 new tokens after 5 cached under DCP 2 (pages of 4 tokens, 2 a rank), clean and
+    with a page id outside the cache in column 2, which holds token 8 only: which output rows are NaN."""
+    os.environ["PAGEDMLA_VALIDATE"] = "shapes"
+    cfg = MLAConfig(num_heads=2, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+                    dtype=torch.float32, page_size=2, attn_tp_size=world, dcp_size=world, dcp_rank=rank,
+                    max_context_len=64, max_batch_size=4, extend_prefix_mode="absorbed")
+    be = MLABackend(cfg, provider="torch")
+    table = RequestTable(PageAllocator(16), cfg.tokens_per_page, 4, cfg.max_pages_per_request)
+    cache = MLAKVCache(1, 16, cfg.page_size, 48, torch.float32)
+    g = torch.Generator().manual_seed(5)
+    cache.buffers[0].copy_(torch.randn(cache.buffers[0].shape, generator=g))
+    slot = table.add_request()
+    table.ensure_capacity(slot, 9)
+    q, lat = torch.randn(4, 1, 48, generator=g), torch.randn(4, 1, 48, generator=g)
+    nan_rows = []
+    for bad in (False, True):
+        bt = table.block_table.clone()
+        if bad:
+            bt[slot, 2] = 1000
+        be.init_forward_metadata(ForwardBatch(ForwardMode.EXTEND, torch.tensor([slot]),
+                                              torch.tensor([9], dtype=torch.int32), bt, seq_lens_cpu=[9],
+                                              extend_seq_lens_cpu=[4], extend_prefix_lens_cpu=[5]))
+        out = be.forward(q, lat, None, 0, torch.zeros(4, dtype=torch.int64), cache, save_kv_cache=False)
+        nan_rows.append([bool(row.isnan().all()) for row in out])
+    return nan_rows[0], nan_rows[1]
+
+
+def test_bad_page_poisons_every_row_of_its_request():
+    """Under DCP each query row is its own one-token request of the local kernel: a bad page id used to poison
+    only the rows whose causal window reaches it (here the last), the others passing for data. Every row of
+    the request is NaN now, on every rank, as on one rank; the clean step is finite."""
+    for clean, bad in run_ranks(_bad_page_rank):
+        assert clean == [False] * 4 and bad == [True] * 4
