@@ -632,24 +632,26 @@ class MLABackend:
         if dtype is not None and q.dtype != dtype:
             raise ValueError(f"{name}: dtype {q.dtype} differs from {source} {dtype}")
 
-    def _check_cache(self, cache: MLAKVCache) -> None:
+    def _check_cache(self, cache: MLAKVCache, layer) -> None:
         """The cache a forward reads and writes (an ``MLAKVCache`` or a view with its ``page_size``, ``kv_dim``,
-        ``layer`` and ``paged_view``, as the SGLang adapter's) against the config: checked once per cache object
-        (its geometry cannot change), remembered weakly (the backend must not keep a dropped cache's memory)."""
+        ``layer`` and ``paged_view``, as the SGLang adapter's) against the config, through the forward's own
+        ``layer`` (a pipeline stage's cache holds only its layers): checked once per cache object (its geometry
+        cannot change), remembered weakly (the backend must not keep a dropped cache's memory)."""
         if self._checked_cache is not None and self._checked_cache() is cache:
             return
         page_size, kv_dim = getattr(cache, "page_size", None), getattr(cache, "kv_dim", None)
         if page_size is None or kv_dim is None or not callable(getattr(cache, "paged_view", None)):
             raise TypeError(f"cache: expected an MLAKVCache (or a view with page_size, kv_dim, layer and paged_view), "
                             f"got {type(cache).__name__}")
+        buffer = cache.layer(_layer_id(layer))
         want = (self.config.page_size, self.kv_dim, self.device)
-        got = (page_size, kv_dim, cache.layer(0).device)
+        got = (page_size, kv_dim, buffer.device)
         if got != want:
             raise ValueError(f"cache: (page_size, kv_dim, device) {got} differ from the backend's {want}")
         self._checked_cache = weakref.ref(cache)
         # The dtype absorbed queries must have: a 16-bit (or float) cache's; any over FP8 rows, which the kernels
         # convert to the queries' dtype.
-        self._cache_dtype = None if cache.kv_format is not None else cache.layer(0).dtype
+        self._cache_dtype = None if cache.kv_format is not None else buffer.dtype
 
     def save_kv(self, latent: torch.Tensor, layer, out_cache_loc: torch.Tensor, cache: MLAKVCache) -> None:
         """Write this step's latent rows ([T, 576] or [T, 1, 576]) at ``out_cache_loc`` (a slot outside the
@@ -688,10 +690,12 @@ class MLABackend:
         if self._dcp is None:
             check()
             return
+        if not errors.host_value_checks(self.device):  # inside a graph capture, on every rank alike: no read-back
+            return
         error = None
         try:
             check()
-        except ValueError as e:
+        except Exception as e:  # noqa: BLE001 - any rank's failure must reach the others before it propagates
             error = e
         failed = self._dcp.group.all_reduce_(torch.tensor([error is not None], dtype=torch.int32, device=self.device))
         if error is not None:
@@ -720,7 +724,7 @@ class MLABackend:
         q: [T, H, 576]; k: the new latent rows [T, 1, 576] (or [T, 576]); v: unused (pass None: values
         are the latent rows' first 512 columns). Returns [T, H * 512].
         """
-        self._check_cache(cache)
+        self._check_cache(cache, layer)
         if torch.compiler.is_dynamo_compiling():
             return self._traced_decode(q, k, v, layer, out_cache_loc, cache, bs, save_kv_cache)
         meta = self._meta()
@@ -755,7 +759,7 @@ class MLABackend:
         ``latent`` [T, 576] the rows to store; "chunked" also needs ``kv_decompress(rows [n, 576]) ->
         (k [n, H, 192], v [n, H, 128])`` for the prefix chunks. Returns [T, H * 128].
         """
-        self._check_cache(cache)
+        self._check_cache(cache, layer)
         if torch.compiler.is_dynamo_compiling():
             return self._traced_extend(q, k, v, layer, out_cache_loc, cache, save_kv_cache, latent, kv_decompress)
         meta = self._meta()

@@ -930,3 +930,33 @@ def test_every_mode_with_an_fp8_cache(kv_cache_dtype, provider, dtype):
         h.backend.init_cuda_graph_state(max_bs=4)
         _replay_against_eager(h, ForwardMode.DECODE, 4, slots[:3], [1, 1, 1], 1)
         _replay_against_eager(h, ForwardMode.TARGET_VERIFY, 4, slots, [3] * 4, 3)
+
+
+def test_cache_checks_read_the_forwarded_layer():
+    """A pipeline stage's cache view holds only its own layers (SGLang's pool indexes layer - start_layer): the
+    backend's cache check reads the layer being run, never layer 0."""
+    h = Harness(heads=2, page_size=16, num_pages=64, seed=42)
+    slots = [h.add()]
+    h.step(ForwardMode.EXTEND, slots, [20])
+
+    class Stage:
+        page_size, kv_dim, kv_format = h.cache.page_size, h.cache.kv_dim, None
+
+        def layer(self, layer_id):
+            if layer_id != 3:
+                raise IndexError(f"layer {layer_id} is not on this stage")
+            return h.cache.layer(0)
+
+        def paged_view(self, layer_id):
+            self.layer(layer_id)
+            return h.cache.paged_view(0)
+
+        def k_scale(self, layer_id):
+            return None
+
+    h.backend.init_forward_metadata(ForwardBatch(ForwardMode.DECODE, torch.tensor(slots),
+                                                 torch.tensor([20], dtype=torch.int32), h.table.block_table,
+                                                 seq_lens_cpu=[20]))
+    q = h.dev(h.rand(1, 2, LORA + ROPE))  # attends over the 20 stored rows; the step stores nothing
+    out = h.backend.forward(q, None, None, 3, torch.tensor([19]), Stage(), save_kv_cache=False)
+    assert torch.isfinite(out).all()

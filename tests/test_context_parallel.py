@@ -326,3 +326,43 @@ def test_bad_page_poisons_every_row_of_its_request():
     the request is NaN now, on every rank, as on one rank; the clean step is finite."""
     for clean, bad in run_ranks(_bad_page_rank):
         assert clean == [False] * 4 and bad == [True] * 4
+
+
+def _capture_after_validated_step_rank(rank: int, world: int) -> str:
+    """PAGEDMLA_VALIDATE=all, an eager DECODE step under DCP 2, then a graph's capture planning and a forward as
+    inside the capture: host value checks off (``errors.host_value_checks`` is False there) and a read-back
+    (``Tensor.item``) failing, as it would; returns what the forward did."""
+    from unittest import mock
+
+    from pagedmla import errors
+
+    os.environ["PAGEDMLA_VALIDATE"] = "all"
+    cfg = MLAConfig(num_heads=2, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+                    dtype=torch.float32, page_size=2, attn_tp_size=world, dcp_size=world, dcp_rank=rank,
+                    max_context_len=64, max_batch_size=4)
+    be = MLABackend(cfg, provider="torch")
+    table = RequestTable(PageAllocator(16), cfg.tokens_per_page, 4, cfg.max_pages_per_request)
+    cache = MLAKVCache(1, 16, cfg.page_size, 48, torch.float32)
+    slot = table.add_request()
+    table.ensure_capacity(slot, 9)
+    q, lat = torch.randn(1, 1, 48), torch.randn(1, 1, 48)
+    be.init_forward_metadata(ForwardBatch(ForwardMode.DECODE, torch.tensor([slot]),
+                                          torch.tensor([9], dtype=torch.int32), table.block_table, seq_lens_cpu=[9]))
+    be.forward(q, lat, None, 0, torch.tensor([0]), cache)
+    be.init_cuda_graph_state(1)
+    be.init_forward_metadata_capture_cuda_graph(1, torch.tensor([slot]), torch.tensor([9], dtype=torch.int32),
+                                                ForwardMode.DECODE)
+
+    def no_read_back(self):
+        raise RuntimeError("a host read-back inside a CUDA-graph capture")
+
+    with mock.patch.object(errors, "host_value_checks", lambda device: False), \
+            mock.patch.object(torch.Tensor, "item", no_read_back):
+        be.forward(q, lat, None, 0, torch.tensor([0]), cache)
+    return "ok"
+
+
+def test_validate_all_checks_stay_out_of_a_capture():
+    """The group's agreement on PAGEDMLA_VALIDATE=all verdicts reads a flag back: inside a CUDA-graph capture
+    (after an eager validated step, whose planning left the checks on) it must not run, on any rank."""
+    assert run_ranks(_capture_after_validated_step_rank) == ["ok", "ok"]
