@@ -28,11 +28,12 @@ test: $(STAMP)
 # the conformance file alone holds two thirds of the GPU cases, so whole files per worker left one worker
 # running long after the others); the kernels' compiles dominate a fresh machine and the Triton cache on disk
 # is shared between workers. In one process otherwise. GPU_TESTS names the files or node ids to run (default
-# all): a run that a time limit cut short resumes with the files it did not reach.
+# all): a run that a time limit cut short resumes with the files it did not reach. A PYTHONPATH the caller
+# set (the baselines' wheels, for the FlashMLA interchange tests) stays behind the checkout.
 GPU_WORKERS ?= 8
 GPU_TESTS ?= tests
 test-gpu:
-	PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -q -m gpu -p no:cacheprovider --durations=20 \
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m pytest -q -m gpu -p no:cacheprovider --durations=20 \
 		$$($(PYTHON) -c 'import xdist' 2>/dev/null && echo '-n $(GPU_WORKERS) --dist load') $(GPU_TESTS)
 
 # `pagedmla bench decode|prefill` (the grids against the baselines installed, a table and bench-KIND.png): with
