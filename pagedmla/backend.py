@@ -822,9 +822,14 @@ class MLABackend:
         # public flash_attn_varlen_func (portable and Hopper kernels), which knows sequences by cu_seqlens
         # alone, the store runs before the attention, and the "mha" form merges nothing. Its programs of good
         # requests leave after two loads.
-        poison_bad_lengths(out, meta.qo_indptr, meta.seq_lens, meta.planned_lens,
-                           meta.block_table.shape[1] * self.config.tokens_per_page, meta.max_q_len)
+        poison_bad_lengths(out, *self._length_guard_args(meta))
         return out
+
+    def _length_guard_args(self, meta: ForwardMetadata) -> tuple:
+        """``poison_bad_lengths``' arguments after the output, eager and traced alike: the step's query
+        indptr, device and planned lengths, the block table's capacity in tokens and the longest query."""
+        return (meta.qo_indptr, meta.seq_lens, meta.planned_lens,
+                meta.block_table.shape[1] * self.config.tokens_per_page, meta.max_q_len)
 
     def _absorbed_ragged(self, q: torch.Tensor, meta: ForwardMetadata, varlen: Callable,
                          decode: Callable) -> torch.Tensor:
@@ -929,8 +934,7 @@ class MLABackend:
                                                   chunk.max_len, self.scale, False, varlen_provider)
                 out, lse = merge_state(out, lse, o2, l2.transpose(0, 1), provider=merge_provider)
         out = out.reshape(meta.num_tokens, -1)
-        library.poison_bad_lengths(out, meta.qo_indptr, meta.seq_lens, meta.planned_lens,
-                                   meta.block_table.shape[1] * self.config.tokens_per_page, meta.max_q_len)
+        library.poison_bad_lengths(out, *self._length_guard_args(meta))
         return out
 
     # ------------------------------------------------------------------ CUDA graphs
