@@ -127,15 +127,25 @@ def block_table_and_lens(block_table: torch.Tensor, cache_seqlens: torch.Tensor,
         raise ValueError(f"cache_seqlens: expected {batch} entries (one per request), got {cache_seqlens.shape[0]}")
 
 
+def pages_spanned(lens: torch.Tensor, page_size: int) -> torch.Tensor:
+    """int64: the pages of ``page_size`` tokens that lengths ``lens`` span (0 for a negative length)."""
+    return (lens.to(torch.int64).clamp(min=0) + page_size - 1) // page_size
+
+
+def outside_pages(block_table: torch.Tensor, spans: torch.Tensor, num_pages: int) -> torch.Tensor:
+    """bool [rows, width]: the entries of each row's first ``spans`` pages (int [rows]) that are not a page of
+    a cache of ``num_pages`` pages. Device ops only, no synchronisation."""
+    cols = torch.arange(block_table.shape[1], device=block_table.device)
+    return (cols < spans.unsqueeze(1)) & ((block_table < 0) | (block_table >= num_pages))
+
+
 def paged_values(block_table: torch.Tensor, cache_seqlens: torch.Tensor, num_pages: int, page_size: int) -> None:
     """Lengths non-negative and within the block table; every page a request reads is a real page."""
     if not host_value_checks(block_table.device) or block_table.shape[0] == 0:
         return
     capacity = block_table.shape[1] * page_size
     lens = cache_seqlens.to(torch.int64)
-    pages_used = (lens.clamp(min=0) + page_size - 1) // page_size
-    used = torch.arange(block_table.shape[1], device=block_table.device).unsqueeze(0) < pages_used.unsqueeze(1)
-    bad_page = used & ((block_table < 0) | (block_table >= num_pages))
+    bad_page = outside_pages(block_table, pages_spanned(lens, page_size), num_pages)
     flags = torch.stack([lens.min(), lens.max(), bad_page.any().to(torch.int64)]).tolist()
     if flags[0] < 0:
         raise ValueError(f"cache_seqlens: lengths must be >= 0, got minimum {flags[0]}")
@@ -172,7 +182,7 @@ def page_layout_values(kv_page_indptr: torch.Tensor | None, num_kv_pages: int | 
     if kv_page_indptr is None or not host_value_checks(kv_page_indptr.device):
         return
     t = kv_page_indptr.to(torch.int64)
-    need = (cache_seqlens.to(torch.int64).clamp(min=0) + page_size - 1) // page_size
+    need = pages_spanned(cache_seqlens, page_size)
     short = (t[1:] - t[:-1]) < need
     first, last, decreasing, under = torch.stack([t[0], t[-1], (t[1:] < t[:-1]).any().to(torch.int64),
                                                   short.any().to(torch.int64)]).tolist()

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedmla.checks import outside_pages, pages_spanned
 from pagedmla.config import MLAConfig
 from pagedmla.device import to_device
 from pagedmla.ops.schedule import get_mla_metadata, num_sm_parts_for, schedule_into
@@ -96,8 +97,7 @@ class ContextParallel:
 
     def spans(self, seq_lens: torch.Tensor) -> torch.Tensor:
         """int32: the block-table pages requests of ``seq_lens`` tokens span (0 for a negative length)."""
-        return ((seq_lens.to(torch.int64).clamp(min=0) + self.tokens_per_page - 1) // self.tokens_per_page).to(
-            torch.int32)
+        return pages_spanned(seq_lens, self.tokens_per_page).to(torch.int32)
 
     def plan_uniform(self, seq_lens: torch.Tensor, block_table: torch.Tensor, q_len: int) -> DCPAttention:
         """Decode-like steps: ``q_len`` query rows per request (request-major), seq_lens int32 [bs] and
@@ -174,9 +174,7 @@ class ContextParallel:
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
         if plan.bad_rows is None or plan.bad_rows_captured != capturing:
             # Once a step (its first layer; recorded into a captured graph, which recomputes it on replay).
-            cols = torch.arange(plan.block_table.shape[1], device=q.device)
-            outside = (plan.block_table < 0) | (plan.block_table >= paged_cache.shape[0])
-            plan.bad_rows = (outside & (cols < plan.spans.unsqueeze(1))).any(1)
+            plan.bad_rows = outside_pages(plan.block_table, plan.spans, paged_cache.shape[0]).any(1)
             plan.bad_rows_captured = capturing
         queries = self.group.all_gather(q).permute(1, 0, 2, 3).reshape(t, 1, d * heads, dim)
         out, lse = self._decode_impl(queries, paged_cache, plan.block_table, plan.seq_lens, self.v_dim,
